@@ -1,0 +1,40 @@
+"""``tandem bench <what>``: Tandem against the raw baseline, in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+# benchmark name -> module with `async def run(args) -> dict` and `add_arguments(p)`.
+BENCHES = {
+    "bus": "tandem.cli.bench_bus",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: Tandem against the raw baseline",
+                       description="Each benchmark starts its own servers on free loopback "
+                       "ports, measures Tandem and the raw baseline in the same run, and "
+                       "prints both rates and their ratio.")
+    bsub = p.add_subparsers(dest="bench", metavar="<benchmark>", required=True)
+    for name, module in BENCHES.items():
+        mod = importlib.import_module(module)
+        bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0] if mod.__doc__ else name)
+        bp.add_argument("--json", action="store_true", help="print one JSON object")
+        mod.add_arguments(bp)
+        bp.set_defaults(func=_runner(mod))
+
+
+def _runner(mod):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        import asyncio
+
+        result = asyncio.run(mod.run(args))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(mod.render(result))
+        return 0 if result.get("ok", True) else 1
+
+    return run

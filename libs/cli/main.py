@@ -1,0 +1,49 @@
+"""``tandem``: the one command-line entry.
+
+Each command group lives in its own module with a ``register(subparsers)`` function
+that adds its parser and sets ``func`` (sync, returning an exit code) on it. Modules are
+imported when the CLI starts, but heavy imports (torch, diffusers) happen inside the
+command functions, so ``tandem --help`` stays fast and lean installs keep working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tandem.common.errors import TandemError
+
+# Command modules, in the order `tandem --help` lists them.
+COMMAND_MODULES = [
+    "tandem.cli.run",
+    "tandem.cli.dev",
+    "tandem.cli.bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Train and serve diffusion models across GPU clusters on NATS JetStream.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except TandemError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,492 @@
+"""The bus: one NATS connection per process, typed publish, typed pull consumers.
+
+Acknowledgement is decided here and nowhere else (``Consumer._settle``):
+
+====================================  ===============================================
+handler outcome                       what the message gets
+====================================  ===============================================
+returns                               ack
+raises ``Retry(reason, delay)``       nak with that delay
+raises ``Reject(reason)``             copied to DLQ with the reason, then term
+payload does not decode               copied to DLQ with the reason, then term
+raises anything else                  nak with backoff; on the last attempt, DLQ + term
+cancelled (shutdown)                  nak at once: handed back, never acked
+delivered ``max_deliver`` times       not handled again: DLQ ("exhausted") + term
+====================================  ===============================================
+
+The last delivery of a message is reserved for dead-lettering, so a task that kills its
+worker every time (kill -9 leaves no chance to nak) still reaches the DLQ rather than
+stalling silently when the server stops redelivering it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+from tandem.common import log, metrics, subjects, tracing
+from tandem.common.errors import EventDecodeError, Reject, Retry
+from tandem.common.events import DeadLetter, decode, encode
+from tandem.common.settings import Settings
+from tandem.common.streams import ConsumerSpec, Spec, provision
+
+E = TypeVar("E")
+_log = log.get("tandem.bus")
+
+MSG_ID = "Nats-Msg-Id"
+TRACEPARENT = "traceparent"
+_RETRYABLE = (NatsTimeout, asyncio.TimeoutError, NoRespondersError, NoStreamResponseError,
+              ConnectionClosedError)
+
+
+class Bus:
+    """A connected NATS client with JetStream, shared by a process's loops."""
+
+    def __init__(self, nc: NATS, service: str) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.service = service
+        self._kv: dict[str, KeyValue] = {}
+
+    @classmethod
+    async def connect(cls, settings: Settings, service: str, **options: Any) -> Bus:
+        """Connect with endless reconnects; connection changes are logged."""
+        lg = log.get("tandem.bus", service=service)
+
+        async def on_error(exc: Exception) -> None:
+            lg.warning("nats.error", error=repr(exc))
+
+        async def on_disconnect() -> None:
+            lg.warning("nats.disconnected")
+
+        async def on_reconnect() -> None:
+            url = nc.connected_url.netloc if nc.connected_url else ""
+            lg.info("nats.reconnected", url=str(url))
+
+        auth: dict[str, Any] = {}
+        if settings.nats_user:
+            auth["user"] = settings.nats_user
+            auth["password"] = (
+                settings.nats_password.get_secret_value() if settings.nats_password else ""
+            )
+        if settings.nats_creds:
+            auth["user_credentials"] = settings.nats_creds
+        if settings.nats_tls_ca:
+            import ssl
+
+            auth["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
+        opts: dict[str, Any] = dict(
+            servers=settings.nats_servers,
+            name=f"tandem-{service}-{settings.cluster}-{settings.node}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=3,
+            allow_reconnect=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **auth,
+        )
+        opts.update(options)
+        nc = await nats.connect(**opts)
+        return cls(nc, service)
+
+    async def provision(self, specs: Sequence[Spec]) -> list[str]:
+        created = await provision(self.js, specs)
+        if created:
+            _log.info("bus.provisioned", created=created)
+        return created
+
+    # ------------------------------------------------------------------------ publishing
+
+    @staticmethod
+    def headers(msg_id: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+        hdrs = {TRACEPARENT: tracing.traceparent()}
+        if msg_id is not None:
+            hdrs[MSG_ID] = msg_id
+        if extra:
+            hdrs.update(extra)
+        return hdrs
+
+    async def publish(self, subject: str, event: Any, *, msg_id: str | None = None,
+                      headers: dict[str, str] | None = None, timeout: float = 5.0,
+                      retry_for: float = 0.0) -> PubAck:
+        """Publish to JetStream and wait for the stream's ack.
+
+        With ``retry_for`` > 0, transient failures (timeouts, no responders during a
+        leader election, a reconnect) are retried until that many seconds have passed,
+        always with the same headers, so ``msg_id`` makes the retries idempotent.
+        """
+        data = event if isinstance(event, bytes) else encode(event)
+        hdrs = self.headers(msg_id, headers)
+        deadline = time.monotonic() + retry_for
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=timeout, headers=hdrs)
+                metrics.PUBLISHED.labels(self.service).inc()
+                return ack
+            except (*_RETRYABLE, APIError) as exc:
+                if isinstance(exc, APIError) and (exc.code or 0) not in (503, 0):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise
+                _log.warning("bus.publish_retry", subject=subject, msg_id=msg_id, error=repr(exc))
+                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+                delay = min(delay * 2, 1.0)
+
+    async def publish_many(self, items: Sequence[tuple[str, Any, str | None]]) -> list[PubAck]:
+        """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack."""
+        futures = []
+        for subject, event, msg_id in items:
+            data = event if isinstance(event, bytes) else encode(event)
+            futures.append(await self.js.publish_async(
+                subject, data, headers=self.headers(msg_id)))
+        acks = list(await asyncio.gather(*futures))
+        metrics.PUBLISHED.labels(self.service).inc(len(acks))
+        return acks
+
+    async def emit(self, subject: str, event: Any) -> None:
+        """Core NATS publish: not stored, not acknowledged (progress, live views)."""
+        data = event if isinstance(event, bytes) else encode(event)
+        await self.nc.publish(subject, data, headers=self.headers())
+
+    # ------------------------------------------------------------------------ consuming
+
+    def consumer(self, spec: ConsumerSpec, event_type: type[E],
+                 handler: Callable[[Delivery[E]], Awaitable[None]], **options: Any) -> Consumer[E]:
+        return Consumer(self, spec, event_type, handler, **options)
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
+        """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
+        md = msg.metadata
+        stream = md.stream or "unknown"
+        letter = DeadLetter(
+            stream=stream, subject=msg.subject, seq=md.sequence.stream,
+            num_delivered=md.num_delivered, reason=reason, data=bytes(msg.data),
+            headers={k: v for k, v in (msg.headers or {}).items()}, consumer=consumer,
+        )
+        await self.publish(subjects.dlq(stream), letter,
+                           msg_id=f"dlq-{stream}-{md.sequence.stream}", retry_for=10.0)
+        metrics.DEAD_LETTERS.labels(stream, reason.split(":")[0][:40]).inc()
+        _log.warning("bus.dead_letter", stream=stream, subject=msg.subject,
+                     seq=md.sequence.stream, reason=reason)
+
+    async def drain(self) -> None:
+        """Flush and close; safe to call twice."""
+        if self.nc.is_closed:
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+
+@dataclass(slots=True)
+class Delivery(Generic[E]):
+    """One delivered message with its decoded event."""
+
+    event: E
+    msg: Msg
+    consumer: Consumer[Any]
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def num_delivered(self) -> int:
+        return self.msg.metadata.num_delivered
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.msg.headers or {}
+
+    @property
+    def trace_id(self) -> str | None:
+        return tracing.trace_id(self.msg.headers)
+
+    async def in_progress(self) -> None:
+        """Reset the AckWait timer: this message is still being worked on."""
+        await self.msg.in_progress()
+
+    @contextlib.asynccontextmanager
+    async def keepalive(self, interval: float | None = None) -> AsyncIterator[None]:
+        """Send in-progress acks every ``interval`` seconds while the block runs."""
+        every = interval or max(self.consumer.spec.ack_wait / 3, 0.2)
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every)
+                if not stop.is_set():
+                    with contextlib.suppress(Exception):
+                        await self.msg.in_progress()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+
+DeadHook = Callable[[Msg, str], Awaitable[None]]
+
+
+class Consumer(Generic[E]):
+    """A durable pull consumer loop: fetch, decode, handle, settle, repeat.
+
+    ``run(stop)`` returns when ``stop`` is set and every in-flight handler finished.
+    Messages fetched but not started when ``stop`` is set are handed back (nak).
+    """
+
+    def __init__(self, bus: Bus, spec: ConsumerSpec, event_type: type[E],
+                 handler: Callable[[Delivery[E]], Awaitable[None]], *, batch: int = 64,
+                 concurrency: int = 1, fetch_timeout: float = 1.0,
+                 on_dead: DeadHook | None = None, span_name: str | None = None,
+                 paused: Callable[[], bool] | None = None) -> None:
+        self.bus = bus
+        self.spec = spec
+        self.event_type = event_type
+        self.handler = handler
+        self.batch = batch
+        self.concurrency = concurrency
+        self.fetch_timeout = fetch_timeout
+        self.on_dead = on_dead
+        self.paused = paused
+        self.span_name = span_name or f"{spec.stream} process"
+        self._sem = asyncio.Semaphore(concurrency)
+        self._sub: Any = None
+        self.handled = 0
+
+    async def _subscribe(self) -> Any:
+        if self._sub is None:
+            self._sub = await self.bus.js.pull_subscribe_bind(
+                durable=self.spec.durable, stream=self.spec.stream)
+        return self._sub
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        sub = await self._subscribe()
+        try:
+            return await sub.fetch(batch, timeout=timeout)
+        except NatsTimeout:
+            return []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        lg = _log.bind(stream=self.spec.stream, consumer=self.spec.durable)
+        lg.info("consumer.start")
+        backoff = 0.1
+        async with asyncio.TaskGroup() as tg:
+            while not stop.is_set():
+                if self.paused is not None and self.paused():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.fetch_timeout)
+                    continue
+                want = min(self.batch, self.concurrency - self._inflight() or 1)
+                try:
+                    msgs = await self.fetch(max(want, 1), self.fetch_timeout)
+                    backoff = 0.1
+                except Exception as exc:  # server restart, leader election, reconnect
+                    lg.warning("consumer.fetch_failed", error=repr(exc))
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                for i, msg in enumerate(msgs):
+                    if stop.is_set():
+                        for rest in msgs[i:]:
+                            with contextlib.suppress(Exception):
+                                await rest.nak()
+                        break
+                    if self.concurrency == 1:
+                        await self.process(msg)
+                    else:
+                        await self._sem.acquire()
+                        tg.create_task(self._process_released(msg))
+        lg.info("consumer.stopped", handled=self.handled)
+
+    def _inflight(self) -> int:
+        return self.concurrency - self._sem._value
+
+    async def _process_released(self, msg: Msg) -> None:
+        try:
+            await self.process(msg)
+        finally:
+            self._sem.release()
+
+    async def process(self, msg: Msg) -> None:
+        """Decode, handle and settle one message. Never raises except on cancel."""
+        md = msg.metadata
+        if md.num_delivered >= self.spec.max_deliver:
+            await self._dead(msg, f"exhausted: delivered {md.num_delivered} times")
+            return
+        try:
+            event = decode(msg.data, self.event_type)
+        except EventDecodeError as exc:
+            await self._dead(msg, f"undecodable: {exc.reason}")
+            return
+        delivery: Delivery[E] = Delivery(event, msg, self)
+        with self._span(msg):
+            await self._settle(delivery)
+
+    def _span(self, msg: Msg) -> Any:
+        tp = (msg.headers or {}).get(TRACEPARENT)
+        provider_recording = tracing.recording()
+        if provider_recording:
+            return tracing.tracer().start_as_current_span(
+                self.span_name, context=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
+                attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
+                            "messaging.consumer.group.name": self.spec.durable,
+                            "messaging.message.id": (msg.headers or {}).get(MSG_ID, "")})
+        if tp:
+            parts = tp.split("-")
+            if len(parts) == 4:
+                try:
+                    ctx = SpanContext(int(parts[1], 16), int(parts[2], 16), True,
+                                      TraceFlags(int(parts[3], 16)))
+                    return trace.use_span(NonRecordingSpan(ctx), end_on_exit=False)
+                except ValueError:
+                    pass
+        return contextlib.nullcontext()
+
+    async def _settle(self, d: Delivery[E]) -> None:
+        msg = d.msg
+        try:
+            await self.handler(d)
+        except asyncio.CancelledError:
+            # Never ack a cancelled handler: hand the message back for another worker.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(msg.nak())
+            raise
+        except Retry as r:
+            await msg.nak(delay=r.delay)
+            metrics.CONSUMED.labels(self.spec.stream, "retry").inc()
+        except Reject as r:
+            await self._dead(msg, f"rejected: {r.reason}")
+        except Exception as exc:
+            n = msg.metadata.num_delivered
+            if n + 1 >= self.spec.max_deliver:
+                await self._dead(msg, f"failed {n} times: {exc!r}")
+            else:
+                _log.warning("consumer.handler_failed", stream=self.spec.stream,
+                             subject=msg.subject, attempt=n, error=repr(exc))
+                await msg.nak(delay=min(0.5 * 2 ** (n - 1), 30.0))
+                metrics.CONSUMED.labels(self.spec.stream, "nak").inc()
+        else:
+            await msg.ack()
+            self.handled += 1
+            metrics.CONSUMED.labels(self.spec.stream, "ack").inc()
+
+    async def _dead(self, msg: Msg, reason: str) -> None:
+        try:
+            await self.bus.dead_letter(msg, reason, consumer=self.spec.durable)
+        except Exception as exc:
+            # The DLQ is unreachable: keep the message (redelivered later), never drop it.
+            _log.error("consumer.dlq_failed", error=repr(exc), reason=reason)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=2.0)
+            return
+        if self.on_dead is not None:
+            try:
+                await self.on_dead(msg, reason)
+            except Exception as exc:
+                _log.error("consumer.on_dead_failed", error=repr(exc))
+        await msg.term()
+        metrics.CONSUMED.labels(self.spec.stream, "dead").inc()
+
+
+class TypedKV(Generic[E]):
+    """A KV bucket whose values are events of one type, with compare-and-set updates."""
+
+    def __init__(self, kv: KeyValue, event_type: type[E]) -> None:
+        self.kv = kv
+        self.event_type = event_type
+
+    async def get(self, key: str) -> tuple[E, int] | None:
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if entry.value is None:
+            return None
+        return decode(entry.value, self.event_type), entry.revision or 0
+
+    async def put(self, key: str, value: E) -> int:
+        return await self.kv.put(key, encode(value))
+
+    async def create(self, key: str, value: E) -> int | None:
+        """Create ``key``; return None if it already exists."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            return await self.kv.create(key, encode(value))
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, key: str, fn: Callable[[E | None], E | None],
+                     attempts: int = 50) -> E | None:
+        """Apply ``fn`` to the current value by compare-and-set until it sticks.
+
+        ``fn`` returns the new value, or None to leave the key as it is. Returns the
+        value stored (or the current one when ``fn`` declined).
+        """
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        for _ in range(attempts):
+            cur = await self.get(key)
+            new = fn(cur[0] if cur else None)
+            if new is None:
+                return cur[0] if cur else None
+            try:
+                if cur is None:
+                    await self.kv.create(key, encode(new))
+                else:
+                    await self.kv.update(key, encode(new), last=cur[1])
+                return new
+            except KeyWrongLastSequenceError:
+                continue
+        raise RuntimeError(f"compare-and-set on {key} lost {attempts} races")
+
+    async def items(self) -> dict[str, E]:
+        from nats.js.errors import NoKeysError
+
+        out: dict[str, E] = {}
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return out
+        for k in keys:
+            got = await self.get(k)
+            if got is not None:
+                out[k] = got[0]
+        return out
+
+
+def struct_replace(obj: E, **changes: Any) -> E:
+    return msgspec.structs.replace(obj, **changes)  # type: ignore[type-var]

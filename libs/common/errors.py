@@ -1,0 +1,110 @@
+"""Tandem's error tree.
+
+Every error Tandem raises on purpose derives from ``TandemError`` and carries the data
+that explains it, so a caller can log or act on fields rather than parse a message::
+
+    TandemError
+    ├── SettingsError          a setting is missing or invalid (names each one)
+    ├── InvalidToken           a subject token / id failed validation (names the token)
+    ├── EventDecodeError       a payload is not a valid event of the expected type
+    ├── StreamConflict         an existing stream/consumer/bucket differs from its declaration
+    ├── ServerStartError       a local server (nats-server, S3) could not start (e.g. port in use)
+    └── HandlerError           raised by message handlers to steer acknowledgement
+        ├── Retry              nak with a delay: the message is redelivered
+        └── Reject             terminate: the message goes to the DLQ with the reason
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+
+class SettingsError(TandemError):
+    """One or more settings are missing or invalid.
+
+    ``problems`` maps the environment variable name to what is wrong with it.
+    """
+
+    def __init__(self, service: str, problems: dict[str, str]) -> None:
+        self.service = service
+        self.problems = problems
+        lines = "; ".join(f"{k}: {v}" for k, v in problems.items())
+        super().__init__(f"invalid settings for {service}: {lines}")
+
+
+class InvalidToken(TandemError, ValueError):
+    """A subject token or id is not ``[A-Za-z0-9_-]{1,max}``."""
+
+    def __init__(self, kind: str, value: object, reason: str) -> None:
+        self.kind = kind
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid {kind} {value!r}: {reason}")
+
+
+class EventDecodeError(TandemError):
+    """A payload could not be decoded as ``event_type``; ``reason`` says why."""
+
+    def __init__(self, event_type: str, reason: str, payload: bytes = b"") -> None:
+        self.event_type = event_type
+        self.reason = reason
+        self.payload = payload
+        super().__init__(f"cannot decode {event_type}: {reason}")
+
+
+@dataclass
+class Difference:
+    field: str
+    existing: Any
+    declared: Any
+
+
+class StreamConflict(TandemError):
+    """An existing JetStream object's config differs from its declaration.
+
+    Tandem never deletes or reshapes existing data at start; the operator decides.
+    """
+
+    def __init__(self, kind: str, name: str, differences: list[Difference]) -> None:
+        self.kind = kind
+        self.name = name
+        self.differences = differences
+        what = ", ".join(
+            f"{d.field} is {d.existing!r}, declared {d.declared!r}" for d in differences
+        )
+        super().__init__(f"{kind} {name} exists with a conflicting config: {what}")
+
+
+class ServerStartError(TandemError):
+    """A local server could not be started; ``reason`` says why (port in use, ...)."""
+
+    def __init__(self, server: str, reason: str) -> None:
+        self.server = server
+        self.reason = reason
+        super().__init__(f"cannot start {server}: {reason}")
+
+
+class HandlerError(TandemError):
+    """Raised by a message handler to choose how its message is acknowledged."""
+
+
+class Retry(HandlerError):
+    """Nak the message; it is redelivered after ``delay`` seconds."""
+
+    def __init__(self, reason: str, delay: float = 1.0) -> None:
+        self.reason = reason
+        self.delay = delay
+        super().__init__(f"retry in {delay:.1f}s: {reason}")
+
+
+class Reject(HandlerError):
+    """Terminate the message and copy it to the DLQ with ``reason``; never retried."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)

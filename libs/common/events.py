@@ -1,0 +1,382 @@
+"""Every payload on the bus: msgspec Structs, JSON on the wire.
+
+Rules (msgspec's schema-evolution guide): each event carries ``v``, its schema version;
+new fields always get defaults; a field's type never changes; unknown fields are ignored
+on decode, so old and new services coexist. A stream that carries several kinds uses a
+tagged union (``GenEvent``, ``CkptEvent``) decoded by one typed decoder.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from functools import cache
+from typing import Any, TypeVar
+
+import msgspec
+
+from tandem.common.errors import EventDecodeError
+from tandem.common.subjects import token
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """Base of every event. ``v`` is the schema version of the concrete type."""
+
+    v: int = 1
+
+
+E = TypeVar("E")
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(event: Any) -> bytes:
+    return _encoder.encode(event)
+
+
+@cache
+def _decoder(event_type: Any) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(event_type)
+
+
+def decode(data: bytes, event_type: type[E]) -> E:
+    """Decode ``data`` as ``event_type`` or raise ``EventDecodeError`` with the reason."""
+    try:
+        return _decoder(event_type).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        name = getattr(event_type, "__name__", str(event_type))
+        raise EventDecodeError(name, str(exc), bytes(data[:1024])) from None
+
+
+def now() -> float:
+    return time.time()
+
+
+# ---------------------------------------------------------------------------- bus plumbing
+
+
+class DeadLetter(Event, kw_only=True):
+    """A message that was terminated: undecodable, invalid, or out of deliveries."""
+
+    stream: str
+    subject: str
+    seq: int
+    num_delivered: int
+    reason: str
+    data: bytes
+    headers: dict[str, str] = {}
+    consumer: str = ""
+    at: float = msgspec.field(default_factory=now)
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+class TaskState(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskState.succeeded, TaskState.failed, TaskState.cancelled)
+
+
+# The order in which a task's state may move; a terminal state never moves again.
+TASK_ORDER = {
+    TaskState.queued: 0,
+    TaskState.running: 1,
+    TaskState.succeeded: 2,
+    TaskState.failed: 2,
+    TaskState.cancelled: 2,
+}
+
+
+class GenerationTask(Event, kw_only=True):
+    """One generation request, as enqueued on ``gen.<cluster>.<lane>``."""
+
+    task_id: str
+    model: str
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    class_label: int | None = None
+    width: int = 32
+    height: int = 32
+    steps: int = 20
+    guidance: float = 1.0
+    seed: int = 0
+    num_images: int = 1
+    lane: str = "interactive"
+    cluster: str = ""
+    submitted_at: float = msgspec.field(default_factory=now)
+    noop: bool = False  # dispatch-only task (benchmarks): no pipeline runs
+
+    def __post_init__(self) -> None:
+        # Ids end up in subjects and S3 keys: reject anything but safe tokens at decode.
+        token(self.task_id, "task id")
+        token(self.model, "model")
+        if self.cluster:
+            token(self.cluster, "cluster")
+
+    def batch_key(self) -> tuple[Any, ...]:
+        """Tasks with equal keys can share one pipeline call."""
+        return (self.model, self.width, self.height, self.steps, self.guidance, self.noop)
+
+
+class GenerationStatus(Event, kw_only=True, tag="status"):
+    task_id: str
+    state: TaskState
+    at: float = msgspec.field(default_factory=now)
+    cluster: str = ""
+    worker: str = ""
+    reason: str = ""
+
+
+class GenerationResult(Event, kw_only=True, tag="result"):
+    task_id: str
+    images: list[str]  # S3 keys, one per image
+    cluster: str = ""
+    worker: str = ""
+    checkpoint: str = ""  # e.g. "run-1/step-400"; empty for a model built from config
+    checkpoint_step: int | None = None
+    timings: dict[str, float] = {}
+    at: float = msgspec.field(default_factory=now)
+
+
+GenEvent = GenerationStatus | GenerationResult
+
+
+class GenerationProgress(Event, kw_only=True):
+    """Core NATS (not stored): one per denoising step."""
+
+    task_id: str
+    step: int
+    total: int
+    at: float = msgspec.field(default_factory=now)
+
+
+class TaskRecord(Event, kw_only=True):
+    """Value of KV ``tasks``: the task's latest state, moved only forward by CAS."""
+
+    task: GenerationTask
+    state: TaskState = TaskState.queued
+    created_at: float = msgspec.field(default_factory=now)
+    updated_at: float = msgspec.field(default_factory=now)
+    started_at: float | None = None
+    finished_at: float | None = None
+    cluster: str = ""
+    worker: str = ""
+    progress: float = 0.0
+    images: list[str] = []
+    checkpoint: str = ""
+    checkpoint_step: int | None = None
+    reason: str = ""
+    attempts: int = 0
+
+
+# ------------------------------------------------------------------------- fleet and health
+
+
+class GpuSample(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One GPU at one instant. ``None`` means the GPU does not report that field."""
+
+    index: int
+    uuid: str = ""
+    util: float | None = None  # percent
+    mem_used: int | None = None  # bytes
+    mem_total: int | None = None  # bytes
+    temp: float | None = None  # degrees C
+    power: float | None = None  # watts
+    energy: float | None = None  # joules since driver load
+    sm_clock: int | None = None  # MHz
+    mem_clock: int | None = None  # MHz
+    throttle: int | None = None  # clocks-event reasons bitmask
+    ecc_volatile: int | None = None  # uncorrected, since boot
+    ecc_aggregate: int | None = None  # uncorrected, lifetime
+    ecc_corrected: int | None = None
+    remap_correctable: int | None = None
+    remap_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    pcie_replay: int | None = None
+    nvlink_errors: int | None = None
+    xids: list[int] = []  # XID events since the previous sample
+    lost: bool = False  # fell off the bus
+
+
+class NodeTelemetry(Event, kw_only=True):
+    """One sample of every GPU of one node, on ``telemetry.<cluster>.<node>``."""
+
+    cluster: str
+    node: str
+    gpus: list[GpuSample]
+    at: float = msgspec.field(default_factory=now)
+    seq: int = 0
+
+
+class Health(StrEnum):
+    healthy = "healthy"
+    degraded = "degraded"
+    unhealthy = "unhealthy"
+    drained = "drained"
+
+
+class HealthTransition(Event, kw_only=True):
+    """A node's health changed, on ``health.<cluster>.<node>``, with the evidence."""
+
+    cluster: str
+    node: str
+    previous: Health
+    current: Health
+    rule: str
+    reason: str
+    action: str = ""  # drain, reset, replace, or empty
+    gpu: int | None = None
+    evidence: dict[str, Any] = {}
+    at: float = msgspec.field(default_factory=now)
+    seq: int = 0
+
+
+class NodeHeartbeat(Event, kw_only=True):
+    """Value of KV ``nodes`` at ``<cluster>.<node>``; the bucket's TTL expires it."""
+
+    cluster: str
+    node: str
+    health: Health = Health.healthy
+    gpus_total: int = 0
+    gpus_free: int = 0
+    models: list[str] = []
+    drained: bool = False
+    drain_reason: str = ""
+    at: float = msgspec.field(default_factory=now)
+
+
+class DrainRecord(Event, kw_only=True):
+    """Value of KV ``drains``: an operator's drain of a node, kept until undrained."""
+
+    cluster: str
+    node: str
+    reason: str
+    by: str = ""
+    at: float = msgspec.field(default_factory=now)
+
+
+# -------------------------------------------------------------------- training and checkpoints
+
+
+class RunState(StrEnum):
+    pending = "pending"
+    starting = "starting"
+    running = "running"
+    restarting = "restarting"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class TrainStatus(Event, kw_only=True, tag="status", tag_field="kind"):
+    """A run's state changed, on ``train.<run>.status``."""
+
+    run_id: str
+    state: RunState
+    reason: str = ""
+    restarts: int = 0
+    incident: dict[str, Any] | None = None
+    at: float = msgspec.field(default_factory=now)
+
+
+class TrainStep(Event, kw_only=True, tag="step", tag_field="kind"):
+    """One optimizer step (or every k-th), on ``train.<run>.step``."""
+
+    run_id: str
+    step: int
+    loss: float
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    samples_per_s: float = 0.0
+    step_time: float = 0.0  # seconds, slowest rank
+    rank_step_times: list[float] = []  # seconds, index = rank
+    rank_nodes: list[str] = []  # node of each rank
+    attempt: int = 0  # restart cycle the step belongs to
+    at: float = msgspec.field(default_factory=now)
+
+
+class FileEntry(msgspec.Struct, kw_only=True):
+    name: str  # relative to the checkpoint directory, '/'-separated
+    size: int
+    sha256: str
+
+
+class CheckpointManifest(msgspec.Struct, kw_only=True):
+    """``manifest.json`` of a checkpoint: uploading it to S3 is the commit."""
+
+    run_id: str
+    step: int
+    files: list[FileEntry]
+    created_at: float = msgspec.field(default_factory=now)
+    format: int = 1
+
+
+class CheckpointWritten(Event, kw_only=True, tag="checkpoint", tag_field="kind"):
+    """A checkpoint is whole on local disk, on ``train.<run>.checkpoint``."""
+
+    run_id: str
+    step: int
+    path: str  # local directory (``.../step-N``), already renamed from ``.incomplete``
+    manifest: CheckpointManifest
+    blocked_s: float = 0.0  # how long training was blocked (copy to CPU)
+    write_s: float = 0.0  # background write time
+    node: str = ""
+    cluster: str = ""
+    at: float = msgspec.field(default_factory=now)
+
+
+TrainEvent = TrainStatus | TrainStep | CheckpointWritten
+
+
+class CheckpointMirrored(Event, kw_only=True, tag="mirrored", tag_field="kind"):
+    """A checkpoint is committed in S3 (its manifest stored), on ``ckpt.<run>.mirrored``."""
+
+    run_id: str
+    step: int
+    uri: str  # s3://bucket/runs/<run>/checkpoints/step-<N>/
+    bytes: int = 0
+    seconds: float = 0.0  # written -> committed
+    at: float = msgspec.field(default_factory=now)
+
+
+class CheckpointFailed(Event, kw_only=True, tag="failed", tag_field="kind"):
+    run_id: str
+    step: int
+    reason: str
+    attempts: int = 0
+    at: float = msgspec.field(default_factory=now)
+
+
+class CheckpointPruned(Event, kw_only=True, tag="pruned", tag_field="kind"):
+    run_id: str
+    steps: list[int]
+    reason: str = ""
+    at: float = msgspec.field(default_factory=now)
+
+
+CkptEvent = CheckpointMirrored | CheckpointFailed | CheckpointPruned
+
+
+class RunRecord(Event, kw_only=True):
+    """Value of KV ``runs``: a run's config, state and latest committed checkpoint."""
+
+    run_id: str
+    config: dict[str, Any] = {}
+    state: RunState = RunState.pending
+    restarts: int = 0
+    latest_step: int = 0
+    latest_checkpoint_step: int | None = None  # newest committed in S3
+    latest_checkpoint_uri: str = ""
+    incidents: list[dict[str, Any]] = []
+    goodput: dict[str, float] = {}
+    nodes: list[str] = []
+    created_at: float = msgspec.field(default_factory=now)
+    updated_at: float = msgspec.field(default_factory=now)

@@ -1,0 +1,59 @@
+"""Structured logging: structlog to stdout, JSON off a TTY, console on one.
+
+Context (service, cluster, node, task or run id, trace id) is bound with contextvars
+once per message, so every line inside a handler carries it without being passed along.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+bind = structlog.contextvars.bind_contextvars
+unbind = structlog.contextvars.unbind_contextvars
+bound = structlog.contextvars.bound_contextvars
+
+
+def get(name: str | None = None, **context: Any) -> Any:
+    log = structlog.get_logger(name)
+    return log.bind(**context) if context else log
+
+
+def _trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    # Late import keeps logging usable before tracing is configured.
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid and "trace_id" not in event:
+        event["trace_id"] = format(ctx.trace_id, "032x")
+    return event
+
+
+def configure(fmt: str = "auto", level: str = "info", **context: Any) -> None:
+    """Configure structlog (and stdlib logging through it) once per process."""
+    json_out = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json_out else structlog.dev.ConsoleRenderer()
+    )
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _trace_ids,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+        renderer,
+    ]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(message)s")
+    structlog.contextvars.clear_contextvars()
+    if context:
+        bind(**context)

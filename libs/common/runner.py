@@ -1,0 +1,211 @@
+"""The one service runner: every Tandem service lives the same life.
+
+connect (retrying) → provision → serve /healthz and /metrics → run the service's loops
+→ on SIGTERM/SIGINT: set ``ctx.stopping`` (loops stop pulling and finish or hand back
+in-flight work) → wait up to ``drain_timeout`` → cancel what is left → drain the
+connection → exit 0. Stopping is idempotent: a second signal only logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tandem.common import log, metrics, tracing
+from tandem.common.bus import Bus
+from tandem.common.errors import SettingsError, StreamConflict
+from tandem.common.settings import Settings, load
+from tandem.common.streams import Spec, core_streams
+
+
+@dataclass
+class Context:
+    """What a running service gets from the runner."""
+
+    bus: Bus
+    settings: Settings
+    stopping: asyncio.Event
+    log: Any
+    started_at: float = field(default_factory=time.time)
+
+    async def wait_stopping(self, timeout: float) -> bool:
+        """Wait until stopping or ``timeout``; True if stopping. For periodic loops."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), timeout)
+        return self.stopping.is_set()
+
+
+class Service(ABC):
+    """A Tandem service: a name, a settings class, the specs it needs, and its loops."""
+
+    name: ClassVar[str]
+    settings_class: ClassVar[type[Settings]] = Settings
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def streams(self) -> Sequence[Spec]:
+        """What this service provisions at start (idempotently)."""
+        return core_streams(self.settings.stream_replicas)
+
+    def health(self) -> dict[str, Any]:
+        """Extra fields for /healthz."""
+        return {}
+
+    @abstractmethod
+    async def run(self, ctx: Context) -> None:
+        """Run until ``ctx.stopping`` is set, then finish or hand back in-flight work."""
+
+
+# --------------------------------------------------------------------------- /healthz, /metrics
+
+
+class HttpEndpoint:
+    """A tiny HTTP/1.1 server for /healthz and /metrics (no web framework needed)."""
+
+    def __init__(self, service: Service, bus: Bus, stopping: asyncio.Event) -> None:
+        self.service = service
+        self.bus = bus
+        self.stopping = stopping
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(self._handle, host, port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            path = parts[1] if len(parts) > 1 else "/"
+            if path.startswith("/metrics"):
+                body, ctype = metrics.exposition()
+                status = "200 OK"
+            elif path.startswith("/healthz"):
+                ok = self.bus.nc.is_connected and not self.stopping.is_set()
+                payload = {"status": "ok" if ok else "unavailable",
+                           "service": self.service.name,
+                           "nats": "connected" if self.bus.nc.is_connected else "disconnected",
+                           "stopping": self.stopping.is_set(), **self.service.health()}
+                body, ctype = json.dumps(payload).encode(), "application/json"
+                status = "200 OK" if ok else "503 Service Unavailable"
+            else:
+                body, ctype, status = b"not found\n", "text/plain", "404 Not Found"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+
+
+# --------------------------------------------------------------------------------- the life
+
+
+async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: Any) -> Bus | None:
+    delay = 0.2
+    while not stopping.is_set():
+        try:
+            return await Bus.connect(settings, name)
+        except Exception as exc:
+            lg.warning("runner.connect_failed", servers=settings.nats_servers, error=repr(exc),
+                       retry_in=delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+            delay = min(delay * 2, 5.0)
+    return None
+
+
+async def serve(service: Service) -> int:
+    """Run ``service`` to completion; return the process exit code."""
+    s = service.settings
+    log.configure(s.log_format, s.log_level, service=service.name, cluster=s.cluster, node=s.node)
+    tracing.configure(service.name, s.otlp_endpoint)
+    lg = log.get("tandem.runner")
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stopping.is_set():
+            lg.info("runner.signal_again", signal=sig.name)
+            return
+        lg.info("runner.stopping", signal=sig.name)
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    bus = await _connect(s, service.name, stopping, lg)
+    if bus is None:
+        return 0
+    try:
+        await bus.provision(service.streams())
+    except StreamConflict as exc:
+        lg.error("runner.stream_conflict", error=str(exc))
+        await bus.drain()
+        return 2
+    http = HttpEndpoint(service, bus, stopping)
+    await http.start(s.metrics_host, s.metrics_port)
+    metrics.UP.labels(service.name).set(1)
+    lg.info("runner.started", metrics=f"http://{s.metrics_host}:{http.port}/metrics")
+
+    ctx = Context(bus=bus, settings=s, stopping=stopping, log=log.get(f"tandem.{service.name}"))
+    task = asyncio.create_task(service.run(ctx), name=f"{service.name}.run")
+    stop_wait = asyncio.create_task(stopping.wait())
+    code = 0
+    try:
+        await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            exc = task.exception()
+            if exc is not None:
+                lg.error("runner.crashed", error=repr(exc), exc_info=exc)
+                code = 1
+        else:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), s.drain_timeout)
+                lg.info("runner.drained")
+            except TimeoutError:
+                lg.warning("runner.drain_timeout", seconds=s.drain_timeout)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            except Exception as exc:
+                lg.error("runner.crashed", error=repr(exc))
+                code = 1
+    finally:
+        stop_wait.cancel()
+        metrics.UP.labels(service.name).set(0)
+        await http.close()
+        await bus.drain()
+        tracing.shutdown()
+    lg.info("runner.exit", code=code)
+    return code
+
+
+def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m tandem.<service>``: validate settings, run, exit."""
+    try:
+        settings = load(service_cls.settings_class, service_cls.name)
+    except SettingsError as exc:
+        print(f"tandem {service_cls.name}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(asyncio.run(serve(service_cls(settings))))

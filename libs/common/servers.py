@@ -1,0 +1,242 @@
+"""Real local servers as child processes: nats-server (single or clustered) and S3 (moto).
+
+Used by ``tandem dev up``, the benchmarks and the test fixtures alike, so the way a
+server is started, checked for readiness, killed with SIGKILL and restarted is written
+once. Readiness always comes from the server itself (its ``/healthz``), never a sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.common.errors import ServerStartError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _binary(name: str) -> str:
+    """A console script installed beside this interpreter, else one on PATH."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        raise ServerStartError(name, f"{name} not found: install tandem[local]")
+    return found
+
+
+def _wait_http(url: str, deadline: float, proc: subprocess.Popen[bytes], what: str,
+               log_path: Path | None = None) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = ""
+            if log_path and log_path.exists():
+                tail = log_path.read_text(errors="replace")[-2000:]
+            raise ServerStartError(what, f"exited with code {proc.returncode}: {tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status < 500:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.05)  # polling the server's own readiness endpoint
+    raise ServerStartError(what, f"not ready at {url} in time")
+
+
+@dataclass
+class Process:
+    """A child server process that can be stopped, killed (-9) and restarted."""
+
+    name: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")  # the child owns it
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+        out.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown, no flush."""
+        if self.running:
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class NatsServer(Process):
+    """One nats-server with JetStream and a file store."""
+
+    port: int = 0
+    monitor_port: int = 0
+    store_dir: Path = Path(".tandem/nats")
+    host: str = "127.0.0.1"
+    config_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20) -> NatsServer:
+        if not self.port:
+            self.port = free_port(self.host)
+        if not self.monitor_port:
+            self.monitor_port = free_port(self.host)
+        for p, what in ((self.port, "client"), (self.monitor_port, "monitoring")):
+            if port_in_use(p, self.host):
+                raise ServerStartError(
+                    "nats-server", f"{what} port {self.host}:{p} is already in use "
+                    "(another nats-server or `tandem dev up` running? "
+                    "stop it or pick another port)")
+        argv = [_binary("nats-server"), "-a", self.host, "-p", str(self.port),
+                "-m", str(self.monitor_port), "-n", self.name]
+        if self.config_path is not None:
+            argv += ["-c", str(self.config_path)]
+        else:
+            argv += ["-js", "-sd", str(self.store_dir)]
+        self._spawn(argv + self.extra_args)
+        assert self.proc is not None
+        _wait_http(f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true",
+                   time.monotonic() + timeout, self.proc, "nats-server", self.log_path)
+        return self
+
+    def restart(self, timeout: float = 20) -> NatsServer:
+        self.stop()
+        return self.start(timeout)
+
+    def wait_jetstream(self, timeout: float = 30) -> None:
+        """Wait until this server reports JetStream healthy (meta leader known in a cluster)."""
+        assert self.proc is not None
+        _wait_http(f"http://{self.host}:{self.monitor_port}/healthz",
+                   time.monotonic() + timeout, self.proc, "nats-server", self.log_path)
+
+
+@dataclass
+class NatsCluster:
+    """A JetStream cluster of ``size`` nats-servers on loopback, routes between them."""
+
+    root: Path
+    size: int = 3
+    name: str = "tandem"
+    servers: list[NatsServer] = field(default_factory=list)
+
+    def start(self, timeout: float = 30) -> NatsCluster:
+        host = "127.0.0.1"
+        cports = [free_port(host) for _ in range(self.size)]
+        routes = ", ".join(f"nats-route://{host}:{p}" for p in cports)
+        for i in range(self.size):
+            name = f"n{i}"
+            conf = self.root / f"{name}.conf"
+            store = self.root / name / "js"
+            conf.parent.mkdir(parents=True, exist_ok=True)
+            conf.write_text(
+                f"server_name: {name}\n"
+                f"jetstream {{ store_dir: \"{store}\" }}\n"
+                f"cluster {{ name: {self.name}, listen: \"{host}:{cports[i]}\", "
+                f"routes: [{routes}] }}\n")
+            srv = NatsServer(name=name, log_path=self.root / f"{name}.log", store_dir=store,
+                             config_path=conf)
+            self.servers.append(srv)
+        for srv in self.servers:
+            srv.start(timeout)
+        for srv in self.servers:
+            srv.wait_jetstream(timeout)
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.urls)
+
+    def by_name(self, name: str) -> NatsServer:
+        return next(s for s in self.servers if s.name == name)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@dataclass
+class S3Server(Process):
+    """moto's standalone S3 server. In-memory: a restart starts empty."""
+
+    port: int = 0
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30) -> S3Server:
+        if not self.port:
+            self.port = free_port(self.host)
+        if port_in_use(self.port, self.host):
+            raise ServerStartError("s3", f"port {self.host}:{self.port} is already in use")
+        self._spawn([_binary("moto_server"), "-H", self.host, "-p", str(self.port)],
+                    env={"AWS_ACCESS_KEY_ID": "tandem", "AWS_SECRET_ACCESS_KEY": "tandem"})
+        assert self.proc is not None
+        _wait_http(f"{self.url}/moto-api/", time.monotonic() + timeout, self.proc, "s3",
+                   self.log_path)
+        return self
+
+    def restart(self, timeout: float = 30) -> S3Server:
+        self.stop()
+        return self.start(timeout)
+
+
+def stop_all(procs: list[Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.stop()

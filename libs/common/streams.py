@@ -1,0 +1,247 @@
+"""Streams, KV buckets and consumers: declared once, as data, provisioned idempotently.
+
+``provision`` creates what is missing and compares what exists field by field. A
+difference is reported as ``StreamConflict`` naming the object and the field; nothing
+existing is ever deleted, purged or updated by a starting service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+
+from tandem.common import subjects
+from tandem.common.errors import Difference, StreamConflict
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    retention: RetentionPolicy = RetentionPolicy.LIMITS
+    max_age: float = 0.0  # seconds; 0 keeps forever
+    max_bytes: int = -1
+    replicas: int = 1
+    duplicate_window: float = 120.0
+    storage: StorageType = StorageType.FILE
+    discard: DiscardPolicy = DiscardPolicy.OLD
+
+    def config(self) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            subjects=list(self.subjects),
+            retention=self.retention,
+            max_age=self.max_age,
+            max_bytes=self.max_bytes,
+            num_replicas=self.replicas,
+            duplicate_window=self.duplicate_window,
+            storage=self.storage,
+            discard=self.discard,
+        )
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    bucket: str
+    ttl: float = 0.0  # seconds; a key not rewritten within ttl disappears
+    history: int = 1
+    replicas: int = 1
+
+    def config(self) -> KeyValueConfig:
+        return KeyValueConfig(
+            bucket=self.bucket, ttl=self.ttl or None, history=self.history,
+            replicas=self.replicas, storage=StorageType.FILE,
+        )
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    stream: str
+    durable: str
+    filter_subjects: tuple[str, ...] = ()
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    backoff: tuple[float, ...] = field(default=())
+
+    def config(self) -> ConsumerConfig:
+        cfg = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait,
+            max_deliver=self.max_deliver,
+            max_ack_pending=self.max_ack_pending,
+            backoff=list(self.backoff) or None,
+        )
+        if len(self.filter_subjects) == 1:
+            cfg.filter_subject = self.filter_subjects[0]
+        elif self.filter_subjects:
+            cfg.filter_subjects = list(self.filter_subjects)
+        return cfg
+
+
+Spec = StreamSpec | KVSpec | ConsumerSpec
+
+
+# ------------------------------------------------------------------------------ the catalog
+# Every stream and bucket Tandem uses. Functions of (replicas, clusters) so the same
+# declaration serves R1 locally and R3 in production.
+
+DLQ = "DLQ"
+GEN_EVENTS = "GEN_EVENTS"
+TELEMETRY = "TELEMETRY"
+HEALTH = "HEALTH"
+TRAIN = "TRAIN"
+CKPT = "CKPT"
+KV_NODES = "nodes"
+KV_TASKS = "tasks"
+KV_RUNS = "runs"
+KV_DRAINS = "drains"
+KV_IDEMPOTENCY = "idempotency"
+
+HEARTBEAT_TTL = 6.0
+
+
+def gen_stream(cluster: str, replicas: int = 1) -> StreamSpec:
+    return StreamSpec(
+        name=subjects.gen_stream_name(cluster),
+        subjects=(subjects.gen_cluster_filter(cluster),),
+        retention=RetentionPolicy.WORK_QUEUE,
+        replicas=replicas,
+        duplicate_window=10 * 60.0,  # covers the gateway's publish retries
+    )
+
+
+def gen_consumer(cluster: str, ack_wait: float = 30.0, max_deliver: int = 5) -> ConsumerSpec:
+    """The one durable pull consumer of a cluster's work queue, shared by its workers."""
+    return ConsumerSpec(
+        stream=subjects.gen_stream_name(cluster),
+        durable=f"workers-{subjects.token(cluster, 'cluster')}",
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+    )
+
+
+def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> list[Spec]:
+    """Streams and buckets every deployment has, whatever its clusters."""
+    return [
+        StreamSpec(DLQ, (subjects.DLQ.wildcard,), max_age=14 * DAY, replicas=replicas),
+        StreamSpec(
+            GEN_EVENTS,
+            (subjects.GEN_RESULT.wildcard, subjects.GEN_STATUS.wildcard),
+            max_age=DAY, replicas=replicas,
+        ),
+        StreamSpec(TELEMETRY, ("telemetry.*.*",), max_age=15 * 60.0, replicas=replicas,
+                   storage=StorageType.FILE),
+        StreamSpec(HEALTH, ("health.*.*",), max_age=90 * DAY, replicas=replicas),
+        StreamSpec(TRAIN, ("train.*.*",), max_age=90 * DAY, replicas=replicas),
+        StreamSpec(CKPT, ("ckpt.*.*",), max_age=365 * DAY, replicas=replicas),
+        KVSpec(KV_NODES, ttl=heartbeat_ttl, replicas=replicas),
+        KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas),
+        KVSpec(KV_IDEMPOTENCY, ttl=DAY, replicas=replicas),
+        KVSpec(KV_RUNS, replicas=replicas),
+        KVSpec(KV_DRAINS, replicas=replicas),
+    ]
+
+
+def cluster_streams(clusters: Iterable[str], replicas: int = 1) -> list[Spec]:
+    out: list[Spec] = []
+    for c in clusters:
+        out += [gen_stream(c, replicas), gen_consumer(c)]
+    return out
+
+
+# ----------------------------------------------------------------------------- provisioning
+
+
+def _diff(kind: str, name: str, pairs: Iterable[tuple[str, object, object]]) -> None:
+    diffs = [Difference(f, have, want) for f, have, want in pairs if have != want]
+    if diffs:
+        raise StreamConflict(kind, name, diffs)
+
+
+async def _stream(js: JetStreamContext, spec: StreamSpec) -> bool:
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        await js.add_stream(spec.config())
+        return True
+    have = info.config
+    _diff("stream", spec.name, [
+        ("subjects", sorted(have.subjects or []), sorted(spec.subjects)),
+        ("retention", have.retention, spec.retention),
+        ("storage", have.storage, spec.storage),
+        ("max_age", float(have.max_age or 0), float(spec.max_age)),
+        ("num_replicas", have.num_replicas, spec.replicas),
+        ("duplicate_window", float(have.duplicate_window or 0), float(spec.duplicate_window)),
+    ])
+    return False
+
+
+async def _kv(js: JetStreamContext, spec: KVSpec) -> bool:
+    try:
+        info = await js.stream_info(f"KV_{spec.bucket}")
+    except NotFoundError:
+        await js.create_key_value(spec.config())
+        return True
+    have = info.config
+    _diff("kv bucket", spec.bucket, [
+        ("ttl", float(have.max_age or 0), float(spec.ttl)),
+        ("history", have.max_msgs_per_subject, spec.history),
+        ("replicas", have.num_replicas, spec.replicas),
+    ])
+    return False
+
+
+async def _consumer(js: JetStreamContext, spec: ConsumerSpec) -> bool:
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+    except NotFoundError:
+        await js.add_consumer(spec.stream, spec.config())
+        return True
+    have = info.config
+    filters = sorted(have.filter_subjects or ([have.filter_subject] if have.filter_subject else []))
+    _diff("consumer", f"{spec.stream}/{spec.durable}", [
+        ("filter_subjects", filters, sorted(spec.filter_subjects)),
+        ("ack_wait", float(have.ack_wait or 0), float(spec.ack_wait)),
+        ("max_deliver", have.max_deliver, spec.max_deliver),
+        ("max_ack_pending", have.max_ack_pending, spec.max_ack_pending),
+    ])
+    return False
+
+
+async def provision(js: JetStreamContext, specs: Sequence[Spec]) -> list[str]:
+    """Create every missing object in ``specs``; return the names created.
+
+    Raises ``StreamConflict`` for the first object whose existing config differs.
+    Streams are provisioned before the consumers that bind to them.
+    """
+    created: list[str] = []
+    ordered = [s for s in specs if not isinstance(s, ConsumerSpec)] + [
+        s for s in specs if isinstance(s, ConsumerSpec)
+    ]
+    for spec in ordered:
+        if isinstance(spec, StreamSpec):
+            made, name = await _stream(js, spec), spec.name
+        elif isinstance(spec, KVSpec):
+            made, name = await _kv(js, spec), f"KV_{spec.bucket}"
+        else:
+            made, name = await _consumer(js, spec), f"{spec.stream}/{spec.durable}"
+        if made:
+            created.append(name)
+    return created

@@ -1,0 +1,126 @@
+"""Every NATS subject Tandem uses, built by functions from validated tokens.
+
+A call site never formats a subject string: a typo becomes an AttributeError at import,
+not a message published into the void. Templates (``Subject.template``) stay apart from
+wire forms so permissions and stream declarations are derived from the same source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from tandem.common.errors import InvalidToken
+
+MAX_TOKEN = 64
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+Lane = Literal["interactive", "batch"]
+LANES: tuple[Lane, ...] = ("interactive", "batch")
+CKPT_KINDS = ("mirrored", "failed", "pruned")
+TRAIN_KINDS = ("status", "step", "checkpoint")
+
+
+def token(value: object, kind: str = "token", max_len: int = MAX_TOKEN) -> str:
+    """Return ``value`` if it is a safe subject token, else raise ``InvalidToken``.
+
+    Safe means ``[A-Za-z0-9_-]``, 1..``max_len`` characters: no dots, wildcards or
+    spaces, so a token can never widen a subject or escape an S3 prefix.
+    """
+    if not isinstance(value, str):
+        raise InvalidToken(kind, value, f"must be a string, got {type(value).__name__}")
+    if not value:
+        raise InvalidToken(kind, value, "must not be empty")
+    if len(value) > max_len:
+        raise InvalidToken(kind, value, f"longer than {max_len} characters")
+    if not _TOKEN.fullmatch(value):
+        raise InvalidToken(kind, value, "only letters, digits, '_' and '-' are allowed")
+    return value
+
+
+def lane(value: str) -> Lane:
+    if value not in LANES:
+        raise InvalidToken("lane", value, f"must be one of {', '.join(LANES)}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """A subject template such as ``gen.{cluster}.{lane}``; ``wildcard`` is its filter."""
+
+    template: str
+
+    @property
+    def wildcard(self) -> str:
+        return ".".join("*" if p.startswith("{") else p for p in self.template.split("."))
+
+
+GEN = Subject("gen.{cluster}.{lane}")
+GEN_RESULT = Subject("gen.result.{task}")
+GEN_STATUS = Subject("gen.status.{task}")
+GEN_PROGRESS = Subject("gen.progress.{task}")
+GEN_CANCEL = Subject("gen.cancel.{task}")
+TELEMETRY = Subject("telemetry.{cluster}.{node}")
+HEALTH = Subject("health.{cluster}.{node}")
+TRAIN = Subject("train.{run}.{kind}")
+CKPT = Subject("ckpt.{run}.{kind}")
+DLQ = Subject("dlq.{stream}")
+
+
+def gen(cluster: str, lane_: str) -> str:
+    return f"gen.{token(cluster, 'cluster')}.{lane(lane_)}"
+
+
+def gen_cluster_filter(cluster: str) -> str:
+    return f"gen.{token(cluster, 'cluster')}.*"
+
+
+def gen_result(task: str) -> str:
+    return f"gen.result.{token(task, 'task id')}"
+
+
+def gen_status(task: str) -> str:
+    return f"gen.status.{token(task, 'task id')}"
+
+
+def gen_progress(task: str) -> str:
+    return f"gen.progress.{token(task, 'task id')}"
+
+
+def gen_cancel(task: str) -> str:
+    return f"gen.cancel.{token(task, 'task id')}"
+
+
+def telemetry(cluster: str, node: str) -> str:
+    return f"telemetry.{token(cluster, 'cluster')}.{token(node, 'node')}"
+
+
+def health(cluster: str, node: str) -> str:
+    return f"health.{token(cluster, 'cluster')}.{token(node, 'node')}"
+
+
+def train(run: str, kind: str) -> str:
+    if kind not in TRAIN_KINDS:
+        raise InvalidToken("train event kind", kind, f"must be one of {', '.join(TRAIN_KINDS)}")
+    return f"train.{token(run, 'run id')}.{kind}"
+
+
+def ckpt(run: str, kind: str) -> str:
+    if kind not in CKPT_KINDS:
+        raise InvalidToken("checkpoint event kind", kind, f"must be one of {', '.join(CKPT_KINDS)}")
+    return f"ckpt.{token(run, 'run id')}.{kind}"
+
+
+def dlq(stream: str) -> str:
+    return f"dlq.{token(stream, 'stream')}"
+
+
+def node_key(cluster: str, node: str) -> str:
+    """Key of a node in KV ``nodes``: ``<cluster>.<node>``."""
+    return f"{token(cluster, 'cluster')}.{token(node, 'node')}"
+
+
+def gen_stream_name(cluster: str) -> str:
+    """``GEN_<CLUSTER>``: the work-queue stream of one cluster."""
+    return f"GEN_{token(cluster, 'cluster').upper()}"

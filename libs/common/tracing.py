@@ -1,0 +1,98 @@
+"""OpenTelemetry tracing, with context carried in NATS headers as ``traceparent``.
+
+Every published message carries a ``traceparent``: the current span's when there is
+one, else a fresh root context, so a consumer can always join the producer's trace.
+Spans are exported over OTLP/HTTP only when an endpoint is configured.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_propagator = TraceContextTextMapPropagator()
+_configured = False
+
+
+def configure(service: str, otlp_endpoint: str | None = None) -> None:
+    """Install the SDK tracer provider once; add an OTLP exporter if asked."""
+    global _configured
+    if _configured:
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"tandem-{service}"}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        endpoint = otlp_endpoint.rstrip("/")
+        if not endpoint.endswith("/v1/traces"):
+            endpoint += "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    trace.set_tracer_provider(provider)
+    _configured = True
+
+
+def shutdown() -> None:
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()
+
+
+def tracer(name: str = "tandem") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def traceparent() -> str:
+    """The W3C traceparent for a message published now.
+
+    Uses the current span when it is valid; otherwise mints a sampled root context
+    (cheaper than starting a span, which matters on the publish hot path).
+    """
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    return f"00-{random.getrandbits(128):032x}-{random.getrandbits(64) or 1:016x}-01"
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The parent context carried by a message's headers (empty if none)."""
+    if not headers:
+        return otel_context.Context()
+    return _propagator.extract(carrier=dict(headers))
+
+
+def trace_id(headers: Mapping[str, str] | None) -> str | None:
+    """The hex trace id in a message's ``traceparent``, or None."""
+    tp = (headers or {}).get("traceparent", "")
+    parts = tp.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def remote_span(traceparent_value: str) -> Any:
+    """A non-recording span for a traceparent string, usable as a parent context."""
+    parts = traceparent_value.split("-")
+    ctx = SpanContext(
+        trace_id=int(parts[1], 16), span_id=int(parts[2], 16), is_remote=True,
+        trace_flags=TraceFlags(int(parts[3], 16)),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(ctx))
+
+
+def recording() -> bool:
+    """True when spans are exported somewhere (an OTLP endpoint is configured).
+
+    Without an exporter, consumers only carry the incoming trace context forward,
+    which costs far less than building a span per message.
+    """
+    provider = trace.get_tracer_provider()
+    processor = getattr(provider, "_active_span_processor", None)
+    return bool(getattr(processor, "_span_processors", ()))

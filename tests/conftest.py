@@ -1,0 +1,77 @@
+"""Real servers on free loopback ports, one set per test (or per module where noted).
+
+Nothing mocks NATS or S3: these fixtures start ``nats-server`` (single node or a
+3-node JetStream cluster) and moto's S3 server, wait for their own readiness
+endpoints, and stop them after. ``uid`` gives each test names no other test sees.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tandem.common.bus import Bus
+from tandem.common.servers import NatsCluster, NatsServer, S3Server
+from tandem.common.settings import Settings, load
+
+os.environ.setdefault("TANDEM_LOG_FORMAT", "json")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def uid() -> str:
+    """A short unique token for stream, cluster, task and bucket names."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    srv = NatsServer(name="test", log_path=tmp_path / "nats.log", store_dir=tmp_path / "js")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(root=tmp_path / "cluster").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One moto server per session; tests isolate by bucket name (``uid``)."""
+    root = tmp_path_factory.mktemp("s3")
+    srv = S3Server(name="s3", log_path=root / "s3.log").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def settings(nats_server: NatsServer, uid: str) -> Settings:
+    return load(Settings, nats_url=nats_server.url, cluster=f"c{uid}", node="n0")
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(settings, "test")
+    yield b
+    await b.drain()
+
+
+def service_env(**values: str) -> dict[str, str]:
+    """Environment for a child process: this interpreter's, plus TANDEM_* values."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update({f"TANDEM_{k.upper()}": v for k, v in values.items()})
+    env["TANDEM_LOG_FORMAT"] = "json"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable
