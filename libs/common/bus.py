@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NoStreamResponseError
 from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
@@ -257,6 +258,21 @@ class Delivery(Generic[E]):
 DeadHook = Callable[[Msg, str], Awaitable[None]]
 
 
+def delivered_count(msg: Msg) -> int:
+    """How many times ``msg`` was delivered, read straight from its ack subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`` (v1) or
+    ``$JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>...`` (v2). Cheaper than
+    ``msg.metadata``, which parses every field, on the per-message hot path.
+    """
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:
+        return int(tokens[4])
+    if len(tokens) >= 12:
+        return int(tokens[6])
+    return msg.metadata.num_delivered
+
+
 class Consumer(Generic[E]):
     """A durable pull consumer loop: fetch, decode, handle, settle, repeat.
 
@@ -280,6 +296,8 @@ class Consumer(Generic[E]):
         self.paused = paused
         self.span_name = span_name or f"{spec.stream} process"
         self._sem = asyncio.Semaphore(concurrency)
+        self._recording = tracing.recording()
+        self._acked = metrics.CONSUMED.labels(spec.stream, "ack")
         self._sub: Any = None
         self.handled = 0
 
@@ -306,9 +324,12 @@ class Consumer(Generic[E]):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), self.fetch_timeout)
                     continue
-                want = min(self.batch, self.concurrency - self._inflight() or 1)
+                # Sequential handlers take a whole batch; concurrent ones as many as they
+                # have free slots for, so nothing fetched waits out its AckWait unstarted.
+                want = self.batch if self.concurrency == 1 else min(
+                    self.batch, max(self.concurrency - self._inflight(), 1))
                 try:
-                    msgs = await self.fetch(max(want, 1), self.fetch_timeout)
+                    msgs = await self.fetch(want, self.fetch_timeout)
                     backoff = 0.1
                 except Exception as exc:  # server restart, leader election, reconnect
                     lg.warning("consumer.fetch_failed", error=repr(exc))
@@ -327,7 +348,19 @@ class Consumer(Generic[E]):
                     else:
                         await self._sem.acquire()
                         tg.create_task(self._process_released(msg))
+        await self.close()
         lg.info("consumer.stopped", handled=self.handled)
+
+    async def close(self) -> None:
+        """Unsubscribe the pull subscription.
+
+        A pull subscription's inbox is only read by ``fetch``; left subscribed, a later
+        ``drain()`` would wait on its unread queue until the drain timeout.
+        """
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     def _inflight(self) -> int:
         return self.concurrency - self._sem._value
@@ -340,9 +373,9 @@ class Consumer(Generic[E]):
 
     async def process(self, msg: Msg) -> None:
         """Decode, handle and settle one message. Never raises except on cancel."""
-        md = msg.metadata
-        if md.num_delivered >= self.spec.max_deliver:
-            await self._dead(msg, f"exhausted: delivered {md.num_delivered} times")
+        delivered = delivered_count(msg)
+        if delivered >= self.spec.max_deliver:
+            await self._dead(msg, f"exhausted: delivered {delivered} times")
             return
         try:
             event = decode(msg.data, self.event_type)
@@ -350,28 +383,23 @@ class Consumer(Generic[E]):
             await self._dead(msg, f"undecodable: {exc.reason}")
             return
         delivery: Delivery[E] = Delivery(event, msg, self)
-        with self._span(msg):
+        if self._recording:
+            with tracing.tracer().start_as_current_span(
+                    self.span_name, context=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
+                    attributes={"messaging.system": "nats",
+                                "messaging.destination.name": msg.subject,
+                                "messaging.consumer.group.name": self.spec.durable,
+                                "messaging.message.id": (msg.headers or {}).get(MSG_ID, "")}):
+                await self._settle(delivery)
+            return
+        # Not exporting: only carry the producer's trace context forward, so logs and
+        # anything published while handling stay in the producer's trace.
+        token = _attach_remote((msg.headers or {}).get(TRACEPARENT))
+        try:
             await self._settle(delivery)
-
-    def _span(self, msg: Msg) -> Any:
-        tp = (msg.headers or {}).get(TRACEPARENT)
-        provider_recording = tracing.recording()
-        if provider_recording:
-            return tracing.tracer().start_as_current_span(
-                self.span_name, context=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
-                attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
-                            "messaging.consumer.group.name": self.spec.durable,
-                            "messaging.message.id": (msg.headers or {}).get(MSG_ID, "")})
-        if tp:
-            parts = tp.split("-")
-            if len(parts) == 4:
-                try:
-                    ctx = SpanContext(int(parts[1], 16), int(parts[2], 16), True,
-                                      TraceFlags(int(parts[3], 16)))
-                    return trace.use_span(NonRecordingSpan(ctx), end_on_exit=False)
-                except ValueError:
-                    pass
-        return contextlib.nullcontext()
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     async def _settle(self, d: Delivery[E]) -> None:
         msg = d.msg
@@ -388,7 +416,7 @@ class Consumer(Generic[E]):
         except Reject as r:
             await self._dead(msg, f"rejected: {r.reason}")
         except Exception as exc:
-            n = msg.metadata.num_delivered
+            n = delivered_count(msg)
             if n + 1 >= self.spec.max_deliver:
                 await self._dead(msg, f"failed {n} times: {exc!r}")
             else:
@@ -399,7 +427,7 @@ class Consumer(Generic[E]):
         else:
             await msg.ack()
             self.handled += 1
-            metrics.CONSUMED.labels(self.spec.stream, "ack").inc()
+            self._acked.inc()
 
     async def _dead(self, msg: Msg, reason: str) -> None:
         try:
@@ -417,6 +445,19 @@ class Consumer(Generic[E]):
                 _log.error("consumer.on_dead_failed", error=repr(exc))
         await msg.term()
         metrics.CONSUMED.labels(self.spec.stream, "dead").inc()
+
+
+def _attach_remote(tp: str | None) -> Any:
+    if not tp:
+        return None
+    parts = tp.split("-")
+    if len(parts) != 4:
+        return None
+    try:
+        ctx = SpanContext(int(parts[1], 16), int(parts[2], 16), True, TraceFlags(int(parts[3], 16)))
+    except ValueError:
+        return None
+    return otel_context.attach(trace.set_span_in_context(NonRecordingSpan(ctx)))
 
 
 class TypedKV(Generic[E]):

@@ -30,7 +30,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something listens on ``port`` (TIME_WAIT leftovers do not count,
+    as servers bind with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

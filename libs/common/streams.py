@@ -41,6 +41,11 @@ class StreamSpec:
     storage: StorageType = StorageType.FILE
     discard: DiscardPolicy = DiscardPolicy.OLD
 
+    @property
+    def dedupe_window(self) -> float:
+        """The server refuses a duplicate window longer than max_age."""
+        return min(self.duplicate_window, self.max_age) if self.max_age else self.duplicate_window
+
     def config(self) -> StreamConfig:
         return StreamConfig(
             name=self.name,
@@ -49,7 +54,7 @@ class StreamSpec:
             max_age=self.max_age,
             max_bytes=self.max_bytes,
             num_replicas=self.replicas,
-            duplicate_window=self.duplicate_window,
+            duplicate_window=self.dedupe_window,
             storage=self.storage,
             discard=self.discard,
         )
@@ -127,14 +132,36 @@ def gen_stream(cluster: str, replicas: int = 1) -> StreamSpec:
     )
 
 
-def gen_consumer(cluster: str, ack_wait: float = 30.0, max_deliver: int = 5) -> ConsumerSpec:
-    """The one durable pull consumer of a cluster's work queue, shared by its workers."""
+def gen_consumer(cluster: str, ack_wait: float = 30.0, max_deliver: int = 5,
+                 lane: str | None = None) -> ConsumerSpec:
+    """A durable pull consumer of a cluster's work queue, shared by its workers.
+
+    Without ``lane`` it takes the whole queue; with a lane, only that lane's subject
+    (``workers-<cluster>-<lane>``). A work-queue stream allows only non-overlapping
+    consumers, so a deployment uses one form or the other: ``cluster_streams`` and the
+    inference worker use the per-lane pair (``gen_consumers``), which is what lets a
+    worker take the interactive lane before the batch lane.
+    """
+    if lane is None:
+        return ConsumerSpec(
+            stream=subjects.gen_stream_name(cluster),
+            durable=f"workers-{subjects.token(cluster, 'cluster')}",
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+        )
     return ConsumerSpec(
         stream=subjects.gen_stream_name(cluster),
-        durable=f"workers-{subjects.token(cluster, 'cluster')}",
+        durable=f"workers-{subjects.token(cluster, 'cluster')}-{subjects.lane(lane)}",
+        filter_subjects=(subjects.gen(cluster, lane),),
         ack_wait=ack_wait,
         max_deliver=max_deliver,
     )
+
+
+def gen_consumers(cluster: str, ack_wait: float = 30.0,
+                  max_deliver: int = 5) -> list[ConsumerSpec]:
+    """The per-lane consumers of a cluster's work queue, in priority order."""
+    return [gen_consumer(cluster, ack_wait, max_deliver, lane=ln) for ln in subjects.LANES]
 
 
 def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> list[Spec]:
@@ -159,10 +186,37 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
     ]
 
 
+# The checkpointer's durable consumer: only checkpoint events of the TRAIN stream (status
+# and step events share it). A mirror can take minutes: the handler sends in-progress acks,
+# so ack_wait bounds only how long a crashed checkpointer holds a checkpoint.
+CHECKPOINTER_CONSUMER = ConsumerSpec(
+    stream=TRAIN,
+    durable="checkpointer",
+    filter_subjects=(subjects.train_kind_filter("checkpoint"),),
+    ack_wait=60.0,
+    max_deliver=20,
+)
+
+
+def trainer_consumer(cluster: str) -> ConsumerSpec:
+    """A cluster's trainer coordinators: run status events, to claim pending runs.
+
+    One durable per cluster, shared by that cluster's coordinators; which one runs a
+    run is settled by compare-and-set on the run's KV record, not by delivery.
+    """
+    return ConsumerSpec(
+        stream=TRAIN,
+        durable=f"trainer-{subjects.token(cluster, 'cluster')}",
+        filter_subjects=(subjects.train_kind_filter("status"),),
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
 def cluster_streams(clusters: Iterable[str], replicas: int = 1) -> list[Spec]:
     out: list[Spec] = []
     for c in clusters:
-        out += [gen_stream(c, replicas), gen_consumer(c)]
+        out += [gen_stream(c, replicas), *gen_consumers(c)]
     return out
 
 
@@ -188,7 +242,7 @@ async def _stream(js: JetStreamContext, spec: StreamSpec) -> bool:
         ("storage", have.storage, spec.storage),
         ("max_age", float(have.max_age or 0), float(spec.max_age)),
         ("num_replicas", have.num_replicas, spec.replicas),
-        ("duplicate_window", float(have.duplicate_window or 0), float(spec.duplicate_window)),
+        ("duplicate_window", float(have.duplicate_window or 0), float(spec.dedupe_window)),
     ])
     return False
 

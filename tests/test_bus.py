@@ -1,0 +1,234 @@
+"""The bus against a real nats-server: provisioning, tracing across processes, DLQ,
+server crash and restart, and graceful shutdown of a service on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from nats.js.api import RetentionPolicy
+
+from tandem.common import streams, subjects
+from tandem.common.bus import Bus, Delivery
+from tandem.common.errors import Reject, StreamConflict
+from tandem.common.events import DeadLetter, GenerationTask, decode
+from tandem.common.servers import NatsServer
+from tandem.common.settings import Settings
+from tests.conftest import PYTHON, ROOT, service_env
+
+TIMEOUT = 20
+
+
+def _work(uid: str) -> tuple[streams.StreamSpec, streams.ConsumerSpec]:
+    stream = streams.StreamSpec(f"W_{uid}", (f"w.{uid}.*",), retention=RetentionPolicy.WORK_QUEUE)
+    return stream, streams.ConsumerSpec(stream.name, "w", ack_wait=5, max_deliver=3)
+
+
+async def _collect(bus: Bus, consumer: streams.ConsumerSpec, want: int,
+                   handler=None) -> list[GenerationTask]:  # type: ignore[no-untyped-def]
+    """Run a consumer until ``want`` events were handled; return them in order."""
+    seen: list[GenerationTask] = []
+    stop = asyncio.Event()
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        if handler is not None:
+            await handler(d)
+        seen.append(d.event)
+        if len(seen) >= want:
+            stop.set()
+
+    c = bus.consumer(consumer, GenerationTask, handle, fetch_timeout=0.2)
+    await asyncio.wait_for(c.run(stop), TIMEOUT)
+    return seen
+
+
+async def test_provisioning_twice_changes_nothing(bus: Bus, uid: str) -> None:
+    specs = [*streams.core_streams(), *streams.cluster_streams([f"c{uid}"])]
+    first = await bus.provision(specs)
+    assert "GEN_EVENTS" in first and f"GEN_C{uid.upper()}" in first
+    before = await bus.js.stream_info("GEN_EVENTS")
+    assert await bus.provision(specs) == []
+    after = await bus.js.stream_info("GEN_EVENTS")
+    assert after.config == before.config
+
+
+async def test_conflicting_stream_is_reported_by_name_and_field_and_kept(
+        bus: Bus, uid: str) -> None:
+    spec = streams.StreamSpec(f"S_{uid}", (f"s.{uid}",), max_age=600.0)
+    await bus.provision([spec])
+    await bus.publish(f"s.{uid}", GenerationTask(task_id="keep", model="m"))
+    changed = streams.StreamSpec(f"S_{uid}", (f"s.{uid}",), max_age=1200.0)
+    with pytest.raises(StreamConflict) as err:
+        await bus.provision([changed])
+    assert err.value.name == f"S_{uid}"
+    assert [d.field for d in err.value.differences] == ["max_age"]
+    assert "max_age is 600.0, declared 1200.0" in str(err.value)
+    info = await bus.js.stream_info(f"S_{uid}")
+    assert info.config.max_age == 600.0 and info.state.messages == 1
+
+
+async def test_event_published_by_another_process_keeps_its_trace_id(
+        bus: Bus, uid: str, settings: Settings) -> None:
+    stream, consumer = _work(uid)
+    await bus.provision([*streams.core_streams(), stream, consumer])
+    script = f"""
+import asyncio
+from opentelemetry import trace
+from tandem.common import tracing
+from tandem.common.bus import Bus
+from tandem.common.events import GenerationTask
+from tandem.common.settings import Settings, load
+async def main():
+    tracing.configure("producer")
+    bus = await Bus.connect(load(Settings), "producer")
+    with tracing.tracer().start_as_current_span("submit") as span:
+        await bus.publish("w.{uid}.x", GenerationTask(task_id="traced", model="m"))
+        print("TRACE=" + format(span.get_span_context().trace_id, "032x"), flush=True)
+    await bus.drain()
+asyncio.run(main())
+"""
+    out = await asyncio.to_thread(
+        subprocess.run, [PYTHON, "-c", script], capture_output=True, text=True, timeout=60,
+        env=service_env(nats_url=settings.nats_url), cwd=ROOT, check=True)
+    [producer_trace] = [line[6:] for line in out.stdout.splitlines() if line.startswith("TRACE=")]
+    inside: list[str] = []
+
+    async def handler(d: Delivery[GenerationTask]) -> None:
+        from opentelemetry import trace
+
+        inside.append(format(trace.get_current_span().get_span_context().trace_id, "032x"))
+        assert d.trace_id == producer_trace
+
+    [event] = await _collect(bus, consumer, 1, handler)
+    assert event.task_id == "traced"
+    assert inside == [producer_trace]
+    # A publish made while handling joins the same trace.
+    assert bus.headers()["traceparent"].split("-")[1] != producer_trace
+
+
+async def test_poison_message_goes_to_dlq_and_loop_continues(bus: Bus, uid: str) -> None:
+    stream, consumer = _work(uid)
+    await bus.provision([*streams.core_streams(), stream, consumer])
+    await bus.publish(f"w.{uid}.x", b"\x00garbage")
+    await bus.publish(f"w.{uid}.x", GenerationTask(task_id="bad-model", model="m"))
+    await bus.publish(f"w.{uid}.x", GenerationTask(task_id="good", model="m"))
+
+    async def handler(d: Delivery[GenerationTask]) -> None:
+        if d.event.task_id == "bad-model":
+            raise Reject("model m is not served here")
+
+    seen = await _collect(bus, consumer, 1, handler)
+    assert [e.task_id for e in seen] == ["good"]
+    sub = await bus.js.pull_subscribe(subjects.dlq(stream.name), durable=None, stream="DLQ")
+    letters = [decode(m.data, DeadLetter) for m in await sub.fetch(2, timeout=5)]
+    reasons = sorted(letter.reason.split(":")[0] for letter in letters)
+    assert reasons == ["rejected", "undecodable"]
+    assert {letter.data for letter in letters} >= {b"\x00garbage"}
+    assert all(letter.stream == stream.name for letter in letters)
+    info = await bus.js.stream_info(stream.name)
+    assert info.state.messages == 0  # all settled: nothing left behind in the work queue
+
+
+async def test_failing_handler_is_dead_lettered_after_max_deliver(bus: Bus, uid: str) -> None:
+    stream, consumer = _work(uid)
+    await bus.provision([*streams.core_streams(), stream, consumer])
+    await bus.publish(f"w.{uid}.x", GenerationTask(task_id="boom", model="m"))
+    await bus.publish(f"w.{uid}.x", GenerationTask(task_id="fine", model="m"))
+    attempts: list[int] = []
+
+    async def handler(d: Delivery[GenerationTask]) -> None:
+        if d.event.task_id == "boom":
+            attempts.append(d.num_delivered)
+            raise RuntimeError("worker blew up")
+
+    dead = asyncio.Event()
+
+    async def on_dead(msg, reason: str) -> None:  # type: ignore[no-untyped-def]
+        assert "worker blew up" in reason
+        dead.set()
+
+    stop = asyncio.Event()
+    c = bus.consumer(consumer, GenerationTask, handler, fetch_timeout=0.2, on_dead=on_dead)
+    task = asyncio.create_task(c.run(stop))
+    await asyncio.wait_for(dead.wait(), TIMEOUT)
+    stop.set()
+    await asyncio.wait_for(task, TIMEOUT)
+    # max_deliver=3: the handler runs on deliveries 1 and 2; the 2nd failure dead-letters.
+    assert attempts == [1, 2]
+    assert c.handled == 1
+
+
+async def test_consumer_resumes_after_server_kill_and_no_acked_publish_is_lost(
+        nats_server: NatsServer, settings: Settings, uid: str) -> None:
+    bus = await Bus.connect(settings, "test")
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    total = 40
+    acked: list[str] = []
+    seen: set[str] = set()
+    stop = asyncio.Event()
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        seen.add(d.event.task_id)
+        if len(seen) == total:
+            stop.set()
+
+    c = bus.consumer(consumer, GenerationTask, handle, fetch_timeout=0.2)
+    run = asyncio.create_task(c.run(stop))
+    for i in range(total):
+        if i == total // 2:
+            nats_server.kill()
+            nats_server.start()  # same port, same file store
+        tid = f"t{i}"
+        await bus.publish(f"w.{uid}.x", GenerationTask(task_id=tid, model="m"),
+                          msg_id=tid, retry_for=TIMEOUT)
+        acked.append(tid)
+    await asyncio.wait_for(run, TIMEOUT * 2)
+    assert seen == set(acked)
+    await bus.drain()
+
+
+async def test_sigterm_finishes_in_flight_work_and_exits_zero(
+        bus: Bus, settings: Settings, uid: str, tmp_path: Path) -> None:
+    started: asyncio.Queue[int] = asyncio.Queue()
+    done: list[int] = []
+
+    async def on_started(m) -> None:  # type: ignore[no-untyped-def]
+        started.put_nowait(json.loads(m.data)["n"])
+
+    await bus.nc.subscribe(f"echo.started.{uid}", cb=on_started)
+
+    async def on_done(m) -> None:  # type: ignore[no-untyped-def]
+        done.append(json.loads(m.data)["n"])
+
+    await bus.nc.subscribe(f"echo.done.{uid}", cb=on_done)
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, echo_delay="1.0",
+                      drain_timeout="15")
+    proc = await asyncio.create_subprocess_exec(
+        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        from tests.support.echo_service import Echo
+
+        for n in range(3):
+            # The stream is provisioned by the service at start; retry until it exists.
+            await bus.publish(f"echo.{uid}", Echo(n=n), retry_for=TIMEOUT)
+        first = await asyncio.wait_for(started.get(), TIMEOUT)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), TIMEOUT)
+        output = (await proc.stdout.read()).decode() if proc.stdout else ""
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0, output
+    await bus.nc.flush()
+    assert first in done  # the in-flight message finished before exit
+    assert "runner.drained" in output
+    # What was not started is still in the stream for the next worker (handed back).
+    info = await bus.js.consumer_info(f"ECHO_{uid}", "echo")
+    assert info.num_pending + info.num_ack_pending + len(done) == 3

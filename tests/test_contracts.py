@@ -1,0 +1,79 @@
+"""Settings, subject tokens and event decoding reject bad input with errors that name it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tandem.common import subjects
+from tandem.common.errors import EventDecodeError, InvalidToken, SettingsError
+from tandem.common.events import (
+    GenerationStatus,
+    GenerationTask,
+    GenEvent,
+    TaskState,
+    TrainEvent,
+    TrainStep,
+    decode,
+    encode,
+)
+from tandem.common.settings import Settings, load
+
+
+def test_bad_setting_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_METRICS_PORT", "not-a-port")
+    monkeypatch.setenv("TANDEM_NATS_URL", "http://example")
+    with pytest.raises(SettingsError) as err:
+        load(Settings, "gateway")
+    assert set(err.value.problems) == {"TANDEM_METRICS_PORT", "TANDEM_NATS_URL"}
+    assert "gateway" in str(err.value)
+
+
+def test_settings_read_from_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CLUSTER", "east")
+    monkeypatch.setenv("TANDEM_NATS_URL", "nats://a:1, nats://b:2")
+    s = load(Settings)
+    assert s.cluster == "east"
+    assert s.nats_servers == ["nats://a:1", "nats://b:2"]
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "a*", ">", "a b", "x" * 65, "é"])
+def test_bad_subject_token_raises_naming_it(bad: str) -> None:
+    with pytest.raises(InvalidToken) as err:
+        subjects.gen(bad, "batch")
+    assert err.value.kind == "cluster"
+    assert repr(bad) in str(err.value)
+
+
+def test_subjects_are_built_from_tokens() -> None:
+    assert subjects.gen("east", "interactive") == "gen.east.interactive"
+    assert subjects.gen_result("t-1") == "gen.result.t-1"
+    assert subjects.GEN.wildcard == "gen.*.*"
+    with pytest.raises(InvalidToken):
+        subjects.gen("east", "urgent")
+    with pytest.raises(InvalidToken):
+        subjects.train("run1", "weights")
+
+
+def test_event_decoding_ignores_unknown_fields() -> None:
+    data = b'{"task_id":"t1","model":"digits","future_field":{"x":1},"v":2}'
+    task = decode(data, GenerationTask)
+    assert task.task_id == "t1" and task.v == 2
+
+
+@pytest.mark.parametrize("payload", [b"", b"not json", b"[]", b'{"task_id": 5}',
+                                     b'{"task_id":"a.b","model":"m"}', b"\xff\xfe"])
+def test_malformed_payload_raises_one_typed_error(payload: bytes) -> None:
+    with pytest.raises(EventDecodeError) as err:
+        decode(payload, GenerationTask)
+    assert err.value.event_type == "GenerationTask"
+    assert err.value.reason
+
+
+def test_tagged_unions_decode_each_kind() -> None:
+    status = GenerationStatus(task_id="t", state=TaskState.running)
+    assert decode(encode(status), GenEvent) == status
+    step = TrainStep(run_id="r", step=3, loss=0.5)
+    assert decode(encode(step), TrainEvent) == step
+    with pytest.raises(EventDecodeError):
+        decode(msgspec.json.encode({"type": "nope", "task_id": "t"}), GenEvent)

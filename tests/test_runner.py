@@ -1,0 +1,76 @@
+"""The service runner: /healthz and /metrics while running, a clear exit on a stream
+conflict or a bad setting, and nothing deleted on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import urllib.request
+
+from tandem.common import streams
+from tandem.common.bus import Bus
+from tandem.common.servers import free_port
+from tandem.common.settings import Settings
+from tests.conftest import PYTHON, ROOT, service_env
+
+TIMEOUT = 30
+
+
+async def _wait_healthy(url: str, proc: asyncio.subprocess.Process) -> dict:
+    async def poll() -> dict:
+        while True:
+            assert proc.returncode is None, "service exited early"
+            try:
+                body = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(url, timeout=1).read())
+                return json.loads(body)
+            except OSError:
+                await asyncio.sleep(0.05)  # polling the service's own readiness endpoint
+
+    return await asyncio.wait_for(poll(), TIMEOUT)
+
+
+async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
+        settings: Settings, uid: str) -> None:
+    port = free_port()
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port))
+    proc = await asyncio.create_subprocess_exec(
+        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        health = await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+        assert health["status"] == "ok" and health["service"] == "echo"
+        assert health["nats"] == "connected"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
+        assert 'tandem_service_up{service="echo"} 1.0' in text
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_stream_conflict_at_start_exits_2_naming_stream_and_field(
+        bus: Bus, settings: Settings, uid: str) -> None:
+    await bus.provision([streams.StreamSpec(f"ECHO_{uid}", (f"echo.{uid}", "other.x"))])
+    await bus.publish("other.x", b"{}")
+    out = await asyncio.to_thread(
+        subprocess.run, [PYTHON, "-m", "tests.support.echo_service"], cwd=ROOT,
+        env=service_env(nats_url=settings.nats_url, echo_name=uid),
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 2
+    assert f"stream ECHO_{uid} exists with a conflicting config: subjects" in out.stdout
+    info = await bus.js.stream_info(f"ECHO_{uid}")
+    assert info.state.messages == 1  # never deleted or reshaped
+
+
+def test_bad_setting_exits_2_with_the_variable_named() -> None:
+    out = subprocess.run([PYTHON, "-m", "tests.support.echo_service"], cwd=ROOT,
+                         env=service_env(cluster="no.dots", drain_timeout="-1"),
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 2
+    assert "TANDEM_CLUSTER" in out.stderr and "TANDEM_DRAIN_TIMEOUT" in out.stderr
