@@ -154,12 +154,17 @@ class Bus:
                 delay = min(delay * 2, 1.0)
 
     async def publish_many(self, items: Sequence[tuple[str, Any, str | None]]) -> list[PubAck]:
-        """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack."""
+        """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack.
+
+        One call is one operation: its messages share one trace context (the current
+        span's, or one fresh root), as they would inside a caller's span.
+        """
         futures = []
+        shared = {TRACEPARENT: tracing.traceparent()}
         for subject, event, msg_id in items:
             data = event if isinstance(event, bytes) else encode(event)
-            futures.append(await self.js.publish_async(
-                subject, data, headers=self.headers(msg_id)))
+            hdrs = shared if msg_id is None else {**shared, MSG_ID: msg_id}
+            futures.append(await self.js.publish_async(subject, data, headers=hdrs))
         acks = list(await asyncio.gather(*futures))
         metrics.PUBLISHED.labels(self.service).inc(len(acks))
         return acks
@@ -393,29 +398,44 @@ class Consumer(Generic[E]):
                 await self._settle(delivery)
             return
         # Not exporting: only carry the producer's trace context forward, so logs and
-        # anything published while handling stay in the producer's trace.
+        # anything published while handling stay in the producer's trace. This is the
+        # hot path, so the handler is awaited here rather than through _settle.
         token = _attach_remote((msg.headers or {}).get(TRACEPARENT))
         try:
-            await self._settle(delivery)
+            await self.handler(delivery)
+        except BaseException as exc:
+            await self._failed(msg, exc)
+        else:
+            await msg.ack()
+            self.handled += 1
+            self._acked.inc()
         finally:
             if token is not None:
                 otel_context.detach(token)
 
     async def _settle(self, d: Delivery[E]) -> None:
-        msg = d.msg
         try:
             await self.handler(d)
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            await self._failed(d.msg, exc)
+        else:
+            await d.msg.ack()
+            self.handled += 1
+            self._acked.inc()
+
+    async def _failed(self, msg: Msg, exc: BaseException) -> None:
+        """Settle a message whose handler raised ``exc`` (see the module's table)."""
+        if isinstance(exc, asyncio.CancelledError):
             # Never ack a cancelled handler: hand the message back for another worker.
             with contextlib.suppress(Exception):
                 await asyncio.shield(msg.nak())
-            raise
-        except Retry as r:
-            await msg.nak(delay=r.delay)
+            raise exc
+        if isinstance(exc, Retry):
+            await msg.nak(delay=exc.delay)
             metrics.CONSUMED.labels(self.spec.stream, "retry").inc()
-        except Reject as r:
-            await self._dead(msg, f"rejected: {r.reason}")
-        except Exception as exc:
+        elif isinstance(exc, Reject):
+            await self._dead(msg, f"rejected: {exc.reason}")
+        elif isinstance(exc, Exception):
             n = delivered_count(msg)
             if n + 1 >= self.spec.max_deliver:
                 await self._dead(msg, f"failed {n} times: {exc!r}")
@@ -425,9 +445,7 @@ class Consumer(Generic[E]):
                 await msg.nak(delay=min(0.5 * 2 ** (n - 1), 30.0))
                 metrics.CONSUMED.labels(self.spec.stream, "nak").inc()
         else:
-            await msg.ack()
-            self.handled += 1
-            self._acked.inc()
+            raise exc  # KeyboardInterrupt, SystemExit: not ours to settle
 
     async def _dead(self, msg: Msg, reason: str) -> None:
         try:
