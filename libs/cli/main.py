@@ -18,6 +18,7 @@ from tandem.common.errors import TandemError
 COMMAND_MODULES = [
     "tandem.cli.run",
     "tandem.cli.dev",
+    "tandem.cli.demo",
     "tandem.cli.bench",
 ]
 

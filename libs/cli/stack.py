@@ -1,0 +1,635 @@
+"""The local stack: real servers plus every built service, as supervised child processes.
+
+``Stack`` starts a nats-server (JetStream, file store under the stack's root), moto's S3
+server with the bucket created, provisions the shared streams and KV buckets, then one
+child process per entry of the process list (``stack.toml``: clusters and process kinds
+are data). Each child's output lines are copied to one sink prefixed with its name
+(``[east/worker-0] ...``) and to ``<root>/logs/<name>.log``.
+
+It is the one supervisor behind ``tandem dev up``, ``tandem demo``, the benchmarks and
+the failover tests: ``kill("east")`` SIGKILLs every process of cluster east as a crash
+would, ``restart("east")`` brings them back, ``stop()`` leaves nothing behind.
+
+Stopping order: services first (SIGTERM so they drain, SIGKILL to the process group of
+any straggler after ``grace``), then S3 and NATS. A service's own children (trainer
+ranks) share its process group, so a kill never orphans them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from tandem.common import subjects
+from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
+from tandem.common.servers import NatsServer, Process, S3Server, free_port, port_in_use
+from tandem.common.settings import Settings, load
+from tandem.common.streams import ConsumerSpec, cluster_streams, core_streams
+
+DEFAULT_CONFIG = Path(__file__).with_name("stack.toml")
+HOST = "127.0.0.1"
+S3_KEY = "tandem"  # moto accepts any credentials; services still need some
+
+# What the port-in-use message suggests, per configured port.
+_PORT_FLAGS = {"nats": "--nats-port", "nats_monitor": "--nats-monitor-port",
+               "s3": "--s3-port", "gateway": "--gateway-port"}
+
+
+class Cancelled(Exception):
+    """``Stack.start`` was interrupted (Ctrl-C / SIGTERM) before the stack was up."""
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    name: str
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
+class ProcessKind:
+    """One kind of process: a service, how many (global or per node) and its settings."""
+
+    service: str
+    name: str
+    scope: Literal["global", "node"] = "node"
+    env: dict[str, str] = field(default_factory=dict)
+    cluster: str = "control"  # TANDEM_CLUSTER of a global process
+    url: str | None = None  # where a user reaches it (printed when the stack is up)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The process list as data: ports, bucket, clusters and process kinds."""
+
+    ports: dict[str, int]
+    bucket: str
+    clusters: tuple[ClusterConfig, ...]
+    processes: tuple[ProcessKind, ...]
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> StackConfig:
+        """Read a stack file (default: the bundled ``stack.toml``); raise ``SettingsError``."""
+        path = path or DEFAULT_CONFIG
+        where = f"stack config {path}"
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(where, {"file": str(exc)}) from None
+        problems: dict[str, str] = {}
+        try:
+            clusters = tuple(ClusterConfig(**c) for c in raw.get("clusters", []))
+            kinds = tuple(ProcessKind(**p) for p in raw.get("processes", []))
+        except TypeError as exc:  # an unknown or missing key in an entry
+            raise SettingsError(where, {"clusters/processes": str(exc)}) from None
+        config = cls(ports={k: int(v) for k, v in raw.get("ports", {}).items()},
+                     bucket=str(raw.get("s3", {}).get("bucket", "tandem")),
+                     clusters=clusters, processes=kinds)
+        problems.update(config.problems())
+        if problems:
+            raise SettingsError(where, problems)
+        return config
+
+    def problems(self) -> dict[str, str]:
+        """Everything wrong with this config, by key; empty when valid."""
+        from tandem.cli.run import SERVICES
+
+        out: dict[str, str] = {}
+        for name in ("nats", "nats_monitor", "s3"):
+            if name not in self.ports:
+                out[f"ports.{name}"] = "missing"
+        for name, port in self.ports.items():
+            if not 0 <= port <= 65535:
+                out[f"ports.{name}"] = f"{port} is not a port (0 picks a free one)"
+        if not self.clusters:
+            out["clusters"] = "at least one cluster is needed"
+        seen: set[str] = set()
+        for c in self.clusters:
+            try:
+                subjects.token(c.name, "cluster")
+            except ValueError as exc:
+                out[f"clusters.{c.name}"] = str(exc)
+            if c.name in seen:
+                out[f"clusters.{c.name}"] = "listed twice"
+            seen.add(c.name)
+            if c.nodes < 1:
+                out[f"clusters.{c.name}.nodes"] = f"{c.nodes}: at least 1"
+        for k in self.processes:
+            if k.service not in SERVICES:
+                out[f"processes.{k.name}.service"] = (
+                    f"{k.service!r} is not one of {', '.join(sorted(SERVICES))}")
+            if k.scope not in ("global", "node"):
+                out[f"processes.{k.name}.scope"] = f"{k.scope!r}: use 'global' or 'node'"
+            for key in ("name", "cluster"):
+                try:
+                    subjects.token(getattr(k, key), key)
+                except ValueError as exc:
+                    out[f"processes.{k.name}.{key}"] = str(exc)
+        return out
+
+    def with_clusters(self, names: list[str]) -> StackConfig:
+        nodes = {c.name: c.nodes for c in self.clusters}
+        return replace(self, clusters=tuple(ClusterConfig(n, nodes.get(n, 1)) for n in names))
+
+    def with_ports(self, **ports: int | None) -> StackConfig:
+        merged = dict(self.ports)
+        merged.update({k: v for k, v in ports.items() if v is not None})
+        return replace(self, ports=merged)
+
+    def free_ports(self) -> StackConfig:
+        """Every port 0 (picked free at start): for the demo and tests beside a dev stack."""
+        return replace(self, ports=dict.fromkeys(self.ports, 0))
+
+
+# ---------------------------------------------------------------------------- child processes
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One resolved child process: its name, command line and environment."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    service: str = ""
+    cluster: str = ""
+    health_url: str | None = None
+    url: str | None = None
+
+
+class Output:
+    """Where every child's lines go, prefixed with its name; one lock, whole lines."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self._lock = threading.Lock()
+
+    def line(self, name: str, text: str) -> None:
+        with self._lock:
+            try:
+                self.stream.write(f"[{name}] {text}\n")
+                self.stream.flush()
+            except (ValueError, OSError):  # sink closed (e.g. a pipe whose reader left)
+                pass
+
+
+class Child(Process):
+    """A supervised child: started in its own process group, its output pumped by a thread."""
+
+    def __init__(self, spec: ProcessSpec, out: Output, log_dir: Path) -> None:
+        super().__init__(name=spec.name, log_path=log_dir / f"{spec.name}.log")
+        self.spec = spec
+        self.out = out
+        self.starts = 0
+        self._reported_exit = False
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # NOTE: a new session means Ctrl-C in the terminal reaches only the supervisor,
+        # which then stops services before the servers they drain into.
+        self.proc = subprocess.Popen(
+            list(self.spec.argv), env=self.spec.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+        self._reported_exit = False
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
+                         name=f"pump-{self.name}").start()
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        with open(self.log_path, "ab") as log:
+            for raw in iter(proc.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                self.out.line(self.name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+        proc.stdout.close()
+
+    def signal(self, sig: signal.Signals, group: bool = False) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(self.proc.pid, sig)
+            elif self.proc.poll() is None:
+                os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as a crash of the node would."""
+        self.signal(signal.SIGKILL, group=True)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def exit_news(self) -> int | None:
+        """The exit code the first time an unexpected exit is seen, else None."""
+        if self.proc is None or self._reported_exit:
+            return None
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self._reported_exit = True
+        return code
+
+
+def stop_children(children: list[Child], grace: float) -> list[str]:
+    """SIGTERM every child, wait up to ``grace`` seconds, SIGKILL the stragglers' groups.
+
+    Returns the names that had to be killed. Every process group is SIGKILLed at the end
+    either way, so a service's own leftover children never outlive it.
+    """
+    for c in children:
+        c.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    killed: list[str] = []
+    for c in children:
+        if c.proc is None:
+            continue
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed.append(c.name)
+        c.kill()
+    return killed
+
+
+# ------------------------------------------------------------------------------------ the stack
+
+
+def module_of(service: str) -> str:
+    return "tandem." + service.replace("-", "_")
+
+
+def built_services(services: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``services`` into those whose ``tandem.<svc>.service`` imports and the rest.
+
+    The rest map to why: "not built yet" when the module does not exist, else the error.
+    """
+    from tandem.cli.run import service_class
+
+    built: list[str] = []
+    missing: dict[str, str] = {}
+    for svc in dict.fromkeys(services):
+        target = f"{module_of(svc)}.service"
+        try:
+            service_class(svc)
+        except ModuleNotFoundError as exc:
+            missing[svc] = ("not built yet" if exc.name and target.startswith(exc.name)
+                            else f"cannot import: {exc}")
+        except Exception as exc:
+            missing[svc] = f"cannot import: {exc!r}"
+        else:
+            built.append(svc)
+    return built, missing
+
+
+class Stack:
+    """The local stack. ``start()`` → use it → ``stop()`` (or use it as a context manager)."""
+
+    def __init__(self, config: StackConfig, root: Path, sink: IO[str] | None = None, *,
+                 fresh: bool = False, log_format: str | None = None, grace: float = 15.0,
+                 tail_servers: tuple[str, ...] = ("nats",)) -> None:
+        self.config = config
+        self.root = Path(root)
+        self.out = Output(sink or sys.stdout)
+        self.fresh = fresh
+        self.grace = grace
+        self.tail_servers = tail_servers
+        self.log_format = log_format or ("console" if (sink or sys.stdout).isatty() else "json")
+        self.ports: dict[str, int] = dict(config.ports)  # the live ones once started
+        self.nats: NatsServer | None = None
+        self.s3: S3Server | None = None
+        self.children: dict[str, Child] = {}
+        self.missing: dict[str, str] = {}
+        self._tail_stop = threading.Event()
+        self._stopped = False
+
+    # -------------------------------------------------------------------------------- views
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "stack.json"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://{HOST}:{self.ports['nats']}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://{HOST}:{self.ports['s3']}"
+
+    def settings(self, **overrides: Any) -> Settings:
+        """Settings that reach this stack's NATS and S3 (for in-process clients)."""
+        values: dict[str, Any] = dict(
+            nats_url=self.nats_url, s3_endpoint=self.s3_endpoint, s3_bucket=self.config.bucket,
+            s3_access_key=S3_KEY, s3_secret_key=S3_KEY)
+        values.update(overrides)
+        return load(Settings, "stack", **values)
+
+    def url(self, name: str) -> str | None:
+        child = self.children.get(name)
+        return child.spec.url if child else None
+
+    def pids(self) -> dict[str, int]:
+        out = {n: c.pid for n, c in self.children.items() if c.running and c.pid}
+        for srv in (self.nats, self.s3):
+            if srv is not None and srv.running and srv.pid:
+                out[srv.name] = srv.pid
+        return out
+
+    def select(self, target: str) -> list[Child]:
+        """Children named ``target``: a process name, a cluster, a service, or ``all``."""
+        if target in self.children:
+            return [self.children[target]]
+        found = [c for c in self.children.values()
+                 if target in ("all", c.spec.cluster, c.spec.service)]
+        if not found:
+            raise KeyError(f"no process, cluster or service {target!r} in the stack; "
+                           f"processes: {', '.join(self.children) or 'none'}")
+        return found
+
+    # -------------------------------------------------------------------------------- specs
+
+    def specs(self, services: list[str] | None = None) -> list[ProcessSpec]:
+        """Resolve the process list (only ``services`` when given) against the live ports."""
+        names = [c.name for c in self.config.clusters]
+        values = {f"{k}_port": str(v) for k, v in self.ports.items()}
+        values.update(clusters=",".join(names), nats_url=self.nats_url,
+                      s3_endpoint=self.s3_endpoint, bucket=self.config.bucket,
+                      root=str(self.root.resolve()))
+        out: list[ProcessSpec] = []
+        for kind in self.config.processes:
+            if services is not None and kind.service not in services:
+                continue
+            if kind.scope == "global":
+                places = [(kind.name, kind.cluster, kind.name, 0)]
+            else:
+                places = [(f"{c.name}/{kind.name}-{i}", c.name, f"node-{i}", i)
+                          for c in self.config.clusters for i in range(c.nodes)]
+            for name, cluster, node, index in places:
+                local = {**values, "cluster": cluster, "node": node, "index": str(index)}
+                out.append(self._spec(kind, name, cluster, node, local))
+        return out
+
+    def _spec(self, kind: ProcessKind, name: str, cluster: str, node: str,
+              values: dict[str, str]) -> ProcessSpec:
+        def fmt(text: str, key: str) -> str:
+            try:
+                return text.format(**values)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise SettingsError("stack config", {
+                    f"processes.{kind.name}.{key}": f"{text!r}: unknown placeholder {exc}; "
+                    f"known: {', '.join(sorted(values))}"}) from None
+
+        metrics_port = free_port(HOST)
+        env = dict(os.environ)  # a user's TANDEM_* (log level, ...) reach every service
+        env.setdefault("TANDEM_LOG_FORMAT", self.log_format)
+        env.setdefault("TANDEM_DRAIN_TIMEOUT", str(max(1.0, self.grace - 5)))
+        env.update({
+            "PYTHONUNBUFFERED": "1",
+            "TANDEM_NATS_URL": self.nats_url,
+            "TANDEM_STREAM_REPLICAS": "1",
+            "TANDEM_S3_ENDPOINT": self.s3_endpoint,
+            "TANDEM_S3_BUCKET": self.config.bucket,
+            "TANDEM_S3_ACCESS_KEY": S3_KEY,
+            "TANDEM_S3_SECRET_KEY": S3_KEY,
+            "TANDEM_CLUSTER": cluster,
+            "TANDEM_NODE": node,
+            "TANDEM_METRICS_HOST": HOST,
+            "TANDEM_METRICS_PORT": str(metrics_port),
+        })
+        env.update({f"TANDEM_{k.upper()}": fmt(str(v), f"env.{k}") for k, v in kind.env.items()})
+        return ProcessSpec(
+            name=name, argv=(sys.executable, "-m", module_of(kind.service)), env=env,
+            service=kind.service, cluster=cluster,
+            health_url=f"http://{HOST}:{metrics_port}/healthz",
+            url=fmt(kind.url, "url") if kind.url else None)
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    def start(self, *, cancel: threading.Event | None = None, health_timeout: float = 90.0,
+              services: list[str] | None = None) -> dict[str, str]:
+        """Start servers, provision, start every built service; return health by process.
+
+        Raises ``ServerStartError`` (a port in use names the port and the flag to change
+        it) before starting anything, ``StreamConflict`` if the store holds streams of
+        another shape (``fresh=True`` starts from an empty store), ``Cancelled`` when
+        ``cancel`` is set meanwhile. On any error what was started is stopped again.
+        """
+        cancel = cancel or threading.Event()
+        try:
+            return self._start(cancel, health_timeout, services)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _check(self, cancel: threading.Event) -> None:
+        if cancel.is_set():
+            raise Cancelled("interrupted while starting")
+
+    def _start(self, cancel: threading.Event, health_timeout: float,
+               services: list[str] | None) -> dict[str, str]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.ports = self._claim_ports()
+        if self.fresh:
+            import shutil
+
+            shutil.rmtree(self.root / "nats", ignore_errors=True)
+        self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
+                               port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
+                               store_dir=self.root / "nats", host=HOST)
+        self._tail(self.nats.log_path, "nats")
+        self.nats.start()
+        self._check(cancel)
+        self.s3 = S3Server(name="s3", log_path=self.log_dir / "s3.log", port=self.ports["s3"],
+                           host=HOST)
+        self._tail(self.s3.log_path, "s3")
+        self.s3.start()
+        from tandem.common.storage import ensure_bucket, s3_client
+
+        ensure_bucket(s3_client(self.settings()), self.config.bucket)
+        self._check(cancel)
+        created = asyncio.run(self._provision())
+        self.out.line("stack", f"provisioned {', '.join(created) or 'nothing new'}")
+        kinds = [k.service for k in self.config.processes
+                 if services is None or k.service in services]
+        built, self.missing = built_services(kinds)
+        for spec in self.specs(built):
+            self.children[spec.name] = Child(spec, self.out, self.log_dir)
+        for child in self.children.values():
+            child.start()
+        self._write_state()
+        return self.wait_healthy("all", health_timeout, cancel) if self.children else {}
+
+    def _claim_ports(self) -> dict[str, int]:
+        taken = {p for p in self.config.ports.values() if p}
+        ports: dict[str, int] = {}
+        for name, port in self.config.ports.items():
+            if port == 0:
+                port = free_port(HOST)
+                while port in taken:
+                    port = free_port(HOST)
+                taken.add(port)
+            elif port_in_use(port, HOST):
+                flag = _PORT_FLAGS.get(name, f"--port {name}=N")
+                raise ServerStartError(
+                    name, f"{name} port {HOST}:{port} is already in use. Another "
+                    f"`tandem dev up`? Stop it (`tandem dev down`), or pick another port "
+                    f"with {flag} (0 picks a free one).")
+            ports[name] = port
+        return ports
+
+    async def _provision(self) -> list[str]:
+        """Streams and KV buckets only: consumers are each service's own to declare."""
+        import nats
+
+        from tandem.common.streams import provision
+
+        specs = [s for s in core_streams(1) + cluster_streams(
+            [c.name for c in self.config.clusters], 1) if not isinstance(s, ConsumerSpec)]
+        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=3)
+        try:
+            return await provision(nc.jetstream(), specs)
+        except StreamConflict as exc:
+            raise StreamConflict(exc.kind, f"{exc.name} (in {self.root / 'nats'}; "
+                                 "`--fresh` starts from an empty store)",
+                                 exc.differences) from None
+        finally:
+            await nc.close()
+
+    def _tail(self, path: Path, name: str) -> None:
+        if name not in self.tail_servers:
+            return
+        offset = path.stat().st_size if path.exists() else 0
+
+        def run() -> None:
+            while not path.exists():
+                if self._tail_stop.wait(0.2):
+                    return
+            with open(path, "rb") as f:
+                f.seek(offset)
+                while True:
+                    raw = f.readline()
+                    if raw.endswith(b"\n"):
+                        self.out.line(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                        continue
+                    f.seek(-len(raw), os.SEEK_CUR)  # a partial line: read it whole later
+                    if self._tail_stop.wait(0.2):
+                        return
+
+        threading.Thread(target=run, daemon=True, name=f"tail-{name}").start()
+
+    def wait_healthy(self, target: str = "all", timeout: float = 90.0,
+                     cancel: threading.Event | None = None) -> dict[str, str]:
+        """Poll each selected child's /healthz until it answers 200, exits, or time is up.
+
+        Returns ``{name: "healthy" | "exited with code N" | "not healthy after Ts"}``.
+        """
+        pending = {c.name: c for c in self.select(target)}
+        result: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            for name, child in list(pending.items()):
+                if not child.running:
+                    code = child.proc.returncode if child.proc else None
+                    result[name] = f"exited with code {code}"
+                elif child.spec.health_url is None or _http_ok(child.spec.health_url):
+                    result[name] = "healthy"
+                else:
+                    continue
+                del pending[name]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                result.update(dict.fromkeys(pending, f"not healthy after {timeout:.0f}s"))
+                break
+            if cancel is not None and cancel.wait(0.2):
+                raise Cancelled("interrupted while waiting for services")
+            if cancel is None:
+                time.sleep(0.2)  # polling the services' own readiness endpoints
+        return {c.name: result[c.name] for c in self.select(target)}
+
+    def exits(self) -> list[tuple[str, int]]:
+        """Children that exited since last asked (name, code): for the supervisor's log."""
+        return [(c.name, code) for c in self.children.values()
+                if (code := c.exit_news()) is not None]
+
+    def kill(self, target: str) -> list[str]:
+        """SIGKILL the selected processes (and their process groups); return their names."""
+        chosen = self.select(target)
+        for c in chosen:
+            c.kill()
+        self._write_state()
+        return [c.name for c in chosen]
+
+    def restart(self, target: str) -> dict[str, int]:
+        """Stop (SIGTERM, then SIGKILL after grace) if running, start again; return new PIDs."""
+        chosen = self.select(target)
+        stop_children([c for c in chosen if c.running], self.grace)
+        for c in chosen:
+            c.start()
+        self._write_state()
+        return {c.name: c.pid or 0 for c in chosen}
+
+    def stop(self) -> list[str]:
+        """Stop everything; idempotent. Returns the names that needed SIGKILL."""
+        if self._stopped:
+            return []
+        self._stopped = True
+        killed = stop_children(list(self.children.values()), self.grace)
+        for srv in (self.s3, self.nats):
+            if srv is not None:
+                srv.stop()
+                if srv.proc is not None:  # and anything it left in its group
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(srv.proc.pid, signal.SIGKILL)
+        self._tail_stop.set()
+        with contextlib.suppress(FileNotFoundError):
+            self.state_path.unlink()
+        return killed
+
+    def _write_state(self) -> None:
+        state = {"supervisor": os.getpid(), "root": str(self.root.resolve()),
+                 "nats_url": self.nats_url, "s3_endpoint": self.s3_endpoint,
+                 "processes": self.pids()}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_path)
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __iter__(self) -> Iterator[Child]:
+        return iter(self.children.values())
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False

@@ -1,0 +1,292 @@
+"""The local stack: its process list as data, the supervisor, and `tandem dev up` itself."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.cli.run import service_class
+from tandem.cli.stack import (
+    Child,
+    Output,
+    ProcessSpec,
+    Stack,
+    StackConfig,
+    built_services,
+    stop_children,
+)
+from tandem.common.errors import SettingsError
+
+from .conftest import ROOT, service_env
+
+CLI = [sys.executable, "-m", "tandem.cli.main"]
+FREE_PORTS = ["--nats-port", "0", "--nats-monitor-port", "0", "--s3-port", "0",
+              "--gateway-port", "0"]
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``, from /proc (new sessions included)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling process state; there is no event to wait on
+
+
+class Lines:
+    """A child's stdout, line by line, with waits that have a deadline."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.q: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.q.put(line.rstrip("\n"))
+        self.q.put(None)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no line with {text!r} in {timeout}s:\n" + "\n".join(self.seen[-40:])
+            try:
+                line = self.q.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, "process ended early:\n" + "\n".join(self.seen[-40:])
+            self.seen.append(line)
+            if text in line:
+                return line
+
+
+def stub(name: str, script: str) -> ProcessSpec:
+    return ProcessSpec(name=name, argv=(sys.executable, "-c", script),
+                       env=service_env(), service="stub", cluster=name.split("/")[0])
+
+
+# ------------------------------------------------------------------------- the process list
+
+
+def test_clusters_are_added_by_config_not_code(tmp_path: Path) -> None:
+    config = StackConfig.load().with_clusters(["east", "west", "north"])
+    names = {s.name: s for s in Stack(config, tmp_path).specs()}
+    for cluster in ("east", "west", "north"):
+        for kind in ("agent", "worker"):
+            spec = names[f"{cluster}/{kind}-0"]
+            assert spec.env["TANDEM_CLUSTER"] == cluster
+            assert spec.env["TANDEM_NODE"] == "node-0"
+    assert {"gateway", "trainer", "checkpointer"} <= set(names)
+    assert names["gateway"].env["TANDEM_CLUSTERS"] == "east,west,north"
+
+
+def test_a_stack_file_sets_nodes_ports_and_settings(tmp_path: Path) -> None:
+    path = tmp_path / "stack.toml"
+    path.write_text(
+        '[ports]\nnats = 0\nnats_monitor = 0\ns3 = 0\n'
+        '[[clusters]]\nname = "solo"\nnodes = 2\n'
+        '[[processes]]\nservice = "cluster-agent"\nname = "agent"\n'
+        'env = { SIM_GPUS = "4", NOTE = "{cluster}-{index}-of-{clusters}" }\n')
+    specs = Stack(StackConfig.load(path), tmp_path).specs()
+    assert [s.name for s in specs] == ["solo/agent-0", "solo/agent-1"]
+    assert [s.env["TANDEM_NOTE"] for s in specs] == ["solo-0-of-solo", "solo-1-of-solo"]
+    assert specs[1].env["TANDEM_NODE"] == "node-1"
+    assert specs[0].argv[1:] == ("-m", "tandem.cluster_agent")
+    assert specs[0].health_url != specs[1].health_url
+
+
+def test_bad_stack_config_names_what_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "stack.toml"
+    path.write_text(
+        '[ports]\nnats = 70000\nnats_monitor = 0\ns3 = 0\n'
+        '[[clusters]]\nname = "ea.st"\n[[clusters]]\nname = "west"\nnodes = 0\n'
+        '[[processes]]\nservice = "painter"\nname = "p"\nscope = "rack"\n')
+    with pytest.raises(SettingsError) as err:
+        StackConfig.load(path)
+    assert set(err.value.problems) == {"ports.nats", "clusters.ea.st", "clusters.west.nodes",
+                                       "processes.p.service", "processes.p.scope"}
+    path.write_text('[ports]\nnats = 0\nnats_monitor = 0\ns3 = 0\n[[clusters]]\nname = "e"\n'
+                    '[[processes]]\nservice = "gateway"\nname = "gw"\nscope = "global"\n'
+                    'env = { X = "{nope}" }\n')
+    with pytest.raises(SettingsError, match="unknown placeholder 'nope'") as err:
+        Stack(StackConfig.load(path), tmp_path).specs()
+    assert list(err.value.problems) == ["processes.gw.env.X"]
+
+
+def test_stack_file_sets_only_settings_the_services_define(tmp_path: Path) -> None:
+    """A misspelt TANDEM_* variable would be silently ignored: catch it here."""
+    config = StackConfig.load()
+    built, _ = built_services([k.service for k in config.processes])
+    for kind in config.processes:
+        if kind.service in built:
+            fields = set(service_class(kind.service).settings_class.model_fields)
+            unknown = {k for k in kind.env if k.lower() not in fields}
+            assert not unknown, f"{kind.name} sets {sorted(unknown)}, unknown to {kind.service}"
+
+
+# ------------------------------------------------------------------------------ supervisor
+
+
+def test_output_lines_are_prefixed_and_a_stubborn_child_is_killed_with_its_group(
+        tmp_path: Path) -> None:
+    # Ignores SIGTERM and has a child of its own (as the trainer has ranks).
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "print('ready', kid.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    sink = io.StringIO()
+    child = Child(stub("east/stubborn-0", script), Output(sink), tmp_path)
+    child.start()
+    assert child.pid is not None
+    wait_until(lambda: "[east/stubborn-0] ready" in sink.getvalue(), 30, "the ready line")
+    grandchild = int(sink.getvalue().split()[-1])
+    assert alive(grandchild)
+    killed = stop_children([child], grace=0.5)
+    assert killed == ["east/stubborn-0"]
+    assert not alive(child.pid)
+    wait_until(lambda: not alive(grandchild), 10, "the grandchild to die")
+    assert (tmp_path / "east" / "stubborn-0.log").read_text().startswith("ready ")
+
+
+# ---------------------------------------------------------------------------- tandem dev up
+
+
+@pytest.mark.parametrize("flag", ["--nats-port", "--s3-port", "--gateway-port"])
+def test_dev_up_port_in_use_fails_fast_with_a_clear_message(tmp_path: Path, flag: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        args = dict(zip(FREE_PORTS[::2], FREE_PORTS[1::2], strict=True))
+        args[flag] = str(port)
+        argv = [*CLI, "dev", "up", "--root", str(tmp_path), *sum(args.items(), ())]
+        res = subprocess.run(argv, cwd=ROOT, env=service_env(), capture_output=True,
+                             text=True, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"127.0.0.1:{port} is already in use" in res.stderr
+    assert flag in res.stderr
+    assert "[stack] ready" not in res.stdout
+
+
+def test_dev_up_runs_the_stack_and_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*CLI, "dev", "up", "--root", str(tmp_path), *FREE_PORTS],
+                            cwd=ROOT, env=service_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    children: set[int] = set()
+    try:
+        out = Lines(proc)
+        out.wait_for("[stack] ready", 240)
+        children = descendants(proc.pid)
+        recorded = json.loads((tmp_path / "stack.json").read_text())["processes"]
+        # nats-server, the S3 server and every built service: each a child, each recorded.
+        assert {"nats", "s3"} <= set(recorded)
+        assert set(recorded.values()) <= children
+        proc.send_signal(signal.SIGTERM)
+        out.wait_for("[stack] stopped", 60)
+        assert proc.wait(30) == 0
+        wait_until(lambda: not any(alive(p) for p in children), 10, "no child left")
+        assert not (tmp_path / "stack.json").exists()
+        services = set(recorded) - {"nats", "s3"}
+        for name in services:  # every service's own lines came through, prefixed
+            assert any(line.startswith(f"[{name}] ") for line in out.seen), name
+        assert not [line for line in out.seen if "exited with code" in line]
+    finally:
+        for pid in children | descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killing_a_cluster_leaves_the_other_and_restart_brings_its_heartbeat_back(
+        tmp_path: Path) -> None:
+    sink = io.StringIO()
+    with Stack(StackConfig.load().free_ports(), tmp_path, sink, grace=5) as stack:
+        health = stack.start(services=["cluster-agent"], health_timeout=120)
+        assert health == {"east/agent-0": "healthy", "west/agent-0": "healthy"}, sink.getvalue()
+        before = heartbeat_revision(stack, "east.node-0", after=0)
+        old = stack.pids()["east/agent-0"]
+
+        assert stack.kill("east") == ["east/agent-0"]
+        assert not alive(old)
+        assert stack.children["west/agent-0"].running
+        assert stack.exits() == [("east/agent-0", -signal.SIGKILL)]
+
+        new = stack.restart("east")
+        assert new["east/agent-0"] != old
+        assert stack.wait_healthy("east", 120) == {"east/agent-0": "healthy"}
+        assert heartbeat_revision(stack, "east.node-0", after=before) > before
+        pids = set(stack.pids().values())
+    assert not any(alive(p) for p in pids)
+    assert "[east/agent-0] " in sink.getvalue() and "[west/agent-0] " in sink.getvalue()
+
+
+def heartbeat_revision(stack: Stack, key: str, after: int, timeout: float = 60) -> int:
+    """Wait for a heartbeat in KV nodes newer than revision ``after``; return its revision."""
+    import asyncio
+
+    import nats
+    from nats.js.errors import KeyNotFoundError
+
+    async def wait() -> int:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            kv = await nc.jetstream().key_value("nodes")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                with contextlib.suppress(KeyNotFoundError):
+                    entry = await kv.get(key)
+                    if entry.revision and entry.revision > after:
+                        return entry.revision
+                await asyncio.sleep(0.1)  # the agent beats on its own interval
+            raise AssertionError(f"no heartbeat {key} newer than {after} in {timeout}s")
+        finally:
+            await nc.close()
+
+    return asyncio.run(wait())
