@@ -290,3 +290,36 @@ def heartbeat_revision(stack: Stack, key: str, after: int, timeout: float = 60) 
             await nc.close()
 
     return asyncio.run(wait())
+
+
+def test_after_a_supervisor_crash_dev_up_refuses_and_dev_down_stops_the_leftovers(
+        tmp_path: Path) -> None:
+    argv = [*CLI, "dev", "up", "--root", str(tmp_path), *FREE_PORTS, "--only", "cluster-agent"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=service_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    leftovers: set[int] = set()
+    try:
+        Lines(proc).wait_for("[stack] ready", 240)
+        leftovers = descendants(proc.pid)
+        assert len(leftovers) >= 4  # nats, s3, east/agent-0, west/agent-0
+        proc.kill()  # the supervisor dies without a chance to stop anything
+        proc.wait(10)
+        assert all(alive(p) for p in leftovers)
+
+        again = subprocess.run(argv, cwd=ROOT, env=service_env(), capture_output=True,
+                               text=True, timeout=60)
+        assert again.returncode == 2
+        assert "still running" in again.stderr and "tandem dev down" in again.stderr
+
+        down = subprocess.run([*CLI, "dev", "down", "--root", str(tmp_path)], cwd=ROOT,
+                              env=service_env(), capture_output=True, text=True, timeout=90)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not any(alive(p) for p in leftovers)
+        assert not (tmp_path / "stack.json").exists()
+    finally:
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -32,4 +32,7 @@ def test_demo_runs_every_built_path_and_says_where_its_output_is(tmp_path: Path)
         assert steps["generation"]["status"] == "passed"
         pngs = list((out / "images").glob("*.png"))
         assert pngs and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+    if {"trainer", "checkpointer"} <= set(built):
+        assert steps["training"]["status"] == "passed"
+        assert "committed at s3://" in steps["training"]["detail"]
     assert not (out / "stack" / "stack.json").exists()  # the stack was stopped

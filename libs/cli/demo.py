@@ -78,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
             for svc, why in stack.missing.items():
                 say(f"  {svc:<22} {why}")
             steps.append(_services_step(health))
-            for path in (_nodes_step, _generation_step):
+            for path in (_nodes_step, _generation_step, _training_step):
                 if stop.is_set():
                     raise Cancelled("interrupted")
                 step = path(stack, health, args.timeout, out, say, stop)
@@ -239,3 +239,56 @@ def _generation_step(stack: Stack, health: dict[str, str], timeout: float, out: 
     if problems:
         return Step("generation", "failed", "; ".join(problems))
     return Step("generation", "passed", "; ".join(done))
+
+
+# A run small enough for the interim demo on two CPU cores: two checkpoints.
+DEMO_RUN = {"steps": 20, "checkpoint_every": 10, "ranks": 1, "batch_size": 16,
+            "warmup_steps": 0, "device": "cpu"}
+
+
+def _training_step(stack: Stack, health: dict[str, str], timeout: float, out: Path,
+                   say: Say, stop: threading.Event) -> Step:
+    """A short training run: trained by the trainer, its checkpoints committed to S3."""
+    services = {c.spec.service for c in stack.children.values()}
+    for svc in ("trainer", "checkpointer"):
+        if svc not in services:
+            return Step("training", "skipped", f"{svc} is not built yet")
+    from tandem.common import log
+    from tandem.common.bus import Bus
+    from tandem.common.runs import get_run, submit_run
+
+    log.configure("json", "error")  # the demo's console is for the demo's own lines
+    terminal = {"succeeded", "failed", "cancelled"}
+
+    async def run() -> Step:
+        bus = await Bus.connect(stack.settings(), "demo")
+        try:
+            rec = await submit_run(bus, DEMO_RUN)
+            say(f"submitted training run {rec.run_id}: {json.dumps(DEMO_RUN)}; waiting up to "
+                f"{timeout:.0f}s for it to finish and its last checkpoint to be committed")
+            deadline = time.monotonic() + timeout
+            seen = ""
+            while time.monotonic() < deadline and not stop.is_set():
+                rec = await get_run(bus, rec.run_id)
+                if rec.state.value != seen:
+                    seen = rec.state.value
+                    say(f"  run {rec.run_id}: {seen} (step {rec.latest_step})")
+                committed = rec.latest_checkpoint_step or 0
+                if rec.state.value in terminal and (
+                        rec.state.value != "succeeded" or committed >= DEMO_RUN["steps"]):
+                    break
+                await asyncio.sleep(0.5)  # polling KV runs, as `tandem train status` does
+            else:
+                return Step("training", "failed", f"run {rec.run_id} {rec.state.value} at "
+                            f"step {rec.latest_step}, committed checkpoint "
+                            f"{rec.latest_checkpoint_step} after {timeout:.0f}s")
+            if rec.state.value != "succeeded":
+                why = rec.incidents[-1] if rec.incidents else "no incident recorded"
+                return Step("training", "failed", f"run {rec.run_id} {rec.state.value}: {why}")
+            return Step("training", "passed", f"run {rec.run_id} trained {rec.latest_step} "
+                        f"steps; checkpoint step {rec.latest_checkpoint_step} committed at "
+                        f"{rec.latest_checkpoint_uri}")
+        finally:
+            await bus.drain()
+
+    return asyncio.run(run())
