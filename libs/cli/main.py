@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "tandem.cli.run",
     "tandem.cli.dev",
     "tandem.cli.demo",
+    "tandem.cli.fleet",
     "tandem.cli.bench",
 ]
 

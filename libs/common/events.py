@@ -237,6 +237,7 @@ class HealthTransition(Event, kw_only=True):
     evidence: dict[str, Any] = {}
     at: float = msgspec.field(default_factory=now)
     seq: int = 0
+    active: list[str] = []  # rules active after the change ("rule" or "rule@gpu")
 
 
 class NodeHeartbeat(Event, kw_only=True):
@@ -250,6 +251,39 @@ class NodeHeartbeat(Event, kw_only=True):
     models: list[str] = []
     drained: bool = False
     drain_reason: str = ""
+    at: float = msgspec.field(default_factory=now)
+    gpus_usable: int = 0  # on the bus and not held by a GPU-level fault
+    findings: list[str] = []  # active health rules, "rule" or "rule@gpu"
+    gpus: list[GpuBrief] = []  # latest key metrics per GPU, for fleet views
+    backend: str = ""  # "nvml" or "sim"
+    interval: float = 0.0  # telemetry interval, seconds
+    seq: int = 0  # heartbeat number since the agent started
+
+
+class GpuBrief(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A GPU's key metrics in a heartbeat (the full sample is on ``telemetry.*``)."""
+
+    index: int
+    util: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    temp: float | None = None
+    power: float | None = None
+    sm_clock: int | None = None
+    lost: bool = False
+
+
+class ModelsLoaded(Event, kw_only=True):
+    """Core NATS on ``models.<cluster>.<node>``: what one worker on a node has loaded.
+
+    Workers repeat it every few seconds; the node's agent folds the fresh ones into the
+    heartbeat's ``models``.
+    """
+
+    cluster: str
+    node: str
+    worker: str
+    models: list[str]
     at: float = msgspec.field(default_factory=now)
 
 

@@ -63,6 +63,7 @@ GEN_PROGRESS = Subject("gen.progress.{task}")
 GEN_CANCEL = Subject("gen.cancel.{task}")
 TELEMETRY = Subject("telemetry.{cluster}.{node}")
 HEALTH = Subject("health.{cluster}.{node}")
+MODELS = Subject("models.{cluster}.{node}")
 TRAIN = Subject("train.{run}.{kind}")
 CKPT = Subject("ckpt.{run}.{kind}")
 DLQ = Subject("dlq.{stream}")
@@ -98,6 +99,11 @@ def telemetry(cluster: str, node: str) -> str:
 
 def health(cluster: str, node: str) -> str:
     return f"health.{token(cluster, 'cluster')}.{token(node, 'node')}"
+
+
+def models(cluster: str, node: str) -> str:
+    """Core NATS: workers announce the models they have loaded on a node."""
+    return f"models.{token(cluster, 'cluster')}.{token(node, 'node')}"
 
 
 def train(run: str, kind: str) -> str:

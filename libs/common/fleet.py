@@ -1,0 +1,485 @@
+"""The fleet as the agents report it: heartbeats in KV ``nodes``, drains in KV ``drains``.
+
+No torch, no HTTP: plain msgspec Structs that the CLI prints, the gateway serves as
+JSON (``msgspec.to_builtins``) and routes on, and workers watch.
+
+- ``read_fleet(bus)``: one snapshot of every cluster and node (``tandem clusters``,
+  ``GET /v1/clusters``).
+- ``FleetWatch``: the same view kept live by KV watches, for routing without polling.
+- ``DrainWatch``: one node's drain flag, for a worker that must stop pulling when drained.
+- ``drain`` / ``undrain``: what ``tandem node drain|undrain`` (and the agent) write.
+- ``announce_models``: a worker tells its node's agent which models it has loaded.
+
+A node is *up* while its last heartbeat is younger than the heartbeat TTL, and
+*serving* while up, not drained and not unhealthy. A cluster is healthy while at least
+one of its nodes is serving. A drained node whose agent is gone stays in the view (as
+down and drained) so an operator still sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from tandem.common import log, subjects
+from tandem.common.bus import Bus
+from tandem.common.errors import EventDecodeError
+from tandem.common.events import DrainRecord, GpuBrief, Health, ModelsLoaded, NodeHeartbeat, decode
+from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
+
+_log = log.get("tandem.fleet")
+E = TypeVar("E")
+_DELETED = ("DEL", "PURGE")
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    cluster: str
+    node: str
+    status: str  # healthy, degraded, unhealthy, drained, or "down" (no fresh heartbeat)
+    health: Health | None  # from the last heartbeat; None when there is none
+    up: bool
+    serving: bool
+    drained: bool
+    drain_reason: str = ""
+    drained_by: str = ""
+    last_heartbeat: float | None = None  # epoch seconds, the agent's clock
+    age_s: float | None = None
+    gpus_total: int = 0
+    gpus_usable: int = 0
+    gpus_free: int = 0
+    models: list[str] = []
+    findings: list[str] = []
+    gpus: list[GpuBrief] = []
+    backend: str = ""
+
+
+class ClusterView(msgspec.Struct, kw_only=True):
+    name: str
+    healthy: bool  # at least one node serving
+    nodes_total: int
+    nodes_up: int
+    nodes_serving: int
+    nodes_drained: int
+    gpus_total: int  # on up nodes
+    gpus_free: int  # on serving nodes
+    models: list[str]  # loaded on serving nodes
+    health: dict[str, int]  # node count per status
+    nodes: list[NodeView]
+
+
+class FleetView(msgspec.Struct, kw_only=True):
+    clusters: list[ClusterView]
+    at: float
+    heartbeat_ttl: float
+
+    def cluster(self, name: str) -> ClusterView | None:
+        return next((c for c in self.clusters if c.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+
+def _node(hb: NodeHeartbeat | None, drain: DrainRecord | None, cluster: str, node: str,
+          age: float | None, ttl: float) -> NodeView:
+    up = hb is not None and age is not None and age <= ttl
+    drained = drain is not None or (hb is not None and hb.drained)
+    health = hb.health if hb is not None else None
+    if not up:
+        status = "down"
+    elif drained:
+        status = Health.drained.value
+    else:
+        status = health.value if health is not None else "down"
+    serving = up and not drained and health not in (Health.unhealthy, Health.drained)
+    view = NodeView(
+        cluster=cluster, node=node, status=status, health=health, up=up, serving=serving,
+        drained=drained,
+        drain_reason=drain.reason if drain else (hb.drain_reason if hb else ""),
+        drained_by=drain.by if drain else "",
+        age_s=round(age, 3) if age is not None else None,
+    )
+    if hb is not None:
+        view.last_heartbeat = hb.at
+        view.gpus_total, view.gpus_usable = hb.gpus_total, hb.gpus_usable
+        view.gpus_free = hb.gpus_free if serving else 0
+        view.models, view.findings, view.gpus = hb.models, hb.findings, hb.gpus
+        view.backend = hb.backend
+    return view
+
+
+def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
+              drains: Iterable[DrainRecord], *, ttl: float = HEARTBEAT_TTL,
+              at: float | None = None) -> FleetView:
+    """Build the fleet view from ``(heartbeat, age in seconds)`` pairs and drain records."""
+    hbs = {(hb.cluster, hb.node): (hb, age) for hb, age in heartbeats}
+    drs = {(d.cluster, d.node): d for d in drains}
+    by_cluster: dict[str, list[NodeView]] = {}
+    for key in sorted(set(hbs) | set(drs)):
+        hb, age = hbs.get(key, (None, None))
+        by_cluster.setdefault(key[0], []).append(_node(hb, drs.get(key), *key, age, ttl))
+    clusters = []
+    for name, nodes in sorted(by_cluster.items()):
+        serving = [n for n in nodes if n.serving]
+        counts: dict[str, int] = {}
+        for n in nodes:
+            counts[n.status] = counts.get(n.status, 0) + 1
+        clusters.append(ClusterView(
+            name=name, healthy=bool(serving), nodes_total=len(nodes),
+            nodes_up=sum(n.up for n in nodes), nodes_serving=len(serving),
+            nodes_drained=sum(n.drained for n in nodes),
+            gpus_total=sum(n.gpus_total for n in nodes if n.up),
+            gpus_free=sum(n.gpus_free for n in serving),
+            models=sorted({m for n in serving for m in n.models}),
+            health=counts, nodes=nodes,
+        ))
+    return FleetView(clusters=clusters, at=time.time() if at is None else at, heartbeat_ttl=ttl)
+
+
+# ------------------------------------------------------------------------------ snapshots
+
+
+async def _snapshot(kv: KeyValue) -> dict[str, bytes]:
+    """Every live key of a bucket in one ordered-consumer pass (not one get per key)."""
+    watcher = await kv.watchall(ignore_deletes=True)
+    out: dict[str, bytes] = {}
+    try:
+        while True:
+            entry = await watcher.updates(timeout=5.0)
+            if entry is None:
+                break
+            if entry.value:
+                out[entry.key] = entry.value
+    finally:
+        await watcher.stop()
+    return out
+
+
+def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
+    out = []
+    for key, data in raw.items():
+        try:
+            out.append(decode(data, event_type))
+        except EventDecodeError as exc:
+            _log.warning("fleet.bad_entry", key=key, error=exc.reason)
+    return out
+
+
+async def read_drains(bus: Bus) -> list[DrainRecord]:
+    return _decode_all(await _snapshot(await bus.kv(KV_DRAINS)), DrainRecord)
+
+
+async def read_heartbeats(bus: Bus) -> list[NodeHeartbeat]:
+    return _decode_all(await _snapshot(await bus.kv(KV_NODES)), NodeHeartbeat)
+
+
+async def read_fleet(bus: Bus, ttl: float = HEARTBEAT_TTL) -> FleetView:
+    """One snapshot of the fleet. Ages use the agents' clocks against this host's."""
+    heartbeats, drains = await asyncio.gather(read_heartbeats(bus), read_drains(bus))
+    now = time.time()
+    return summarize(((hb, max(0.0, now - hb.at)) for hb in heartbeats), drains, ttl=ttl, at=now)
+
+
+# --------------------------------------------------------------------------- drain records
+
+
+def operator() -> str:
+    with contextlib.suppress(Exception):
+        return f"{getpass.getuser()}@{socket.gethostname()}"
+    return "unknown"
+
+
+async def drain(bus: Bus, cluster: str, node: str, reason: str, by: str = "",
+                overwrite: bool = True) -> DrainRecord:
+    """Drain a node: its workers stop pulling, the trainer leaves it out of restarts.
+
+    With ``overwrite=False`` an existing drain (and its reason) is kept and returned.
+    """
+    if not reason.strip():
+        raise ValueError("a drain needs a reason")
+    key = subjects.node_key(cluster, node)
+    record = DrainRecord(cluster=cluster, node=node, reason=reason.strip(), by=by or operator())
+    kv = await bus.kv(KV_DRAINS)
+    if overwrite:
+        await kv.put(key, msgspec.json.encode(record))
+        return record
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    try:
+        await kv.create(key, msgspec.json.encode(record))
+        return record
+    except KeyWrongLastSequenceError:
+        current = await drain_record(bus, cluster, node)
+        return current or record
+
+
+async def undrain(bus: Bus, cluster: str, node: str) -> DrainRecord | None:
+    """Return a node to service; returns the drain that was lifted, if there was one.
+
+    The delete is written even when the node was not drained: its agent takes an
+    undrain as the operator's word that latched faults were dealt with.
+    """
+    previous = await drain_record(bus, cluster, node)
+    kv = await bus.kv(KV_DRAINS)
+    await kv.delete(subjects.node_key(cluster, node))
+    return previous
+
+
+async def _node_entry(bus: Bus, bucket: str, cluster: str, node: str,
+                      event_type: type[E]) -> E | None:
+    kv = await bus.kv(bucket)
+    try:
+        entry = await kv.get(subjects.node_key(cluster, node))
+    except (KeyNotFoundError, KeyDeletedError):
+        return None
+    return decode(entry.value, event_type) if entry.value else None
+
+
+async def drain_record(bus: Bus, cluster: str, node: str) -> DrainRecord | None:
+    """The node's drain, or None when it is not drained."""
+    return await _node_entry(bus, KV_DRAINS, cluster, node, DrainRecord)
+
+
+async def heartbeat(bus: Bus, cluster: str, node: str) -> NodeHeartbeat | None:
+    """The node's latest heartbeat, or None when it has none within the TTL."""
+    return await _node_entry(bus, KV_NODES, cluster, node, NodeHeartbeat)
+
+
+async def announce_models(bus: Bus, cluster: str, node: str, worker: str,
+                          models: list[str]) -> None:
+    """Tell the node's agent what ``worker`` has loaded; repeat every few seconds."""
+    await bus.emit(subjects.models(cluster, node),
+                   ModelsLoaded(cluster=cluster, node=node, worker=worker, models=models))
+
+
+# ----------------------------------------------------------------------------- live watches
+
+OnDrain = Callable[[DrainRecord | None], Awaitable[None]]
+
+
+class _KeyWatch:
+    """Follows one KV pattern: the initial values, then every change, resyncing on errors.
+
+    KV watches are ordered consumers; after a reconnect the watch is re-created. Every
+    ``resync`` seconds without an update the current values are read again, so a watch
+    that silently died cannot leave a stale view behind.
+    """
+
+    def __init__(self, bus: Bus, bucket: str, pattern: str, resync: float = 5.0) -> None:
+        self.bus, self.bucket, self.pattern, self.resync = bus, bucket, pattern, resync
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def initial(self, values: dict[str, bytes]) -> None: ...
+    async def update(self, key: str, value: bytes | None, live: bool) -> None: ...
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"watch {self.bucket}")
+        ready = asyncio.create_task(self.ready.wait())
+        await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if self._task.done():
+            self._task.result()  # raise what went wrong
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            watcher = None
+            try:
+                kv = await self.bus.kv(self.bucket)
+                watcher = await kv.watch(self.pattern)
+                live = False
+                while not self._stop.is_set():
+                    try:
+                        entry = await watcher.updates(timeout=self.resync)
+                    except NatsTimeout:
+                        await self._resync(kv)
+                        continue
+                    if entry is None:
+                        live = True
+                        self.ready.set()
+                        continue
+                    deleted = entry.operation in _DELETED or not entry.value
+                    await self.update(entry.key, None if deleted else entry.value, live)
+                    backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnects, a server restart: watch again
+                if not self.ready.is_set() and self._task is not None and backoff > 3:
+                    raise
+                _log.warning("fleet.watch_failed", bucket=self.bucket, error=repr(exc))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+
+    async def _resync(self, kv: KeyValue) -> None:
+        with contextlib.suppress(Exception):
+            await self.initial(await _snapshot(kv) if self.pattern == ">" else
+                               await self._one(kv))
+
+    async def _one(self, kv: KeyValue) -> dict[str, bytes]:
+        try:
+            entry = await kv.get(self.pattern)
+        except (KeyNotFoundError, KeyDeletedError):
+            return {}
+        return {self.pattern: entry.value} if entry.value else {}
+
+
+class DrainWatch(_KeyWatch):
+    """Whether one node is drained, kept current by a KV watch on ``drains``.
+
+    ``drained`` is valid once ``start()`` returns. ``on_change(record)`` runs for every
+    drain (a record) and undrain (None) written after the start, even one that does
+    not change ``drained`` (the agent takes any undrain as "faults dealt with"), and
+    when a resync finds the state changed.
+    """
+
+    def __init__(self, bus: Bus, cluster: str, node: str, on_change: OnDrain | None = None,
+                 resync: float = 5.0) -> None:
+        super().__init__(bus, KV_DRAINS, subjects.node_key(cluster, node), resync)
+        self.cluster, self.node = cluster, node
+        self.on_change = on_change
+        self.record: DrainRecord | None = None
+        self.changed = asyncio.Event()
+
+    @property
+    def drained(self) -> bool:
+        return self.record is not None
+
+    async def __aenter__(self) -> DrainWatch:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def wait(self, drained: bool, timeout: float) -> bool:
+        """Wait until ``drained`` is the state (or ``timeout``); return whether it is."""
+        deadline = time.monotonic() + timeout
+        while self.drained != drained:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+        return True
+
+    def _parse(self, value: bytes | None) -> DrainRecord | None:
+        if not value:
+            return None
+        try:
+            return decode(value, DrainRecord)
+        except EventDecodeError as exc:
+            # An unreadable drain is still a drain: stopping work is the safe side.
+            _log.warning("fleet.bad_drain", key=self.pattern, error=exc.reason)
+            return DrainRecord(cluster=self.cluster, node=self.node,
+                               reason=f"unreadable drain record: {exc.reason}")
+
+    async def _set(self, record: DrainRecord | None, notify: bool) -> None:
+        self.record = record
+        self.changed.set()
+        if notify and self.on_change is not None:
+            await self.on_change(record)
+
+    async def initial(self, values: dict[str, bytes]) -> None:
+        record = self._parse(values.get(self.pattern))
+        if (record is None) != (self.record is None):
+            await self._set(record, notify=True)
+
+    async def update(self, key: str, value: bytes | None, live: bool) -> None:
+        await self._set(self._parse(value), notify=live)
+
+
+class FleetWatch:
+    """The fleet view kept live by watches on KV ``nodes`` and ``drains``.
+
+    Ages count from when this process received each heartbeat, so the hosts' clocks do
+    not matter; KV expiry is silent, so a node whose heartbeats stopped shows as down
+    once its age passes the TTL.
+    """
+
+    def __init__(self, bus: Bus, ttl: float = HEARTBEAT_TTL) -> None:
+        self.ttl = ttl
+        self._heartbeats: dict[str, tuple[NodeHeartbeat, float]] = {}
+        self._drains: dict[str, DrainRecord] = {}
+        self._nodes = _MapWatch(bus, KV_NODES, self._on_node)
+        self._drain_watch = _MapWatch(bus, KV_DRAINS, self._on_drain)
+
+    async def start(self) -> FleetWatch:
+        await self._nodes.start()
+        await self._drain_watch.start()
+        return self
+
+    async def stop(self) -> None:
+        await self._nodes.stop()
+        await self._drain_watch.stop()
+
+    async def __aenter__(self) -> FleetWatch:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _on_node(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self._heartbeats.pop(key, None)
+            return
+        with contextlib.suppress(EventDecodeError):
+            self._heartbeats[key] = (decode(value, NodeHeartbeat), time.monotonic())
+
+    def _on_drain(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self._drains.pop(key, None)
+            return
+        with contextlib.suppress(EventDecodeError):
+            self._drains[key] = decode(value, DrainRecord)
+
+    def view(self) -> FleetView:
+        now = time.monotonic()
+        for key in [k for k, (_, seen) in self._heartbeats.items() if now - seen > 10 * self.ttl]:
+            del self._heartbeats[key]  # long expired: forget it
+        return summarize(((hb, now - seen) for hb, seen in self._heartbeats.values()),
+                         self._drains.values(), ttl=self.ttl)
+
+
+class _MapWatch(_KeyWatch):
+    def __init__(self, bus: Bus, bucket: str, apply: Callable[[str, bytes | None], None]) -> None:
+        super().__init__(bus, bucket, ">")
+        self.apply = apply
+        self.keys: set[str] = set()
+
+    async def initial(self, values: dict[str, bytes]) -> None:
+        # KV expiry is silent: a resync is how keys that expired leave the view. Values
+        # are not re-applied: their receipt time would make old heartbeats look fresh.
+        for key in self.keys - set(values):
+            self.apply(key, None)
+        self.keys = set(values)
+
+    async def update(self, key: str, value: bytes | None, live: bool) -> None:
+        if value is None:
+            self.keys.discard(key)
+        else:
+            self.keys.add(key)
+        self.apply(key, value)

@@ -1,0 +1,49 @@
+"""Time for the agent, behind a Protocol so tests drive simulated time sample by sample."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the epoch (wall time: events carry it)."""
+        ...
+
+    async def sleep_until(self, t: float, stop: asyncio.Event) -> bool:
+        """Wait until ``now() >= t`` or ``stop`` is set; True if stopping."""
+        ...
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.time()
+
+    async def sleep_until(self, t: float, stop: asyncio.Event) -> bool:
+        delay = t - time.time()
+        if delay > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+        return stop.is_set()
+
+
+class ManualClock:
+    """A clock that moves only when told: ``advance(dt)``. ``sleep_until`` jumps to ``t``."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+    async def sleep_until(self, t: float, stop: asyncio.Event) -> bool:
+        self.t = max(self.t, t)
+        await asyncio.sleep(0)  # yield so other tasks (watchers, stop) get to run
+        return stop.is_set()

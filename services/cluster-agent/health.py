@@ -1,0 +1,160 @@
+"""The health tracker: runs the rules of ``rules.py`` over each sample, with hysteresis.
+
+It keeps, per (rule, GPU), a leaky count of samples the condition held and of clean
+samples since, and reports a ``Change`` whenever a rule fires or clears. The node's
+health is the worst severity among active rules; the agent turns changes of that into
+published transitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tandem.cluster_agent.rules import RULES, SEVERITY, Evidence, GpuView, Limits, Rule
+from tandem.common.events import GpuSample, Health
+
+
+@dataclass(slots=True)
+class _Track:
+    on: int = 0  # leaky count of samples the condition held
+    off: int = 0  # clean samples in a row while active
+    active: bool = False
+    evidence: Evidence = field(default_factory=dict)
+    since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A rule fired (``fired``) or cleared on ``gpu`` at ``at``, with its evidence."""
+
+    rule: Rule
+    gpu: int
+    fired: bool
+    evidence: Evidence
+    at: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.rule.name}@{self.gpu}"
+
+
+def _median(values: Iterable[float | int | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(statistics.median(vals)) if vals else None
+
+
+class Tracker:
+    def __init__(self, rules: Sequence[Rule] = RULES, limits: Limits | None = None) -> None:
+        self.rules = tuple(rules)
+        self.limits = limits or Limits()
+        self._by_name = {r.name: r for r in self.rules}
+        self.samples = 0
+        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._prev: dict[int, GpuSample] = {}
+        self._xids: dict[int, deque[tuple[int, int]]] = {}
+
+    # ----------------------------------------------------------------------------- state
+
+    @property
+    def health(self) -> Health:
+        worst = Health.healthy
+        for (name, _), tr in self._tracks.items():
+            severity = self._by_name[name].severity
+            if tr.active and SEVERITY[severity] > SEVERITY[worst]:
+                worst = severity
+        return worst
+
+    def active(self) -> list[str]:
+        """Active rules as ``rule@gpu``, sorted."""
+        return sorted(f"{n}@{g}" for (n, g), tr in self._tracks.items() if tr.active)
+
+    def gpus_with(self, severity: Health) -> set[int]:
+        """GPUs with an active rule of ``severity``."""
+        return {g for (n, g), tr in self._tracks.items()
+                if tr.active and self._by_name[n].severity == severity}
+
+    def evidence(self, rule: str, gpu: int) -> Evidence:
+        tr = self._tracks.get((rule, gpu))
+        return dict(tr.evidence) if tr else {}
+
+    # --------------------------------------------------------------------------- observe
+
+    def observe(self, samples: Sequence[GpuSample], at: float) -> list[Change]:
+        """Run every rule over one sample of the node; return what fired or cleared."""
+        self.samples += 1
+        lim = self.limits
+        reporting = [s for s in samples if not s.lost]
+        median_clock = _median(s.sm_clock for s in reporting)
+        median_util = _median(s.util for s in reporting)
+        changes: list[Change] = []
+        tracks = self._tracks
+        for s in samples:
+            counts: dict[int, int] = {}
+            if s.xids:
+                counts = self._remember_xids(s)
+            view = GpuView(s, self._prev.get(s.index), median_clock, median_util,
+                           len(reporting), counts)
+            for rule in self.rules:
+                key = (rule.name, s.index)
+                tr = tracks.get(key)
+                test = rule.hold if (tr is not None and tr.active and rule.hold) else rule.fire
+                ev = test(view, lim)
+                if ev is not None:
+                    if tr is None:
+                        tr = tracks[key] = _Track()
+                    tr.on = min(tr.on + 1, rule.sustain)
+                    tr.off = 0
+                    if not tr.active and tr.on >= rule.sustain:
+                        tr.active, tr.evidence, tr.since = True, ev, at
+                        changes.append(Change(rule, s.index, True, ev, at))
+                elif tr is not None:
+                    if tr.active:
+                        if rule.clear:
+                            tr.off += 1
+                            if tr.off >= rule.clear:
+                                del tracks[key]
+                                changes.append(Change(rule, s.index, False, tr.evidence, at))
+                    else:
+                        tr.on -= 1
+                        if tr.on <= 0:
+                            del tracks[key]
+            self._prev[s.index] = s
+        return changes
+
+    def _remember_xids(self, s: GpuSample) -> dict[int, int]:
+        window = self._xids.setdefault(s.index, deque())
+        for code in s.xids:
+            window.append((self.samples, code))
+        while window and window[0][0] <= self.samples - self.limits.xid_window:
+            window.popleft()
+        return dict(Counter(code for _, code in window))
+
+    # ----------------------------------------------------------------- restart and undrain
+
+    def restore(self, keys: Iterable[str], at: float) -> None:
+        """Re-activate rules published as active before a restart (``rule@gpu``).
+
+        A latched rule stays until undrain; any other clears by itself once its
+        condition has been absent for its ``clear`` samples.
+        """
+        for key in keys:
+            name, _, gpu = key.partition("@")
+            rule = self._by_name.get(name)
+            if rule is None or not gpu.isdigit():
+                continue
+            self._tracks[(name, int(gpu))] = _Track(on=rule.sustain, active=True,
+                                                    evidence={"restored": True}, since=at)
+
+    def clear_latched(self, at: float) -> list[Change]:
+        """The operator returned the node to service: forget latched faults and XIDs."""
+        changes = []
+        for (name, gpu), tr in list(self._tracks.items()):
+            rule = self._by_name[name]
+            if tr.active and rule.latched:
+                del self._tracks[(name, gpu)]
+                changes.append(Change(rule, gpu, False, tr.evidence, at))
+        self._xids.clear()
+        return changes

@@ -1,0 +1,90 @@
+"""The cluster-agent service: one ``NodeAgent`` for this node under the common runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import zlib
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from tandem.cluster_agent import faults
+from tandem.cluster_agent.agent import NodeAgent
+from tandem.cluster_agent.backend import AgentDeath, Backend, make
+from tandem.cluster_agent.clock import WallClock
+from tandem.common.runner import Context, Service
+from tandem.common.settings import Settings
+
+
+class AgentSettings(Settings):
+    agent_backend: Literal["sim", "nvml"] = Field(
+        "sim", description="Where GPU samples come from: 'nvml' (real GPUs through "
+        "nvidia-ml-py) or 'sim' (simulated GPUs with a fault script). Set nvml on GPU nodes.")
+    agent_interval: float = Field(
+        1.0, gt=0.05, le=60, description="Seconds between telemetry samples.")
+    agent_auto_drain: bool = Field(
+        True, description="Drain the node when a rule with action drain/reset/replace makes "
+        "it unhealthy; an operator undrains it after dealing with the fault.")
+    agent_models: str = Field(
+        "", description="Comma-separated models always reported as loaded (besides those "
+        "workers announce on models.<cluster>.<node>).")
+    sim_gpus: int = Field(8, ge=1, le=4096, description="Simulated GPUs on this node.")
+    sim_load: float = Field(
+        0.0, ge=0.0, le=1.0, description="Simulated load: 0 idle, 0.95 a busy training job.")
+    sim_seed: int | None = Field(
+        None, description="Noise seed; default derives from cluster and node.")
+    sim_faults: str = Field(
+        "", description="Fault script for the sim backend: a file path or the script "
+        "itself (lines or ';'-separated, e.g. '10 xid gpu=0 code=79; 30 thermal gpu=1').")
+
+    @field_validator("sim_faults")
+    @classmethod
+    def _faults(cls, value: str, info: ValidationInfo) -> str:
+        parsed = faults.load(value)  # FaultScriptError is a ValueError: named in the error
+        gpus = info.data.get("sim_gpus")
+        if gpus:
+            faults.check_gpus(parsed, gpus)
+        return value
+
+
+class ClusterAgent(Service):
+    name = "cluster-agent"
+    settings_class = AgentSettings
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.agent: NodeAgent | None = None
+
+    def backend(self) -> Backend:
+        s: AgentSettings = self.settings  # type: ignore[assignment]
+        if s.agent_backend == "nvml":
+            return make("nvml")
+        seed = s.sim_seed
+        if seed is None:
+            seed = zlib.crc32(f"{s.cluster}.{s.node}".encode())
+        return make("sim", gpus=s.sim_gpus, load=s.sim_load, faults=faults.load(s.sim_faults),
+                    seed=seed)
+
+    def health(self) -> dict[str, Any]:
+        a = self.agent
+        if a is None:
+            return {}
+        return {"node_health": a.state.value, "drained": a.drain.drained, "gpus": a.gpus,
+                "samples": a.samples, "active_rules": a.tracker.active()}
+
+    async def run(self, ctx: Context) -> None:
+        s: AgentSettings = ctx.settings  # type: ignore[assignment]
+        models = [m.strip() for m in s.agent_models.split(",") if m.strip()]
+        agent = self.agent = NodeAgent(
+            ctx.bus, s.cluster, s.node, self.backend(), WallClock(), interval=s.agent_interval,
+            auto_drain=s.agent_auto_drain, models=models)
+        await agent.start()
+        try:
+            await agent.run(ctx.stopping)
+        except AgentDeath as exc:
+            # The sim script's agent-die: die as a kill -9 would, leaving the heartbeat to
+            # expire and nothing flushed.
+            ctx.log.error("agent.dying", reason=str(exc))
+            os.kill(os.getpid(), signal.SIGKILL)
+        await agent.close()

@@ -1,0 +1,260 @@
+"""The cluster agent on a real nats-server: telemetry, transitions, heartbeats, drains,
+restarts without duplicate transitions, and kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from tandem.cluster_agent import faults
+from tandem.cluster_agent.agent import NodeAgent
+from tandem.cluster_agent.clock import ManualClock
+from tandem.cluster_agent.sim import SimBackend
+from tandem.common import fleet, subjects
+from tandem.common.bus import Bus
+from tandem.common.events import Health, HealthTransition, NodeTelemetry, decode
+from tandem.common.servers import NatsServer
+from tandem.common.streams import HEALTH, HEARTBEAT_TTL, TELEMETRY, core_streams
+from tests.conftest import PYTHON, service_env
+
+
+async def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    """Wait for ``cond()`` (sync or async) to be truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        await asyncio.sleep(0.02)  # polling a condition, with the deadline above
+
+
+async def transitions(bus: Bus, cluster: str, node: str) -> list[HealthTransition]:
+    """Every transition stored in HEALTH for one node, oldest first."""
+    sub = await bus.js.pull_subscribe(subjects.health(cluster, node), stream=HEALTH)
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        out: list[HealthTransition] = []
+        while len(out) < pending:
+            out += [decode(m.data, HealthTransition)
+                    for m in await sub.fetch(pending - len(out), timeout=5)]
+        return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def stored(bus: Bus, stream: str, subject: str) -> int:
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+@pytest.fixture
+async def fleet_bus(bus: Bus) -> Bus:
+    await bus.provision(core_streams())
+    return bus
+
+
+def agent_for(bus: Bus, cluster: str, script: str = "", gpus: int = 4, node: str = "n1",
+              clock: ManualClock | None = None, **options: Any) -> tuple[NodeAgent, ManualClock]:
+    clock = clock or ManualClock(time.time())
+    sim = SimBackend(gpus=gpus, load=0.95, faults=faults.parse(script), seed=3)
+    return NodeAgent(bus, cluster, node, sim, clock, **options), clock
+
+
+async def ticks(agent: NodeAgent, clock: ManualClock, n: int) -> None:
+    for _ in range(n):
+        clock.advance(1.0)
+        await agent.tick()
+
+
+async def test_agent_publishes_telemetry_and_a_transition_with_evidence_then_auto_drains(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    agent, clock = agent_for(fleet_bus, cluster, "3 xid gpu=1 code=79")
+    await agent.start()
+    await ticks(agent, clock, 5)
+    await until(lambda: agent.state == Health.drained, what="the agent's own drain")
+
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.previous, t.current, t.rule) for t in trs] == [
+        (Health.healthy, Health.unhealthy, "xid-79"), (Health.unhealthy, Health.drained, "drain")]
+    bad = trs[0]
+    assert (bad.gpu, bad.action, bad.seq, bad.active) == (1, "replace", 1, ["xid-79@1"])
+    assert bad.evidence["values"] == {"xid": 79} and bad.evidence["at"] == bad.at
+    assert "fallen off the bus" in bad.reason
+
+    subject = subjects.telemetry(cluster, "n1")
+    assert await stored(fleet_bus, TELEMETRY, subject) == 5
+    last = decode((await fleet_bus.js.get_last_msg(TELEMETRY, subject)).data, NodeTelemetry)
+    assert len(last.gpus) == 4 and last.seq == 5 and all(g.util is not None for g in last.gpus)
+
+    record = await fleet.drain_record(fleet_bus, cluster, "n1")
+    assert record is not None and record.by == "agent" and "xid-79 on GPU 1" in record.reason
+    hb = await until(lambda: fleet.heartbeat(fleet_bus, cluster, "n1"))
+    await until(lambda: agent.heartbeats and agent.heartbeat_value().drained)
+    await agent.heartbeat()
+    hb = await fleet.heartbeat(fleet_bus, cluster, "n1")
+    assert hb is not None
+    assert (hb.health, hb.drained, hb.gpus_total, hb.gpus_usable, hb.gpus_free) == (
+        Health.drained, True, 4, 3, 0)
+    assert hb.findings == ["xid-79@1"] and len(hb.gpus) == 4
+
+    await agent.close()
+    assert await fleet.heartbeat(fleet_bus, cluster, "n1") is None  # graceful stop: gone now
+
+
+async def test_an_agent_restart_resumes_without_duplicate_transitions(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    # A lasting fault (thermal) and a one-off event (XID 79, latched) before the restart.
+    first, clock = agent_for(fleet_bus, cluster, "1 thermal gpu=2; 25 xid gpu=0 code=79",
+                             auto_drain=False)
+    await first.start()
+    await ticks(first, clock, 30)
+    before = await transitions(fleet_bus, cluster, "n1")
+    assert [t.current for t in before] == [Health.degraded, Health.unhealthy]
+    await first.close(remove_heartbeat=False)  # as if it died
+
+    # After the restart the thermal fault is still there; the XID is not repeated.
+    second, _ = agent_for(fleet_bus, cluster, "0 thermal gpu=2", clock=clock, auto_drain=False)
+    await second.start()
+    assert (second.state, second.seq) == (Health.unhealthy, 2)
+    await ticks(second, clock, 60)
+    assert await transitions(fleet_bus, cluster, "n1") == before
+    assert second.published == []
+    assert "xid-79@0" in second.tracker.active()
+    await second.close()
+
+
+async def test_drain_and_undrain_move_the_node_and_workers_watch_it(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    agent, clock = agent_for(fleet_bus, cluster, "2 xid gpu=3 code=63")
+    await agent.start()
+    changes: list[bool] = []
+
+    async def on_change(record: Any) -> None:
+        changes.append(record is not None)
+
+    async with fleet.DrainWatch(fleet_bus, cluster, "n1", on_change=on_change) as worker:
+        assert not worker.drained
+        await ticks(agent, clock, 3)
+        assert agent.state == Health.degraded  # XID 63: reset pending, latched
+
+        await fleet.drain(fleet_bus, cluster, "n1", "swap the PSU", by="ops")
+        assert await worker.wait(True, timeout=10)
+        assert worker.record is not None and worker.record.reason == "swap the PSU"
+        await until(lambda: agent.state == Health.drained, what="drained transition")
+        await agent.heartbeat()
+        hb = await fleet.heartbeat(fleet_bus, cluster, "n1")
+        assert hb is not None and hb.drained and hb.drain_reason == "swap the PSU"
+        assert hb.gpus_free == 0
+
+        assert (await fleet.undrain(fleet_bus, cluster, "n1")).reason == "swap the PSU"
+        assert await worker.wait(False, timeout=10)
+        # The undrain also tells the agent the latched XID 63 was dealt with.
+        await until(lambda: agent.state == Health.healthy, what="undrained transition")
+        assert changes == [True, False]
+
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.current, t.rule) for t in trs] == [
+        (Health.degraded, "xid-63"), (Health.drained, "drain"), (Health.healthy, "undrain")]
+    assert trs[1].evidence["by"] == "ops"
+    assert trs[2].evidence["cleared"] == ["xid-63@3"]
+    await agent.close()
+
+
+async def test_a_garbage_drain_record_counts_as_drained(fleet_bus: Bus, uid: str) -> None:
+    kv = await fleet_bus.kv("drains")
+    await kv.put(subjects.node_key(f"c{uid}", "n1"), b"\x00not json")
+    async with fleet.DrainWatch(fleet_bus, f"c{uid}", "n1") as watch:
+        assert watch.drained and "unreadable drain record" in watch.record.reason  # type: ignore[union-attr]
+
+
+async def test_models_announced_by_workers_appear_in_the_heartbeat(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    agent, _ = agent_for(fleet_bus, cluster, models=["base"])
+    await agent.start()
+    await fleet.announce_models(fleet_bus, cluster, "n1", "worker-0", ["digits", "tiny"])
+    await fleet_bus.nc.flush()
+    await until(lambda: agent.heartbeat_value().models == ["base", "digits", "tiny"])
+    await agent.close()
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def start_agent(server: NatsServer, cluster: str, script: str) -> subprocess.Popen[bytes]:
+    env = service_env(nats_url=server.url, cluster=cluster, node="n1", agent_backend="sim",
+                      sim_gpus="2", sim_load="0.9", agent_interval="0.2", sim_faults=script)
+    return subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def test_heartbeat_expires_after_kill_9_and_a_restart_adds_no_transition(
+        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    script = "0.5 xid gpu=0 code=79"
+    proc = start_agent(nats_server, cluster, script)
+    try:
+        await until(lambda: transitions(fleet_bus, cluster, "n1"), timeout=30,
+                    what="the first transition")
+        await until(lambda: fleet.heartbeat(fleet_bus, cluster, "n1"), what="a heartbeat")
+        await until(lambda: _count(fleet_bus, cluster, 2), what="the drained transition")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        killed = time.monotonic()
+        # KV nodes' TTL removes the key; a second of slack for the server's expiry timer.
+        await until(lambda: _gone(fleet_bus, cluster), timeout=HEARTBEAT_TTL + 2,
+                    what="the heartbeat to expire")
+        assert time.monotonic() - killed <= HEARTBEAT_TTL + 2
+
+        proc = start_agent(nats_server, cluster, script)  # the same script: XID 79 again
+        await until(lambda: _beats(fleet_bus, cluster, 15), timeout=30, what="15 heartbeats")
+        trs = await transitions(fleet_bus, cluster, "n1")
+        assert [(t.current, t.seq) for t in trs] == [(Health.unhealthy, 1), (Health.drained, 2)]
+
+        proc.send_signal(signal.SIGTERM)  # a graceful stop removes the heartbeat at once
+        assert proc.wait(timeout=30) == 0
+        assert await fleet.heartbeat(fleet_bus, cluster, "n1") is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def _count(bus: Bus, cluster: str, n: int) -> bool:
+    return await stored(bus, HEALTH, subjects.health(cluster, "n1")) == n
+
+
+async def _gone(bus: Bus, cluster: str) -> bool:
+    return await fleet.heartbeat(bus, cluster, "n1") is None
+
+
+async def _beats(bus: Bus, cluster: str, n: int) -> bool:
+    hb = await fleet.heartbeat(bus, cluster, "n1")
+    return hb is not None and hb.seq >= n
+
+
+async def test_the_agent_die_fault_kills_the_agent_like_kill_9(
+        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
+    proc = start_agent(nats_server, f"c{uid}", "1 agent-die")
+    try:
+        assert await asyncio.to_thread(proc.wait, 30) == -signal.SIGKILL
+        # Nothing graceful ran: the heartbeat is left to expire.
+        assert await fleet.heartbeat(fleet_bus, f"c{uid}", "n1") is not None
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
