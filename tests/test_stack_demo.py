@@ -36,3 +36,18 @@ def test_demo_runs_every_built_path_and_says_where_its_output_is(tmp_path: Path)
         assert steps["training"]["status"] == "passed"
         assert "committed at s3://" in steps["training"]["detail"]
     assert not (out / "stack" / "stack.json").exists()  # the stack was stopped
+
+
+def test_demo_gives_up_on_each_wait_with_a_clear_message_and_still_stops_the_stack(
+        tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    res = subprocess.run([sys.executable, "-m", "tandem.cli.main", "demo", "--out", str(out),
+                          "--timeout", "0.5", "--grace", "3"], cwd=ROOT, env=service_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout[-4000:] + res.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    failed = [s for s in summary["steps"] if s["status"] == "failed"]
+    assert failed and all("after 0.5s" in s["detail"] or "not healthy" in s["detail"]
+                          for s in failed), failed
+    assert f"output: {out.resolve()}" in res.stdout
+    assert not (out / "stack" / "stack.json").exists()

@@ -135,7 +135,7 @@ def _nodes_step(stack: Stack, health: dict[str, str], timeout: float, out: Path,
     if not agents:
         return Step("heartbeats", "skipped", "cluster-agent is not built yet")
     want = {f"{c.spec.cluster}.{c.spec.env['TANDEM_NODE']}" for c in agents}
-    say(f"waiting (up to {timeout:.0f}s) for heartbeats of {', '.join(sorted(want))} "
+    say(f"waiting (up to {timeout:g}s) for heartbeats of {', '.join(sorted(want))} "
         "in KV nodes")
 
     async def wait() -> set[str]:
@@ -162,7 +162,7 @@ def _nodes_step(stack: Stack, health: dict[str, str], timeout: float, out: Path,
     seen = asyncio.run(wait())
     if want <= seen:
         return Step("heartbeats", "passed", f"{len(want)} node heartbeats in KV nodes")
-    return Step("heartbeats", "failed", f"missing after {timeout:.0f}s: "
+    return Step("heartbeats", "failed", f"missing after {timeout:g}s: "
                 f"{', '.join(sorted(want - seen))}")
 
 
@@ -224,8 +224,11 @@ def _generation_step(stack: Stack, health: dict[str, str], timeout: float, out: 
     images = out / "images"
     images.mkdir(parents=True, exist_ok=True)
     for tid, st in states.items():
+        if st.get("state") not in TERMINAL:
+            problems.append(f"task {tid} still {st.get('state')} after {timeout:g}s")
+            continue
         if st.get("state") != "succeeded":
-            problems.append(f"task {tid} {st.get('state')} {st.get('reason') or ''}".strip())
+            problems.append(f"task {tid} {st.get('state')}: {st.get('reason') or '?'}")
             continue
         for img in st.get("images", []):
             path = images / f"{st['model']}-{tid}-{img['index']}.png"
@@ -265,7 +268,7 @@ def _training_step(stack: Stack, health: dict[str, str], timeout: float, out: Pa
         try:
             rec = await submit_run(bus, DEMO_RUN)
             say(f"submitted training run {rec.run_id}: {json.dumps(DEMO_RUN)}; waiting up to "
-                f"{timeout:.0f}s for it to finish and its last checkpoint to be committed")
+                f"{timeout:g}s for it to finish and its last checkpoint to be committed")
             deadline = time.monotonic() + timeout
             seen = ""
             while time.monotonic() < deadline and not stop.is_set():
@@ -281,7 +284,7 @@ def _training_step(stack: Stack, health: dict[str, str], timeout: float, out: Pa
             else:
                 return Step("training", "failed", f"run {rec.run_id} {rec.state.value} at "
                             f"step {rec.latest_step}, committed checkpoint "
-                            f"{rec.latest_checkpoint_step} after {timeout:.0f}s")
+                            f"{rec.latest_checkpoint_step} after {timeout:g}s")
             if rec.state.value != "succeeded":
                 why = rec.incidents[-1] if rec.incidents else "no incident recorded"
                 return Step("training", "failed", f"run {rec.run_id} {rec.state.value}: {why}")

@@ -562,7 +562,7 @@ class Stack:
             if not pending:
                 break
             if time.monotonic() > deadline:
-                result.update(dict.fromkeys(pending, f"not healthy after {timeout:.0f}s"))
+                result.update(dict.fromkeys(pending, f"not healthy after {timeout:g}s"))
                 break
             if cancel is not None and cancel.wait(0.2):
                 raise Cancelled("interrupted while waiting for services")
