@@ -174,6 +174,30 @@ async def test_drain_and_undrain_move_the_node_and_workers_watch_it(
     await agent.close()
 
 
+async def test_the_agent_and_its_drain_watch_survive_a_nats_server_kill_9(
+        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    agent, clock = agent_for(fleet_bus, cluster)
+    await agent.start()
+    await ticks(agent, clock, 1)
+    nats_server.kill()
+    nats_server.start()  # same port and file store
+    await until(lambda: fleet_bus.nc.is_connected, timeout=20, what="the reconnect")
+    await until(lambda: _tick_ok(agent, clock), timeout=20, what="a tick after the restart")
+    await fleet.drain(fleet_bus, cluster, "n1", "after the restart")
+    await until(lambda: agent.state == Health.drained, timeout=20, what="the drain seen")
+    assert await stored(fleet_bus, TELEMETRY, subjects.telemetry(cluster, "n1")) >= 2
+    await agent.close()
+
+
+async def _tick_ok(agent: NodeAgent, clock: ManualClock) -> bool:
+    try:
+        await ticks(agent, clock, 1)
+    except Exception:
+        return False
+    return True
+
+
 async def test_a_garbage_drain_record_counts_as_drained(fleet_bus: Bus, uid: str) -> None:
     kv = await fleet_bus.kv("drains")
     await kv.put(subjects.node_key(f"c{uid}", "n1"), b"\x00not json")

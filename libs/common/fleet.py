@@ -267,11 +267,12 @@ OnDrain = Callable[[DrainRecord | None], Awaitable[None]]
 
 
 class _KeyWatch:
-    """Follows one KV pattern: the initial values, then every change, resyncing on errors.
+    """Follows the keys of one KV pattern: the current values, then every change.
 
-    KV watches are ordered consumers; after a reconnect the watch is re-created. Every
-    ``resync`` seconds without an update the current values are read again, so a watch
-    that silently died cannot leave a stale view behind.
+    A KV watch is an ordered consumer. When it has been quiet for ``resync`` seconds the
+    watch checks that the server still has its consumer (a restarted server does not)
+    and, if not, watches again: the new watch's initial values replace the state, so an
+    update missed in between is not lost. Subclasses implement ``replace`` and ``update``.
     """
 
     def __init__(self, bus: Bus, bucket: str, pattern: str, resync: float = 5.0) -> None:
@@ -279,11 +280,13 @@ class _KeyWatch:
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.rewatches = 0
 
-    async def initial(self, values: dict[str, bytes]) -> None: ...
-    async def update(self, key: str, value: bytes | None, live: bool) -> None: ...
+    async def replace(self, values: dict[str, bytes], first: bool) -> None: ...
+    async def update(self, key: str, value: bytes | None) -> None: ...
 
     async def start(self) -> None:
+        """Return once the current values are loaded; raise if the bucket cannot be read."""
         self._task = asyncio.create_task(self._run(), name=f"watch {self.bucket}")
         ready = asyncio.create_task(self.ready.wait())
         await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
@@ -299,30 +302,18 @@ class _KeyWatch:
                 await self._task
 
     async def _run(self) -> None:
-        backoff = 0.2
+        backoff, failures = 0.2, 0
         while not self._stop.is_set():
             watcher = None
             try:
                 kv = await self.bus.kv(self.bucket)
                 watcher = await kv.watch(self.pattern)
-                live = False
-                while not self._stop.is_set():
-                    try:
-                        entry = await watcher.updates(timeout=self.resync)
-                    except NatsTimeout:
-                        await self._resync(kv)
-                        continue
-                    if entry is None:
-                        live = True
-                        self.ready.set()
-                        continue
-                    deleted = entry.operation in _DELETED or not entry.value
-                    await self.update(entry.key, None if deleted else entry.value, live)
-                    backoff = 0.2
+                await self._follow(watcher)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # reconnects, a server restart: watch again
-                if not self.ready.is_set() and self._task is not None and backoff > 3:
+            except Exception as exc:  # a reconnect, a server restart: watch again
+                failures += 1
+                if not self.ready.is_set() and failures >= 5:
                     raise
                 _log.warning("fleet.watch_failed", bucket=self.bucket, error=repr(exc))
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -333,17 +324,31 @@ class _KeyWatch:
                     with contextlib.suppress(Exception):
                         await watcher.stop()
 
-    async def _resync(self, kv: KeyValue) -> None:
-        with contextlib.suppress(Exception):
-            await self.initial(await _snapshot(kv) if self.pattern == ">" else
-                               await self._one(kv))
-
-    async def _one(self, kv: KeyValue) -> dict[str, bytes]:
-        try:
-            entry = await kv.get(self.pattern)
-        except (KeyNotFoundError, KeyDeletedError):
-            return {}
-        return {self.pattern: entry.value} if entry.value else {}
+    async def _follow(self, watcher: Any) -> None:
+        initial: dict[str, bytes] = {}
+        live = False
+        while not self._stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=self.resync)
+            except NatsTimeout:
+                # Quiet: is the watch still there? Raises once the server has lost it.
+                await watcher._sub.consumer_info()
+                continue
+            if entry is None:  # the end of the current values
+                if not live:
+                    live = True
+                    first = not self.ready.is_set()
+                    self.rewatches += not first
+                    await self.replace(initial, first)
+                    self.ready.set()
+                continue
+            value = None if entry.operation in _DELETED or not entry.value else entry.value
+            if live:
+                await self.update(entry.key, value)
+            elif value is None:
+                initial.pop(entry.key, None)
+            else:
+                initial[entry.key] = value
 
 
 class DrainWatch(_KeyWatch):
@@ -352,7 +357,7 @@ class DrainWatch(_KeyWatch):
     ``drained`` is valid once ``start()`` returns. ``on_change(record)`` runs for every
     drain (a record) and undrain (None) written after the start, even one that does
     not change ``drained`` (the agent takes any undrain as "faults dealt with"), and
-    when a resync finds the state changed.
+    when a re-watch finds that the state changed while the watch was gone.
     """
 
     def __init__(self, bus: Bus, cluster: str, node: str, on_change: OnDrain | None = None,
@@ -403,13 +408,13 @@ class DrainWatch(_KeyWatch):
         if notify and self.on_change is not None:
             await self.on_change(record)
 
-    async def initial(self, values: dict[str, bytes]) -> None:
+    async def replace(self, values: dict[str, bytes], first: bool) -> None:
         record = self._parse(values.get(self.pattern))
-        if (record is None) != (self.record is None):
-            await self._set(record, notify=True)
+        changed = (record is None) != (self.record is None)
+        await self._set(record, notify=changed and not first)
 
-    async def update(self, key: str, value: bytes | None, live: bool) -> None:
-        await self._set(self._parse(value), notify=live)
+    async def update(self, key: str, value: bytes | None) -> None:
+        await self._set(self._parse(value), notify=True)
 
 
 class FleetWatch:
@@ -417,7 +422,7 @@ class FleetWatch:
 
     Ages count from when this process received each heartbeat, so the hosts' clocks do
     not matter; KV expiry is silent, so a node whose heartbeats stopped shows as down
-    once its age passes the TTL.
+    once its age passes the TTL, and is forgotten later.
     """
 
     def __init__(self, bus: Bus, ttl: float = HEARTBEAT_TTL) -> None:
@@ -442,14 +447,18 @@ class FleetWatch:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _on_node(self, key: str, value: bytes | None) -> None:
+    def _on_node(self, key: str, value: bytes | None, rewatch: bool) -> None:
         if value is None:
             self._heartbeats.pop(key, None)
             return
         with contextlib.suppress(EventDecodeError):
-            self._heartbeats[key] = (decode(value, NodeHeartbeat), time.monotonic())
+            hb = decode(value, NodeHeartbeat)
+            known = self._heartbeats.get(key)
+            if rewatch and known is not None and known[0] == hb:
+                return  # the same heartbeat again: it is no fresher than when it came
+            self._heartbeats[key] = (hb, time.monotonic())
 
-    def _on_drain(self, key: str, value: bytes | None) -> None:
+    def _on_drain(self, key: str, value: bytes | None, rewatch: bool) -> None:
         if value is None:
             self._drains.pop(key, None)
             return
@@ -465,21 +474,22 @@ class FleetWatch:
 
 
 class _MapWatch(_KeyWatch):
-    def __init__(self, bus: Bus, bucket: str, apply: Callable[[str, bytes | None], None]) -> None:
+    def __init__(self, bus: Bus, bucket: str,
+                 apply: Callable[[str, bytes | None, bool], None]) -> None:
         super().__init__(bus, bucket, ">")
         self.apply = apply
         self.keys: set[str] = set()
 
-    async def initial(self, values: dict[str, bytes]) -> None:
-        # KV expiry is silent: a resync is how keys that expired leave the view. Values
-        # are not re-applied: their receipt time would make old heartbeats look fresh.
+    async def replace(self, values: dict[str, bytes], first: bool) -> None:
         for key in self.keys - set(values):
-            self.apply(key, None)
+            self.apply(key, None, True)
+        for key, value in values.items():
+            self.apply(key, value, True)
         self.keys = set(values)
 
-    async def update(self, key: str, value: bytes | None, live: bool) -> None:
+    async def update(self, key: str, value: bytes | None) -> None:
         if value is None:
             self.keys.discard(key)
         else:
             self.keys.add(key)
-        self.apply(key, value)
+        self.apply(key, value, False)
