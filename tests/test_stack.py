@@ -244,13 +244,14 @@ def test_dev_up_runs_the_stack_and_sigterm_leaves_no_process_behind(tmp_path: Pa
             proc.wait()
 
 
-def test_killing_a_cluster_leaves_the_other_and_restart_brings_its_heartbeat_back(
+async def test_killing_a_cluster_leaves_the_other_and_restart_brings_its_heartbeat_back(
         tmp_path: Path) -> None:
     sink = io.StringIO()
+    # Started from inside a running event loop, as an async benchmark would.
     with Stack(StackConfig.load().free_ports(), tmp_path, sink, grace=5) as stack:
         health = stack.start(services=["cluster-agent"], health_timeout=120)
         assert health == {"east/agent-0": "healthy", "west/agent-0": "healthy"}, sink.getvalue()
-        before = heartbeat_revision(stack, "east.node-0", after=0)
+        before = await heartbeat_revision(stack, "east.node-0", after=0)
         old = stack.pids()["east/agent-0"]
 
         assert stack.kill("east") == ["east/agent-0"]
@@ -261,35 +262,32 @@ def test_killing_a_cluster_leaves_the_other_and_restart_brings_its_heartbeat_bac
         new = stack.restart("east")
         assert new["east/agent-0"] != old
         assert stack.wait_healthy("east", 120) == {"east/agent-0": "healthy"}
-        assert heartbeat_revision(stack, "east.node-0", after=before) > before
+        assert await heartbeat_revision(stack, "east.node-0", after=before) > before
         pids = set(stack.pids().values())
     assert not any(alive(p) for p in pids)
     assert "[east/agent-0] " in sink.getvalue() and "[west/agent-0] " in sink.getvalue()
 
 
-def heartbeat_revision(stack: Stack, key: str, after: int, timeout: float = 60) -> int:
+async def heartbeat_revision(stack: Stack, key: str, after: int, timeout: float = 60) -> int:
     """Wait for a heartbeat in KV nodes newer than revision ``after``; return its revision."""
     import asyncio
 
     import nats
     from nats.js.errors import KeyNotFoundError
 
-    async def wait() -> int:
-        nc = await nats.connect(stack.nats_url)
-        try:
-            kv = await nc.jetstream().key_value("nodes")
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                with contextlib.suppress(KeyNotFoundError):
-                    entry = await kv.get(key)
-                    if entry.revision and entry.revision > after:
-                        return entry.revision
-                await asyncio.sleep(0.1)  # the agent beats on its own interval
-            raise AssertionError(f"no heartbeat {key} newer than {after} in {timeout}s")
-        finally:
-            await nc.close()
-
-    return asyncio.run(wait())
+    nc = await nats.connect(stack.nats_url)
+    try:
+        kv = await nc.jetstream().key_value("nodes")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(KeyNotFoundError):
+                entry = await kv.get(key)
+                if entry.revision and entry.revision > after:
+                    return entry.revision
+            await asyncio.sleep(0.1)  # the agent beats on its own interval
+        raise AssertionError(f"no heartbeat {key} newer than {after} in {timeout}s")
+    finally:
+        await nc.close()
 
 
 def test_after_a_supervisor_crash_dev_up_refuses_and_dev_down_stops_the_leftovers(

@@ -300,7 +300,11 @@ def built_services(services: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 class Stack:
-    """The local stack. ``start()`` → use it → ``stop()`` (or use it as a context manager)."""
+    """The local stack. ``start()`` → use it → ``stop()`` (or use it as a context manager).
+
+    The methods block (starting waits for health, stopping for drains); from async code
+    they work as they are, or without stalling the loop via ``asyncio.to_thread``.
+    """
 
     def __init__(self, config: StackConfig, root: Path, sink: IO[str] | None = None, *,
                  fresh: bool = False, log_format: str | None = None, grace: float = 15.0,
@@ -470,7 +474,7 @@ class Stack:
 
         ensure_bucket(s3_client(self.settings()), self.config.bucket)
         self._check(cancel)
-        created = asyncio.run(self._provision())
+        created = _run_async(self._provision())
         self.out.line("stack", f"provisioned {', '.join(created) or 'nothing new'}")
         kinds = [k.service for k in self.config.processes
                  if services is None or k.service in services]
@@ -492,7 +496,7 @@ class Stack:
                     port = free_port(HOST)
                 taken.add(port)
             elif port_in_use(port, HOST):
-                flag = _PORT_FLAGS.get(name, f"--port {name}=N")
+                flag = _PORT_FLAGS.get(name, f"ports.{name} in the stack file")
                 raise ServerStartError(
                     name, f"{name} port {HOST}:{port} is already in use. Another "
                     f"`tandem dev up`? Stop it (`tandem dev down`), or pick another port "
@@ -625,6 +629,19 @@ class Stack:
 
     def __iter__(self) -> Iterator[Child]:
         return iter(self.children.values())
+
+
+def _run_async(coro: Any) -> Any:
+    """Run ``coro`` to completion, also when called from inside a running event loop
+    (an async benchmark or test that starts a stack): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _http_ok(url: str) -> bool:
