@@ -9,6 +9,7 @@ import json
 # benchmark name -> module with `async def run(args) -> dict` and `add_arguments(p)`.
 BENCHES = {
     "bus": "tandem.cli.bench_bus",
+    "serve": "tandem.cli.bench_serve",
     "agent": "tandem.cli.bench_agent",
 }
 
@@ -20,11 +21,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "prints both rates and their ratio.")
     bsub = p.add_subparsers(dest="bench", metavar="<benchmark>", required=True)
     for name, module in BENCHES.items():
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except Exception as exc:
+            # One broken benchmark must not take the whole CLI down with it.
+            bp = bsub.add_parser(name, help=f"(unavailable: {exc})")
+            bp.set_defaults(func=_unavailable(name, exc))
+            continue
         bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0] if mod.__doc__ else name)
         bp.add_argument("--json", action="store_true", help="print one JSON object")
         mod.add_arguments(bp)
         bp.set_defaults(func=_runner(mod))
+
+
+def _unavailable(name: str, exc: Exception):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        print(f"tandem bench {name}: unavailable: {exc!r}")
+        return 2
+
+    return run
 
 
 def _runner(mod):  # type: ignore[no-untyped-def]
