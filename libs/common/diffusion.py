@@ -66,3 +66,66 @@ def build_unet(cfg: UNetConfig, seed: int | None = None) -> UNet2DModel:
 
 def build_scheduler(cfg: UNetConfig) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps)
+
+
+# ------------------------------------------------------------------ tiny text-to-image pipeline
+
+
+def _tiny_vocab() -> dict[str, int]:
+    """A character-level CLIP BPE vocabulary: every prompt tokenises, nothing is downloaded."""
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    chars += list(".,!?'-")
+    for ch in chars:
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    return vocab
+
+
+def build_tiny_text_pipeline(seed: int = 0, max_tokens: int = 32) -> Any:
+    """A tiny randomly initialised StableDiffusionPipeline, built in-process.
+
+    Built as diffusers' own tests build theirs (small UNet2DConditionModel, CLIP text
+    model and tokenizer from a generated vocabulary, a VAE and a DDIM scheduler), so the
+    text-to-image path runs on a CPU in milliseconds. The same ``seed`` gives the same
+    weights in every process, so a redelivered task produces the same images.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab = _tiny_vocab()
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_tokens)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
+        out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+        norm_num_groups=4, attention_head_dim=2,
+    )
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(
+        block_out_channels=[8, 16], in_channels=3, out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        latent_channels=4, norm_num_groups=4,
+    )
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_hidden_layers=2, vocab_size=len(vocab),
+        max_position_embeddings=max_tokens,
+    ))
+    scheduler = DDIMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+        set_alpha_to_one=False, steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -176,6 +176,18 @@ class TaskRecord(Event, kw_only=True):
     attempts: int = 0
 
 
+class IdempotencyRecord(Event, kw_only=True):
+    """Value of KV ``idempotency``: an ``Idempotency-Key`` (hashed) and the task it made.
+
+    ``fingerprint`` hashes the request body, so the same key with a different request
+    is refused instead of silently returning an unrelated task.
+    """
+
+    task_id: str
+    fingerprint: str
+    at: float = msgspec.field(default_factory=now)
+
+
 # ------------------------------------------------------------------------- fleet and health
 
 

@@ -39,6 +39,11 @@ def token(value: object, kind: str = "token", max_len: int = MAX_TOKEN) -> str:
     return value
 
 
+def token_list(value: str, kind: str = "token") -> list[str]:
+    """A comma-separated list of tokens (settings such as ``a,b``), each validated."""
+    return [token(v.strip(), kind) for v in value.split(",") if v.strip()]
+
+
 def lane(value: str) -> Lane:
     if value not in LANES:
         raise InvalidToken("lane", value, f"must be one of {', '.join(LANES)}")
@@ -91,6 +96,11 @@ def gen_progress(task: str) -> str:
 
 def gen_cancel(task: str) -> str:
     return f"gen.cancel.{token(task, 'task id')}"
+
+
+def gen_cancel_all() -> str:
+    """Every task's cancel subject: one subscription per worker, not one per task."""
+    return GEN_CANCEL.wildcard
 
 
 def telemetry(cluster: str, node: str) -> str:

@@ -1,0 +1,316 @@
+"""serving: dispatch latency, task throughput and batching against raw nats-py.
+
+Starts nats-server, an S3 endpoint (moto), the gateway and inference workers as child
+processes on free loopback ports, then, in the same run:
+
+(a) latency: HTTP POST of a no-op task -> its ``gen.result`` arrives (p50/p99), beside
+    a raw nats-py JetStream publish -> fetch -> ack round trip and a bare HTTP round
+    trip to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop);
+(b) throughput: a pre-filled queue of no-op tasks drained by one worker (first result
+    -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5;
+(c) batching: images/s of the CPU test model (digits) with max_batch 8 against
+    max_batch 1, same tasks and settings; goal >= 1.8x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from nats.js.api import RetentionPolicy
+
+from tandem.common import streams, subjects
+from tandem.common import tasks as moves
+from tandem.common.bus import Bus, TypedKV
+from tandem.common.events import GenerationTask, TaskRecord, encode
+from tandem.common.servers import NatsServer, Process, S3Server, free_port
+from tandem.common.settings import Settings, load
+
+GOAL_LATENCY = 3.0
+GOAL_THROUGHPUT = 0.5
+GOAL_BATCHING = 1.8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=300, help="sequential requests for (a)")
+    p.add_argument("--tasks", type=int, default=2000, help="no-op tasks for (b)")
+    p.add_argument("--images", type=int, default=96, help="images for (c)")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)")
+    p.add_argument("--batch", type=int, default=8, help="max_batch of the batched side of (c)")
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(_pct(values, 0.5) * 1000, 3),
+            "p99_ms": round(_pct(values, 0.99) * 1000, 3)}
+
+
+def _get_json(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return None
+
+
+async def _ready(url: str, proc: Process, pred: Any = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
+        got = await asyncio.to_thread(_get_json, url)
+        if got is not None and (pred is None or pred(got)):
+            return
+        await asyncio.sleep(0.05)  # polling the child's readiness endpoint
+    raise RuntimeError(f"{proc.name} not ready at {url}; see {proc.log_path}")
+
+
+class _Bench:
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        self.root = root
+        self.args = args
+        self.nats = NatsServer(name="bench", log_path=root / "nats.log", store_dir=root / "js")
+        self.s3 = S3Server(name="s3", log_path=root / "s3.log")
+        self.procs: list[Process] = []
+        self.results: dict[str, float] = {}
+        self.waiters: dict[str, asyncio.Future[float]] = {}
+
+    def env(self, **values: str) -> dict[str, str]:
+        base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url, "s3_bucket": "bench",
+                "s3_access_key": "tandem", "s3_secret_key": "tandem", "log_level": "warning",
+                "log_format": "json", "metrics_port": str(free_port())}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        env.update({f"TANDEM_{k.upper()}": v for k, v in {**base, **values}.items()})
+        return env
+
+    def spawn(self, name: str, module: str, env: dict[str, str]) -> Process:
+        p = Process(name=name, log_path=self.root / f"{name}.log")
+        p._spawn([sys.executable, "-m", module], env=env)
+        self.procs.append(p)
+        return p
+
+    async def worker(self, name: str, cluster: str, **values: str) -> Process:
+        env = self.env(cluster=cluster, node=name, worker_id=name, **values)
+        p = self.spawn(name, "tandem.inference_worker", env)
+        port = env["TANDEM_METRICS_PORT"]
+        await _ready(f"http://127.0.0.1:{port}/healthz", p,
+                     lambda h: h.get("status") == "ok" and h.get("models_loaded"))
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop(5)
+        self.s3.stop()
+        self.nats.stop()
+
+    def on_result(self, msg: Any) -> None:
+        task_id = msg.subject.rsplit(".", 1)[-1]
+        at = time.perf_counter()
+        self.results[task_id] = at
+        fut = self.waiters.pop(task_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(at)
+
+    async def prefill(self, bus: Bus, cluster: str, tasks: list[GenerationTask]) -> None:
+        """Record and enqueue ``tasks`` as the gateway would, before any worker pulls."""
+        await bus.provision([streams.gen_stream(cluster)])
+        kv = TypedKV(await bus.kv(streams.KV_TASKS), TaskRecord)
+        await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster)) for t in tasks))
+        for i in range(0, len(tasks), 256):
+            await bus.publish_many([(subjects.gen(cluster, t.lane), t, t.task_id)
+                                    for t in tasks[i:i + 256]])
+
+    async def drain_rate(self, ids: list[str], per: int, timeout: float = 600) -> float:
+        """Items/s from the first result to the last of ``ids`` (each worth ``per``)."""
+        loop = asyncio.get_running_loop()
+        pending = [i for i in ids if i not in self.results]
+        futs = []
+        for i in pending:
+            self.waiters[i] = loop.create_future()
+            futs.append(self.waiters[i])
+        await asyncio.wait_for(asyncio.gather(*futs), timeout)
+        stamps = sorted(self.results[i] for i in ids)
+        return (len(ids) - 1) * per / (stamps[-1] - stamps[0])
+
+
+# ------------------------------------------------------------------------------- raw sides
+
+
+async def _raw_round_trips(bus: Bus, n: int) -> list[float]:
+    spec = streams.StreamSpec("BENCH_RT", ("bench.rt",), retention=RetentionPolicy.WORK_QUEUE)
+    consumer = streams.ConsumerSpec(spec.name, "rt")
+    await bus.provision([spec, consumer])
+    sub = await bus.js.pull_subscribe_bind(durable="rt", stream=spec.name)
+    out = []
+    payload = encode(GenerationTask(task_id="t", model="noop"))
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await bus.js.publish("bench.rt", payload)
+        [msg] = await sub.fetch(1, timeout=5)
+        await msg.ack()
+        out.append(time.perf_counter() - t0)
+    await sub.unsubscribe()
+    await bus.js.delete_stream(spec.name)
+    return out
+
+
+async def _raw_fetch_ack(bus: Bus, n: int) -> float:
+    spec = streams.StreamSpec("BENCH_TP", ("bench.tp",), retention=RetentionPolicy.WORK_QUEUE)
+    consumer = streams.ConsumerSpec(spec.name, "tp", max_ack_pending=100_000)
+    await bus.provision([spec, consumer])
+    payload = encode(GenerationTask(task_id="t", model="noop"))
+    for i in range(0, n, 256):
+        futs = [await bus.js.publish_async("bench.tp", payload) for _ in range(min(256, n - i))]
+        await asyncio.gather(*futs)
+    sub = await bus.js.pull_subscribe_bind(durable="tp", stream=spec.name)
+    got = 0
+    t0 = time.perf_counter()
+    while got < n:
+        for msg in await sub.fetch(64, timeout=5):
+            await msg.ack()
+            got += 1
+    rate = n / (time.perf_counter() - t0)
+    await sub.unsubscribe()
+    await bus.js.delete_stream(spec.name)
+    return rate
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
+    import httpx
+
+    gw_port = free_port()
+    gw = b.spawn("gateway", "tandem.gateway", b.env(http_port=str(gw_port), clusters="lat",
+                                                    cluster="lat"))
+    base = f"http://127.0.0.1:{gw_port}"
+    await _ready(f"{base}/healthz", gw)
+    await b.worker("w-lat", "lat", serve="noop")
+    loop = asyncio.get_running_loop()
+    tandem, hop = [], []
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        for i in range(n + 20):  # the first 20 warm up connections and caches
+            t0 = time.perf_counter()
+            await http.get("/healthz")
+            t1 = time.perf_counter()
+            fut: asyncio.Future[float] = loop.create_future()
+            r = await http.post("/v1/generations", json={"model": "noop"})
+            task_id = r.json()["id"]
+            if task_id in b.results:
+                done = b.results[task_id]
+            else:
+                b.waiters[task_id] = fut
+                done = await asyncio.wait_for(fut, 30)
+            if i >= 20:
+                hop.append(t1 - t0)
+                tandem.append(done - t1)
+    raw = (await _raw_round_trips(bus, n + 20))[20:]
+    p50 = _pct(tandem, 0.5)
+    bound = GOAL_LATENCY * (_pct(raw, 0.5) + _pct(hop, 0.5))
+    return {"requests": n, "tandem": _ms(tandem), "raw_round_trip": _ms(raw),
+            "http_hop": _ms(hop), "goal_p50_ms": round(bound * 1000, 3),
+            "ratio_to_raw_plus_hop": round(p50 / (bound / GOAL_LATENCY), 3),
+            "meets_goal": p50 <= bound}
+
+
+async def _throughput(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
+    tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
+                            cluster="tput") for _ in range(n)]
+    await b.prefill(bus, "tput", tasks)
+    await b.worker("w-tput", "tput", serve="noop", max_batch="64")
+    tandem = await b.drain_rate([t.task_id for t in tasks], 1)
+    raw = await _raw_fetch_ack(bus, n)
+    return {"tasks": n, "tandem_per_s": round(tandem, 1), "raw_per_s": round(raw, 1),
+            "ratio": round(tandem / raw, 3), "meets_goal": tandem / raw >= GOAL_THROUGHPUT}
+
+
+async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
+                    ) -> dict[str, Any]:
+    rates = {}
+    for side, max_batch in (("unbatched", 1), ("batched", batch)):
+        cluster = f"batch{max_batch}"
+        tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="digits", class_label=i % 10,
+                                seed=i, steps=steps, width=16, height=16, cluster=cluster)
+                 for i in range(images)]
+        await b.prefill(bus, cluster, tasks)
+        w = await b.worker(f"w-{cluster}", cluster, serve="digits", max_batch=str(max_batch),
+                           device="cpu")
+        rates[side] = await b.drain_rate([t.task_id for t in tasks], 1)
+        w.stop(10)
+    ratio = rates["batched"] / rates["unbatched"]
+    return {"model": "digits", "images": images, "steps": steps, "size": "16x16",
+            "max_batch": batch, "batched_images_per_s": round(rates["batched"], 2),
+            "unbatched_images_per_s": round(rates["unbatched"], 2), "ratio": round(ratio, 3),
+            "meets_goal": ratio >= GOAL_BATCHING}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem.common import log
+
+    log.configure("console", "warning")
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-serve-") as tmp:
+        b = _Bench(Path(tmp), args)
+        b.nats.start()
+        b.s3.start()
+        try:
+            bus = await Bus.connect(load(Settings, nats_url=b.nats.url), "bench")
+            await bus.provision(streams.core_streams())
+            sub = await bus.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=_sync(b.on_result))
+            result = {
+                "latency": await _latency(b, bus, args.requests),
+                "throughput": await _throughput(b, bus, args.tasks),
+                "batching": await _batching(b, bus, args.images, args.steps, args.batch),
+                "cpus": os.cpu_count(),
+            }
+            await sub.unsubscribe()
+            await bus.drain()
+        finally:
+            b.stop()
+    result["ok"] = True  # goals are reported, not enforced: see meets_goal per part
+    return result
+
+
+def _sync(fn: Any) -> Any:
+    async def cb(msg: Any) -> None:
+        fn(msg)
+
+    return cb
+
+
+def render(r: dict[str, Any]) -> str:
+    a, t, c = r["latency"], r["throughput"], r["batching"]
+    yes = {True: "yes", False: "NO"}
+    return "\n".join([
+        f"tandem bench serve ({r['cpus']} CPUs)",
+        f"(a) no-op latency, HTTP in -> result out, {a['requests']} sequential requests",
+        f"    tandem        p50 {a['tandem']['p50_ms']:8.3f} ms   "
+        f"p99 {a['tandem']['p99_ms']:8.3f} ms",
+        f"    raw JS rtt    p50 {a['raw_round_trip']['p50_ms']:8.3f} ms   "
+        f"p99 {a['raw_round_trip']['p99_ms']:8.3f} ms   (publish -> fetch -> ack)",
+        f"    HTTP hop      p50 {a['http_hop']['p50_ms']:8.3f} ms   "
+        f"p99 {a['http_hop']['p99_ms']:8.3f} ms",
+        f"    p50 / (raw + hop) = {a['ratio_to_raw_plus_hop']:.2f}x  "
+        f"(goal <= 3x, {a['goal_p50_ms']:.3f} ms)  meets goal: {yes[a['meets_goal']]}",
+        f"(b) no-op throughput, {t['tasks']} queued tasks",
+        f"    tandem {t['tandem_per_s']:>10,.1f}/s   raw fetch+ack {t['raw_per_s']:>10,.1f}/s   "
+        f"ratio {t['ratio']:.3f}  (goal >= 0.5)  meets goal: {yes[t['meets_goal']]}",
+        f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
+        f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
+        f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "
+        f"(goal >= 1.8x)  meets goal: {yes[c['meets_goal']]}",
+    ])

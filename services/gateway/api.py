@@ -1,0 +1,140 @@
+"""The HTTP API (FastAPI). OpenAPI at ``/docs`` and ``/openapi.json``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Header, Path, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.common import metrics
+from tandem.gateway.generations import Conflict, Gateway
+from tandem.gateway.limits import BodyLimit
+from tandem.gateway.routing import RoutingError
+from tandem.gateway.schemas import Accepted, GenerationRequest, GenerationView, validate_request
+
+TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
+
+
+def _problems(items: list[tuple[str, str, Any]], where: str = "body") -> JSONResponse:
+    """A 422 in FastAPI's own shape, so every validation error reads the same."""
+    return JSONResponse(status_code=422, content={"detail": [
+        {"type": "value_error", "loc": [where, field], "msg": msg, "input": value}
+        for field, msg, value in items]})
+
+
+def _not_found(task_id: str) -> JSONResponse:
+    return JSONResponse(status_code=404, content={"detail": f"no task {task_id!r}"})
+
+
+def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_chars: int,
+               max_size: int, nats_connected: Any = None) -> Any:
+    app = FastAPI(
+        title="Tandem gateway",
+        version="1",
+        description="Generate images on Tandem's GPU clusters. Accepted requests are never "
+        "lost: they are queued on NATS JetStream and delivered at least once, with "
+        "effectively-once results.",
+    )
+
+    @app.post("/v1/generations", status_code=202, response_model=Accepted,
+              responses={409: {}, 413: {}, 422: {}, 503: {}})
+    async def create_generation(req: GenerationRequest, request: Request, response: Response,
+                                idempotency_key: str | None = Header(
+                                    None, alias="Idempotency-Key", min_length=1,
+                                    max_length=255)) -> Any:
+        """Queue a generation; 202 with the task id and where to follow it.
+
+        The same ``Idempotency-Key`` returns the same task and never enqueues twice.
+        """
+        spec = gw.registry.get(req.model)
+        if spec is None:
+            return _problems([("model", f"unknown model {req.model!r}; known: "
+                               f"{', '.join(gw.registry.names())}", req.model)])
+        problems = validate_request(req, spec, max_images=max_images,
+                                    max_prompt_chars=max_prompt_chars, max_size=max_size)
+        if problems:
+            return _problems([(p.field, p.message, p.value) for p in problems])
+        try:
+            sub = await gw.submit(req, idempotency_key)
+        except RoutingError as exc:
+            if exc.field:
+                return _problems([(exc.field, exc.message, getattr(req, exc.field, None))])
+            headers = {"Retry-After": str(int(exc.retry_after or 1))}
+            return JSONResponse(status_code=exc.status, content={"detail": exc.message},
+                                headers=headers)
+        except Conflict as exc:
+            if exc.field:
+                return _problems([(exc.field, exc.message, None)], where="header")
+            return JSONResponse(status_code=exc.status, content={"detail": exc.message},
+                                headers={"Retry-After": "1"} if exc.status == 503 else None)
+        tid = sub.task.task_id
+        status_url = str(request.url_for("get_generation", task_id=tid).path)
+        response.headers["Location"] = status_url
+        if sub.replayed:
+            response.headers["Idempotent-Replayed"] = "true"
+        return Accepted(id=tid, state=sub.record.state.value, model=sub.task.model,
+                        cluster=sub.record.cluster, lane=sub.task.lane, seed=sub.task.seed,
+                        status_url=status_url, events_url=f"{status_url}/events")
+
+    @app.get("/v1/generations/{task_id}", response_model=GenerationView,
+             responses={404: {}})
+    async def get_generation(task_id: str = TASK_ID) -> Any:
+        """State, timestamps, progress, where it ran, and presigned image URLs on success."""
+        rec = await gw.record(task_id)
+        if rec is None:
+            return _not_found(task_id)
+        return gw.view(rec)
+
+    @app.get("/v1/generations/{task_id}/events", responses={
+        200: {"content": {"text/event-stream": {}}}, 404: {}})
+    async def generation_events(task_id: str = TASK_ID) -> Any:
+        """Server-Sent Events: ``state``, one ``progress`` per denoising step, then
+        ``final`` (the same body as GET) and the stream ends. A late client gets
+        ``final`` at once."""
+        if await gw.record(task_id) is None:
+            return _not_found(task_id)
+
+        async def stream() -> AsyncIterator[bytes]:
+            async for event, data in gw.follow(task_id):
+                if event == "ping":
+                    yield b": ping\n\n"
+                else:
+                    yield f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+    @app.delete("/v1/generations/{task_id}", response_model=GenerationView,
+                responses={404: {}, 409: {}})
+    async def cancel_generation(task_id: str = TASK_ID) -> Any:
+        """Cancel: a queued task never runs, a running one stops within one step."""
+        try:
+            rec = await gw.cancel(task_id)
+        except Conflict as exc:
+            return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+        if rec is None:
+            return _not_found(task_id)
+        return gw.view(rec)
+
+    @app.get("/v1/models")
+    async def list_models() -> Any:
+        """The model registry: conditioning, sizes, steps, guidance, and where loaded."""
+        return {"models": await gw.models()}
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> Any:
+        ok = gw.bus.nc.is_connected
+        return JSONResponse(status_code=200 if ok else 503,
+                            content={"status": "ok" if ok else "unavailable",
+                                     "nats": "connected" if ok else "disconnected"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Any:
+        body, ctype = metrics.exposition()
+        return Response(content=body, media_type=ctype)
+
+    return BodyLimit(app, max_body_bytes), app

@@ -1,0 +1,274 @@
+"""The gateway's generation logic, apart from HTTP: submit, look up, cancel, follow.
+
+All state lives on the bus (KV ``tasks``, KV ``idempotency``, ``GEN_*`` streams), never
+in this process, so a restarted gateway serves every earlier task as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tandem.common import log, metrics, subjects
+from tandem.common import tasks as moves
+from tandem.common.bus import Bus, TypedKV
+from tandem.common.events import (
+    GenerationStatus,
+    GenerationTask,
+    IdempotencyRecord,
+    NodeHeartbeat,
+    TaskRecord,
+    TaskState,
+    decode,
+)
+from tandem.common.models import Registry
+from tandem.common.streams import KV_IDEMPOTENCY, KV_NODES, KV_TASKS
+from tandem.gateway.routing import choose_cluster
+from tandem.gateway.schemas import GenerationRequest, ImageRef, view
+
+_log = log.get("tandem.gateway")
+
+SUBMITTED = metrics.Counter("tandem_gateway_submitted", "Tasks accepted", ["lane", "outcome"])
+DUPLICATE_WINDOW = 9 * 60.0  # under the GEN_* streams' 10 min dedupe window
+
+
+class Conflict(Exception):
+    """The request cannot be done in the task's current state; ``status`` for HTTP."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        self.status = status
+        self.message = message
+        self.field = field
+        super().__init__(message)
+
+
+@dataclass
+class Submitted:
+    task: GenerationTask
+    record: TaskRecord
+    replayed: bool  # an Idempotency-Key replay: nothing new was enqueued
+
+
+def default_seed(task_id: str) -> int:
+    """A seed derived from the task id: an idempotent replay regenerates the same one."""
+    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
+
+
+def fingerprint(req: GenerationRequest) -> str:
+    body = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class Gateway:
+    """What the HTTP routes call. One per process, bound to a connected bus."""
+
+    def __init__(self, bus: Bus, registry: Registry, clusters: list[str], *, s3: Any,
+                 bucket: str, url_ttl: float, publish_retry_for: float,
+                 sse_ping: float = 15.0) -> None:
+        self.bus = bus
+        self.registry = registry
+        self.clusters = clusters
+        self.s3 = s3
+        self.bucket = bucket
+        self.url_ttl = url_ttl
+        self.publish_retry_for = publish_retry_for
+        self.sse_ping = sse_ping
+        self.tasks: TypedKV[TaskRecord] | None = None
+        self.idem: TypedKV[IdempotencyRecord] | None = None
+        self.nodes: TypedKV[NodeHeartbeat] | None = None
+
+    async def start(self) -> None:
+        self.tasks = TypedKV(await self.bus.kv(KV_TASKS), TaskRecord)
+        self.idem = TypedKV(await self.bus.kv(KV_IDEMPOTENCY), IdempotencyRecord)
+        self.nodes = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+
+    # -------------------------------------------------------------------------- submit
+
+    def build_task(self, req: GenerationRequest, task_id: str, cluster: str) -> GenerationTask:
+        spec = self.registry.get(req.model)
+        assert spec is not None
+        return GenerationTask(
+            task_id=task_id, model=req.model, prompt=req.prompt,
+            negative_prompt=req.negative_prompt, class_label=req.class_label,
+            width=req.width or spec.default_width, height=req.height or spec.default_height,
+            steps=req.steps or spec.default_steps,
+            guidance=spec.default_guidance if req.guidance is None else req.guidance,
+            seed=default_seed(task_id) if req.seed is None else req.seed,
+            num_images=req.num_images, lane=req.lane, cluster=cluster,
+            noop=spec.source_kind == "noop",
+        )
+
+    async def submit(self, req: GenerationRequest, idempotency_key: str | None) -> Submitted:
+        """Record and enqueue a task; with a key, the key's task instead of a new one.
+
+        Raises ``RoutingError`` (no cluster) or ``Conflict`` (key reused for another
+        request, or the bus refused the task).
+        """
+        assert self.tasks is not None and self.idem is not None
+        task_id = uuid.uuid4().hex
+        replay = False
+        if idempotency_key is not None:
+            key = "k" + hashlib.sha256(idempotency_key.encode()).hexdigest()
+            fp = fingerprint(req)
+            if await self.idem.create(key, IdempotencyRecord(task_id=task_id,
+                                                             fingerprint=fp)) is None:
+                got = await self.idem.get(key)
+                if got is None:  # expired between create and get: treat as new
+                    await self.idem.put(key, IdempotencyRecord(task_id=task_id, fingerprint=fp))
+                else:
+                    if got[0].fingerprint != fp:
+                        raise Conflict(422, "this Idempotency-Key was used for a different "
+                                       "request", field="Idempotency-Key")
+                    task_id, replay = got[0].task_id, True
+        if replay:
+            existing = await self.tasks.get(task_id)
+            if existing is not None:
+                rec = existing[0]
+                # Queued and recent: re-publish (the stream drops the duplicate by msg id),
+                # in case the first attempt died between recording and publishing.
+                recent = time.time() - rec.created_at < DUPLICATE_WINDOW
+                if rec.state == TaskState.queued and recent:
+                    await self._publish(rec.task, rec.cluster)
+                SUBMITTED.labels(req.lane, "replayed").inc()
+                return Submitted(rec.task, rec, replayed=True)
+        cluster = await choose_cluster(self.clusters, req.cluster, req.model)
+        task = self.build_task(req, task_id, cluster)
+        rec = moves.queued(task, cluster)
+        if await self.tasks.create(task_id, rec) is None:
+            got_rec = await self.tasks.get(task_id)
+            if got_rec is not None:
+                rec = got_rec[0]
+        try:
+            await self._publish(task, cluster)
+        except Exception as exc:
+            reason = f"could not enqueue on cluster {cluster}: {exc!r}"
+            await self.tasks.update(task_id, moves.to_failed(reason))
+            SUBMITTED.labels(req.lane, "enqueue_failed").inc()
+            raise Conflict(503, reason) from exc
+        SUBMITTED.labels(req.lane, "accepted").inc()
+        return Submitted(task, rec, replayed=replay)
+
+    async def _publish(self, task: GenerationTask, cluster: str) -> None:
+        await self.bus.publish(subjects.gen(cluster, task.lane), task, msg_id=task.task_id,
+                               retry_for=self.publish_retry_for)
+
+    # ------------------------------------------------------------------------- look up
+
+    async def record(self, task_id: str) -> TaskRecord | None:
+        assert self.tasks is not None
+        try:
+            subjects.token(task_id, "task id")
+        except ValueError:
+            return None
+        got = await self.tasks.get(task_id)
+        return got[0] if got else None
+
+    def image_refs(self, rec: TaskRecord) -> list[ImageRef]:
+        if rec.state != TaskState.succeeded:
+            return []
+        from datetime import UTC, datetime
+
+        expires = datetime.fromtimestamp(time.time() + self.url_ttl, UTC)
+        return [ImageRef(index=i, key=key, expires_at=expires, url=self.s3.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key},
+            ExpiresIn=int(self.url_ttl))) for i, key in enumerate(rec.images)]
+
+    def view(self, rec: TaskRecord) -> dict[str, Any]:
+        return view(rec, self.image_refs(rec)).model_dump(mode="json")
+
+    # -------------------------------------------------------------------------- cancel
+
+    async def cancel(self, task_id: str) -> TaskRecord | None:
+        """Cancel a queued or running task; None if unknown; ``Conflict`` if finished."""
+        assert self.tasks is not None
+        if await self.record(task_id) is None:
+            return None
+        rec = await self.tasks.update(task_id, moves.to_cancelled())
+        if rec is None:
+            return None
+        if rec.state != TaskState.cancelled:
+            raise Conflict(409, f"task {task_id} already {rec.state.value}")
+        # Core NATS reaches a worker running it now; one that pulls it later reads the
+        # record first and never runs it.
+        await self.bus.emit(subjects.gen_cancel(task_id), b"")
+        await self.bus.publish(subjects.gen_status(task_id), GenerationStatus(
+            task_id=task_id, state=TaskState.cancelled, cluster=rec.cluster, reason=rec.reason),
+            msg_id=f"{task_id}-cancelled", retry_for=self.publish_retry_for)
+        return rec
+
+    # ------------------------------------------------------------------------- follow
+
+    async def follow(self, task_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """``(event, data)`` pairs: the state now, each step's progress, each state change,
+        and the final state, after which it ends. ``("ping", {})`` while nothing happens.
+        """
+        assert self.tasks is not None
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=10_000)
+
+        async def on_progress(msg: Any) -> None:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(("progress", msg.data))
+
+        sub = await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=on_progress)
+        watcher = await self.tasks.kv.watch(task_id)
+
+        async def pump() -> None:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    await queue.put(("record", entry.value))
+
+        pumping = asyncio.create_task(pump())
+        last_state: str | None = None
+        try:
+            while True:
+                try:
+                    kind, data = await asyncio.wait_for(queue.get(), self.sse_ping)
+                except TimeoutError:
+                    yield "ping", {}
+                    continue
+                if kind == "progress":
+                    if last_state in (None, TaskState.queued.value, TaskState.running.value):
+                        yield "progress", msgspec.json.decode(data)
+                    continue
+                rec = decode(data, TaskRecord)
+                if rec.state.terminal:
+                    yield "final", self.view(rec)
+                    return
+                if rec.state.value != last_state:
+                    last_state = rec.state.value
+                    yield "state", {"id": task_id, "state": last_state,
+                                    "cluster": rec.cluster, "worker": rec.worker}
+        finally:
+            pumping.cancel()
+            with contextlib.suppress(BaseException):
+                await pumping
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # -------------------------------------------------------------------------- models
+
+    async def models(self) -> list[dict[str, Any]]:
+        assert self.nodes is not None
+        try:
+            beats = await self.nodes.items()
+        except Exception as exc:
+            _log.warning("gateway.nodes_unreadable", error=repr(exc))
+            beats = {}
+        out = []
+        for spec in self.registry:
+            d = spec.public()
+            d["loaded_on"] = sorted(f"{hb.cluster}/{hb.node}" for hb in beats.values()
+                                    if spec.name in hb.models)
+            out.append(d)
+        return out

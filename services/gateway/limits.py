@@ -1,0 +1,63 @@
+"""Request body limit as plain ASGI middleware (no buffering framework in the way).
+
+A declared ``Content-Length`` over the limit is refused before the body is read; a body
+without one (chunked) is read up to the limit and refused as soon as it passes it. Either
+way the client gets ``413`` with the sizes, and the app never sees the body.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Scope = dict[str, Any]
+
+
+class BodyLimit:
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size > self.max_bytes:
+                await self._refuse(send, f"request body is {size} bytes")
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await self._refuse(send, f"request body is over {total} bytes")
+                return
+            chunks.append(body)
+            more = message.get("more_body", False)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict[str, Any]:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, send: Any, what: str) -> None:
+        body = json.dumps({"detail": f"{what}; the limit is {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,136 @@
+"""The gateway service: the HTTP edge, run by the common service runner.
+
+uvicorn serves the API as one task of ``run``; ``ctx.stopping`` tells it to stop taking
+connections and finish open requests. The runner owns signals (uvicorn's own handlers
+are not installed), the bus connection and the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from tandem.common import subjects
+from tandem.common.errors import ServerStartError
+from tandem.common.models import RegistrySettings
+from tandem.common.runner import Context, Service
+from tandem.common.storage import s3_client
+from tandem.common.streams import Spec, core_streams, gen_stream
+from tandem.gateway.api import create_app
+from tandem.gateway.generations import Gateway
+
+
+class GatewaySettings(RegistrySettings):
+    """``TANDEM_*`` settings of the gateway (see README.md)."""
+
+    http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
+    http_port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP API.")
+    clusters: str = Field("", description="Comma-separated clusters tasks may go to; "
+                          "empty: this process's cluster.")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest request body; "
+                                "larger gets 413.")
+    max_images: int = Field(8, ge=1, le=256, description="Most images per request.")
+    max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt (and negative "
+                                  "prompt), in characters; models may allow fewer.")
+    max_size: int = Field(2048, ge=8, le=8192, description="Largest width or height.")
+    publish_retry_for: float = Field(10.0, ge=0, description="Seconds to retry enqueueing "
+                                     "(same Nats-Msg-Id) before answering 503.")
+    result_url_ttl: float = Field(3600.0, ge=1, le=7 * 24 * 3600,
+                                  description="Seconds a presigned image URL stays valid.")
+    s3_public_endpoint: str | None = Field(
+        None, description="S3 endpoint clients reach (presigned URLs); default s3_endpoint.")
+    sse_ping: float = Field(15.0, gt=0, description="Seconds between SSE keep-alive comments.")
+
+    @field_validator("clusters")
+    @classmethod
+    def _clusters(cls, v: str) -> str:
+        subjects.token_list(v, "cluster")
+        return v
+
+    @property
+    def cluster_list(self) -> list[str]:
+        return subjects.token_list(self.clusters, "cluster") or [self.cluster]
+
+
+class _Server:
+    """uvicorn without its signal handlers: the runner owns SIGTERM."""
+
+    def __init__(self, app: Any, sock: socket.socket) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.server = Server(config)
+        self.sock = sock
+
+    async def serve(self) -> None:
+        await self.server.serve(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+def bind(host: str, port: int) -> socket.socket:
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it every response waits ~40 ms on Nagle + delayed ACK.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServerStartError("gateway", f"cannot listen on {host}:{port}: {exc.strerror} "
+                               "(set TANDEM_HTTP_PORT, 0 picks a free one)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class GatewayService(Service):
+    name = "gateway"
+    settings_class = GatewaySettings
+
+    def __init__(self, settings: GatewaySettings) -> None:  # type: ignore[override]
+        super().__init__(settings)
+        self.s: GatewaySettings = settings
+        self.port = 0
+
+    def streams(self) -> Sequence[Spec]:
+        # The queues it publishes to, not their consumers: those are the workers' own.
+        return [*core_streams(self.s.stream_replicas),
+                *(gen_stream(c, self.s.stream_replicas) for c in self.s.cluster_list)]
+
+    def health(self) -> dict[str, Any]:
+        return {"http_port": self.port, "clusters": self.s.cluster_list}
+
+    async def run(self, ctx: Context) -> None:
+        s = self.s
+        presign = s.model_copy(update={"s3_endpoint": s.s3_public_endpoint or s.s3_endpoint})
+        gw = Gateway(ctx.bus, s.registry, s.cluster_list,
+                     s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
+                     publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping)
+        await gw.start()
+        asgi, _ = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
+                             max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
+        sock = bind(s.http_host, s.http_port)
+        self.port = sock.getsockname()[1]
+        server = _Server(asgi, sock)
+        ctx.log.info("gateway.listening", url=f"http://{s.http_host}:{self.port}",
+                     docs=f"http://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(server.serve())
+            stopping = tg.create_task(ctx.stopping.wait())
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            server.stop()
+            stopping.cancel()
+        sock.close()

@@ -1,0 +1,4 @@
+from tandem.common.runner import main
+from tandem.inference_worker.service import InferenceWorker
+
+main(InferenceWorker)

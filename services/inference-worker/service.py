@@ -1,0 +1,440 @@
+"""The inference worker: pull generation tasks, run them in batches, deliver the images.
+
+One worker per accelerator. It pulls from its cluster's per-lane consumers (interactive
+before batch; ``pull_clusters`` names whose queues it takes, the seam failover uses),
+batches compatible tasks, runs one pipeline call, and for each task, in this order:
+
+1. images to S3 under ``images/<task_id>/<i>.png`` (retried while S3 is unreachable);
+2. the task record moved to ``succeeded`` by compare-and-set (the commit point: a
+   cancelled task never becomes succeeded, and a redelivered task whose record is already
+   succeeded only re-publishes its result);
+3. ``gen.result.<task>`` and ``gen.status.<task>`` published with message ids derived
+   from the task id, so a redelivery never yields a second result;
+4. only then the message is acked. In-progress acks keep it while it runs.
+
+Acks, naks and the DLQ are decided by the bus's ``Consumer``; ``on_dead`` marks a
+dead-lettered task ``failed`` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+from nats.aio.msg import Msg
+from pydantic import Field, field_validator
+
+from tandem.common import log, metrics, subjects
+from tandem.common import tasks as records
+from tandem.common.bus import Consumer, Delivery, TypedKV
+from tandem.common.errors import Reject, Retry
+from tandem.common.events import (
+    GenerationProgress,
+    GenerationResult,
+    GenerationStatus,
+    GenerationTask,
+    ModelsLoaded,
+    TaskRecord,
+    TaskState,
+)
+from tandem.common.models import RegistrySettings
+from tandem.common.runner import Context, Service
+from tandem.common.storage import ensure_bucket, s3_client
+from tandem.common.streams import KV_TASKS, Spec, core_streams, gen_consumers, gen_stream
+from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
+from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
+
+_log = log.get("tandem.inference_worker")
+
+TASKS_DONE = metrics.Counter("tandem_worker_tasks", "Tasks finished by outcome", ["outcome"])
+BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
+                                 buckets=(1, 2, 4, 8, 16, 32, 64))
+GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
+                                "Pipeline call duration, seconds")
+
+
+class WorkerSettings(RegistrySettings):
+    """``TANDEM_*`` settings of the inference worker (see README.md)."""
+
+    serve: str = Field("", description="Comma-separated models this worker serves; "
+                       "empty serves every model in the registry.")
+    worker_id: str = Field("", description="This worker's id; empty: <node>-<pid>.")
+    pull_clusters: str = Field("", description="Comma-separated clusters whose queues this "
+                               "worker pulls, in order; empty: its own cluster.")
+    device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda:N.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
+    max_batch: int = Field(8, ge=1, le=256, description="Most images per pipeline call.")
+    linger: float = Field(0.02, ge=0, le=5, description="Seconds to wait for compatible tasks.")
+    prefetch: int = Field(0, ge=0, le=1024, description="Tasks held beyond max_batch "
+                          "(ready for the next call); 0: max_batch.")
+    ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is "
+                            "redelivered; in-progress acks extend it while a task runs.")
+    max_deliver: int = Field(5, ge=2, le=100, description="Deliveries before the DLQ.")
+    upload_retry_for: float = Field(30.0, ge=0, description="Seconds to retry image uploads "
+                                    "before the attempt fails.")
+    progress_kv_interval: float = Field(1.0, gt=0, description="Seconds between progress "
+                                        "writes to the task record (SSE gets every step).")
+    idle_poll: float = Field(0.5, gt=0, le=30, description="Long-poll of the interactive "
+                             "lane when idle; bounds the batch lane's pickup delay.")
+    preload: bool = Field(True, description="Load served models before pulling tasks.")
+    fault_injection: bool = Field(False, description="Allow fault: models (tests only).")
+    announce_interval: float = Field(2.0, gt=0, description="Seconds between ModelsLoaded.")
+
+    @field_validator("pull_clusters", "serve")
+    @classmethod
+    def _tokens(cls, v: str, info) -> str:  # type: ignore[no-untyped-def]
+        subjects.token_list(v, info.field_name)
+        return v
+
+    @property
+    def clusters(self) -> list[str]:
+        return subjects.token_list(self.pull_clusters, "cluster") or [self.cluster]
+
+
+class _TaskId(msgspec.Struct):
+    task_id: str
+
+
+class InferenceWorker(Service):
+    name = "inference-worker"
+    settings_class = WorkerSettings
+
+    def __init__(self, settings: WorkerSettings) -> None:  # type: ignore[override]
+        super().__init__(settings)
+        self.s: WorkerSettings = settings
+        self.registry = settings.registry
+        served = subjects.token_list(settings.serve, "model") or self.registry.names()
+        unknown = [m for m in served if m not in self.registry]
+        if unknown:
+            raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
+        self.served = served
+        self.worker_id = subjects.token(settings.worker_id or f"{settings.node}-{os.getpid()}",
+                                        "worker id")
+        self.pipelines: dict[str, Pipeline] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
+        self.batcher = Batcher(self.pipeline, max_batch=settings.max_batch,
+                               linger=settings.linger, on_step=self._on_step)
+        self._progress: asyncio.Queue[tuple[list[Job], int, int]] = asyncio.Queue()
+        self._kv_progress_at: dict[str, float] = {}
+        self._s3: Any = None
+        self._bucket_ready = False
+        self.tasks: TypedKV[TaskRecord] | None = None
+        self.inflight = 0
+        self.steps_run = 0  # denoising steps of every pipeline call, for /healthz
+        self._slot = asyncio.Event()
+
+    def streams(self) -> Sequence[Spec]:
+        out: list[Spec] = list(core_streams(self.s.stream_replicas))
+        for c in self.s.clusters:
+            out += [gen_stream(c, self.s.stream_replicas),
+                    *gen_consumers(c, self.s.ack_wait, self.s.max_deliver)]
+        return out
+
+    def health(self) -> dict[str, Any]:
+        return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
+                "inflight": self.inflight, "batches": self.batcher.batches,
+                "steps_run": self.steps_run, "running": self.batcher.task_ids()}
+
+    # ------------------------------------------------------------------------- models
+
+    async def pipeline(self, model: str) -> Pipeline:
+        """The loaded pipeline of ``model``, loading it (once, in a thread) if needed."""
+        if model in self.pipelines:
+            return self.pipelines[model]
+        lock = self._loading.setdefault(model, asyncio.Lock())
+        async with lock:
+            if model not in self.pipelines:
+                spec = self.registry.get(model)
+                if spec is None:
+                    raise ModelLoadError(model, "not in the registry")
+                t0 = time.monotonic()
+                pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
+                                               self.s.fault_injection)
+                self.pipelines[model] = pipe
+                _log.info("worker.model_loaded", model=model, source=spec.source,
+                          seconds=round(time.monotonic() - t0, 3))
+        return self.pipelines[model]
+
+    # ---------------------------------------------------------------------------- life
+
+    async def run(self, ctx: Context) -> None:
+        bus = ctx.bus
+        self.bus = bus
+        self.tasks = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
+        self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
+        if self.s.preload:
+            for model in self.served:
+                await self.pipeline(model)
+        consumers = [
+            bus.consumer(spec, GenerationTask, self.handle, on_dead=self.on_dead,
+                         span_name="gen process")
+            for spec in self._consumer_specs()
+        ]
+        cancel_sub = await bus.nc.subscribe(subjects.gen_cancel_all(), cb=self._on_cancel)
+        _log.info("worker.started", worker=self.worker_id, serve=self.served,
+                  clusters=self.s.clusters, max_batch=self.s.max_batch)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                batcher = tg.create_task(self.batcher.run())
+                pump = tg.create_task(self._pump_progress())
+                announce = tg.create_task(self._announce(ctx))
+                await self._pull(ctx.stopping, consumers)
+                batcher.cancel()
+                pump.cancel()
+                announce.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                await cancel_sub.unsubscribe()
+            for c in consumers:
+                close = getattr(c, "close", None)
+                if close is not None:
+                    await close()
+        _log.info("worker.stopped", batches=self.batcher.batches)
+
+    def _consumer_specs(self) -> list[Any]:
+        # Priority order: every cluster's interactive lane, then every batch lane.
+        by_cluster = [gen_consumers(c, self.s.ack_wait, self.s.max_deliver)
+                      for c in self.s.clusters]
+        return [lanes[0] for lanes in by_cluster] + [lanes[1] for lanes in by_cluster]
+
+    async def _pull(self, stop: asyncio.Event, consumers: list[Consumer[GenerationTask]]) -> None:
+        """Fetch while there is room, best lane first; on stop, hand back what waits."""
+        limit = self.s.max_batch + (self.s.prefetch or self.s.max_batch)
+        async with asyncio.TaskGroup() as tg:
+            while not stop.is_set():
+                room = limit - self.inflight
+                if room <= 0:
+                    self._slot.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._slot.wait(), self.s.idle_poll)
+                    continue
+                got: list[tuple[Consumer[GenerationTask], Msg]] = []
+                for c in consumers:
+                    msgs = await self._fetch(c, room, 0.01)
+                    if msgs:
+                        got = [(c, m) for m in msgs]
+                        break
+                if not got:
+                    msgs = await self._fetch(consumers[0], room, self.s.idle_poll)
+                    got = [(consumers[0], m) for m in msgs]
+                for c, msg in got:
+                    self.inflight += 1
+                    tg.create_task(self._process(c, msg))
+            self.batcher.close()
+        self.batcher.close()
+
+    @staticmethod
+    async def _fetch(c: Consumer[GenerationTask], n: int, timeout: float) -> list[Msg]:
+        try:
+            return await c.fetch(n, timeout)
+        except Exception as exc:  # reconnects, leader elections: try again next round
+            _log.warning("worker.fetch_failed", consumer=c.spec.durable, error=repr(exc))
+            await asyncio.sleep(timeout)  # back off before the next fetch, not a sync point
+            return []
+
+    async def _process(self, c: Consumer[GenerationTask], msg: Msg) -> None:
+        try:
+            await c.process(msg)
+        finally:
+            self.inflight -= 1
+            self._slot.set()
+
+    async def _announce(self, ctx: Context) -> None:
+        """Tell the node's agent which models this worker has loaded (core NATS)."""
+        subject = subjects.models(self.s.cluster, self.s.node)
+        while True:
+            event = ModelsLoaded(cluster=self.s.cluster, node=self.s.node,
+                                 worker=self.worker_id, models=sorted(self.pipelines))
+            with contextlib.suppress(Exception):
+                await ctx.bus.emit(subject, event)
+            await asyncio.sleep(self.s.announce_interval)  # periodic announcement
+
+    # ------------------------------------------------------------------------ handling
+
+    async def handle(self, d: Delivery[GenerationTask]) -> None:
+        task = d.event
+        with log.bound(task_id=task.task_id, model=task.model):
+            spec = self.registry.get(task.model)
+            if spec is None:
+                raise Reject(f"model {task.model!r} is not in the registry")
+            if task.model not in self.served:
+                raise Retry(f"model {task.model} is not served by {self.worker_id}", delay=1.0)
+            assert self.tasks is not None
+            cluster = self._cluster_of(d)
+            if task.noop:
+                await self._dispatch_only(task, cluster)
+                return
+            rec = await self.tasks.update(task.task_id, records.to_running(
+                task, cluster, self.worker_id, d.num_delivered))
+            if rec is None or rec.state.terminal:
+                if rec is not None and rec.state == TaskState.succeeded:
+                    # Done by an earlier delivery whose ack was lost: the result's msg id
+                    # makes this republish a no-op if it was already stored.
+                    await self._publish_result(rec)
+                return  # cancelled before it started: never runs
+            async with d.keepalive():
+                await self._run_task(d, task, cluster)
+
+    async def _run_task(self, d: Delivery[GenerationTask], task: GenerationTask,
+                        cluster: str) -> None:
+        assert self.tasks is not None
+        await self._publish_status(task.task_id, TaskState.running, cluster,
+                                   msg_id=f"{task.task_id}-running-{d.num_delivered}")
+        t0 = time.monotonic()
+        try:
+            images = await self.batcher.submit(task)
+        except JobCancelled:
+            TASKS_DONE.labels("cancelled").inc()
+            return
+        except HandedBack:
+            raise Retry("worker stopping; task handed back", delay=0.0) from None
+        except ModelLoadError as exc:
+            raise Reject(str(exc)) from None
+        gen_s = time.monotonic() - t0
+        GEN_SECONDS.observe(gen_s)
+        BATCH_IMAGES.observe(max(len(images), 1))
+        pipe = self.pipelines.get(task.model)
+        keys = await self._upload(task.task_id, images)
+        rec = await self.tasks.update(task.task_id, records.to_succeeded(
+            keys, pipe.checkpoint if pipe else "", pipe.checkpoint_step if pipe else None))
+        if rec is None or rec.state != TaskState.succeeded:
+            TASKS_DONE.labels("cancelled").inc()
+            return  # cancelled while it ran: the record, not the images, decides
+        await self._publish_result(rec, timings={"generate_s": gen_s})
+        TASKS_DONE.labels("succeeded").inc()
+
+    async def _dispatch_only(self, task: GenerationTask, cluster: str) -> None:
+        """A no-op task: nothing runs, so it goes straight to succeeded (benchmarks)."""
+        assert self.tasks is not None
+        rec = await self.tasks.update(task.task_id, records.to_succeeded(
+            [], adopt=task, cluster=cluster, worker=self.worker_id))
+        if rec is not None and rec.state == TaskState.succeeded:
+            await self._publish_result(rec)
+            TASKS_DONE.labels("succeeded").inc()
+
+    def _cluster_of(self, d: Delivery[GenerationTask]) -> str:
+        # The stream says whose queue it came from; the task says where it was routed.
+        return d.event.cluster or self.s.cluster
+
+    async def _publish_status(self, task_id: str, state: TaskState, cluster: str,
+                              msg_id: str, reason: str = "") -> None:
+        event = GenerationStatus(task_id=task_id, state=state, cluster=cluster,
+                                 worker=self.worker_id, reason=reason)
+        await self.bus.publish(subjects.gen_status(task_id), event, msg_id=msg_id,
+                               retry_for=10.0)
+
+    async def _publish_result(self, rec: TaskRecord, timings: dict[str, float] | None = None
+                              ) -> None:
+        task_id = rec.task.task_id
+        result = GenerationResult(task_id=task_id, images=list(rec.images), cluster=rec.cluster,
+                                  worker=rec.worker, checkpoint=rec.checkpoint,
+                                  checkpoint_step=rec.checkpoint_step, timings=timings or {})
+        status = GenerationStatus(task_id=task_id, state=TaskState.succeeded,
+                                  cluster=rec.cluster, worker=rec.worker)
+        await self.bus.publish_many([
+            (subjects.gen_result(task_id), result, f"{task_id}-result"),
+            (subjects.gen_status(task_id), status, f"{task_id}-succeeded"),
+        ])
+
+    # ---------------------------------------------------------------------------- S3
+
+    async def _upload(self, task_id: str, images: list[bytes]) -> list[str]:
+        """Store each PNG under ``images/<task_id>/<i>.png``; retry while S3 is down."""
+        if not images:
+            return []
+        task_id = subjects.token(task_id, "task id")
+        keys = [f"images/{task_id}/{i}.png" for i in range(len(images))]
+        deadline = time.monotonic() + self.s.upload_retry_for
+        delay = 0.2
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await asyncio.to_thread(self._put_all, keys, images)
+                return keys
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ImageUploadError(task_id, attempt, repr(exc)) from None
+                _log.warning("worker.upload_retry", attempt=attempt, error=repr(exc))
+                await asyncio.sleep(delay)  # backoff between upload attempts
+                delay = min(delay * 2, 5.0)
+
+    def _put_all(self, keys: list[str], images: list[bytes]) -> None:
+        if not self._bucket_ready:
+            ensure_bucket(self._s3, self.s.s3_bucket)
+            self._bucket_ready = True
+        for key, png in zip(keys, images, strict=True):
+            self._s3.put_object(Bucket=self.s.s3_bucket, Key=key, Body=png,
+                                ContentType="image/png")
+
+    # ---------------------------------------------------------------------- dead letters
+
+    async def on_dead(self, msg: Msg, reason: str) -> None:
+        """A dead-lettered task is ``failed`` with the reason (if its id can be read)."""
+        try:
+            task_id = subjects.token(msgspec.json.decode(msg.data, type=_TaskId).task_id,
+                                     "task id")
+        except Exception:
+            _log.warning("worker.dead_without_task_id", reason=reason)
+            return
+        assert self.tasks is not None
+        rec = await self.tasks.update(task_id, records.to_failed(reason))
+        TASKS_DONE.labels("failed").inc()
+        if rec is not None and rec.state == TaskState.failed:
+            await self._publish_status(task_id, TaskState.failed, rec.cluster,
+                                       msg_id=f"{task_id}-failed", reason=reason)
+
+    # -------------------------------------------------------------- progress and cancel
+
+    def _on_step(self, jobs: list[Job], step: int, total: int) -> None:
+        self.steps_run += 1
+        self._progress.put_nowait((jobs, step, total))
+
+    async def _pump_progress(self) -> None:
+        """Emit one progress event per step and task; write it to the record now and then."""
+        assert self.tasks is not None
+        while True:
+            jobs, step, total = await self._progress.get()
+            for job in jobs:
+                if job.cancelled:
+                    continue
+                task_id = job.task.task_id
+                with contextlib.suppress(Exception):
+                    await self.bus.emit(subjects.gen_progress(task_id), GenerationProgress(
+                        task_id=task_id, step=step, total=total))
+                last = self._kv_progress_at.get(task_id, 0.0)
+                if time.monotonic() - last >= self.s.progress_kv_interval or step == total:
+                    self._kv_progress_at[task_id] = time.monotonic()
+                    try:
+                        rec = await self.tasks.update(task_id, records.with_progress(step / total))
+                    except Exception as exc:
+                        _log.warning("worker.progress_write_failed", error=repr(exc))
+                        continue
+                    if rec is not None and rec.state == TaskState.cancelled:
+                        self.batcher.cancel(task_id)  # the cancel message may have been missed
+                if step == total:
+                    self._kv_progress_at.pop(task_id, None)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        task_id = msg.subject.rsplit(".", 1)[-1]
+        if self.batcher.cancel(task_id):
+            _log.info("worker.cancelled", task_id=task_id)
+
+
+class ImageUploadError(Exception):
+    """Images could not be stored in S3 within ``upload_retry_for``."""
+
+    def __init__(self, task_id: str, attempts: int, reason: str) -> None:
+        self.task_id = task_id
+        self.attempts = attempts
+        self.reason = reason
+        super().__init__(f"image upload failed after {attempts} attempts: {reason}")
+
+
+__all__ = ["ImageUploadError", "InferenceWorker", "WorkerSettings"]

@@ -1,0 +1,175 @@
+"""Serving tests' helpers: the gateway and workers as real child processes, and waits.
+
+Everything waits on an event from the system itself (a KV watch, a progress message,
+a readiness endpoint) with a deadline; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.common import subjects
+from tandem.common.bus import Bus
+from tandem.common.events import DeadLetter, TaskRecord, decode
+from tandem.common.servers import Process, free_port
+from tandem.common.streams import KV_TASKS
+from tests.conftest import PYTHON, service_env
+
+DEADLINE = 90.0
+
+
+@dataclass
+class Child(Process):
+    """A Tandem service as a child process (``python -m tandem.<module>``)."""
+
+    module: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    metrics_port: int = 0
+
+    def start(self) -> Child:
+        self.metrics_port = self.metrics_port or free_port()
+        env = service_env(**{**self.env, "metrics_port": str(self.metrics_port)})
+        self._spawn([PYTHON, "-m", self.module], env=env)
+        return self
+
+    def health(self, url: str | None = None) -> dict[str, Any] | None:
+        url = url or f"http://127.0.0.1:{self.metrics_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+            return None
+
+    def wait_healthy(self, pred: Callable[[dict[str, Any]], bool] = lambda h: True,
+                     timeout: float = DEADLINE, url: str | None = None) -> dict[str, Any]:
+        """Poll the child's own /healthz until ``pred`` holds (readiness, not a sleep)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise AssertionError(f"{self.name} exited: {self.tail()}")
+            h = self.health(url)
+            if h is not None and h.get("status") == "ok" and pred(h):
+                return h
+            time.sleep(0.05)  # polling the child's readiness endpoint
+        raise AssertionError(f"{self.name} not ready in {timeout}s: {self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+def worker(root: Path, name: str, **env: str) -> Child:
+    return Child(name=name, log_path=root / f"{name}.log", module="tandem.inference_worker",
+                 env={"worker_id": name, **env})
+
+
+def gateway(root: Path, name: str, port: int, **env: str) -> Child:
+    return Child(name=name, log_path=root / f"{name}.log", module="tandem.gateway",
+                 env={"http_port": str(port), **env})
+
+
+async def wait_record(bus: Bus, task_id: str, pred: Callable[[TaskRecord], bool],
+                      timeout: float = DEADLINE, seen: list[TaskRecord] | None = None
+                      ) -> TaskRecord:
+    """Watch the task's KV record until ``pred`` holds; every version goes to ``seen``."""
+    kv = await bus.kv(KV_TASKS)
+    watcher = await kv.watch(task_id)
+    try:
+        async with asyncio.timeout(timeout):
+            async for entry in watcher:
+                if entry is None or not entry.value:
+                    continue
+                rec = decode(entry.value, TaskRecord)
+                if seen is not None:
+                    seen.append(rec)
+                if pred(rec):
+                    return rec
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+    raise AssertionError("watch ended")
+
+
+async def terminal(bus: Bus, task_id: str, timeout: float = DEADLINE,
+                   seen: list[TaskRecord] | None = None) -> TaskRecord:
+    return await wait_record(bus, task_id, lambda r: r.state.terminal, timeout, seen)
+
+
+class Progress:
+    """Collects ``gen.progress.<task>`` messages; ``wait(n)`` returns once n arrived."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self._changed = asyncio.Event()
+        self._sub: Any = None
+
+    async def start(self, bus: Bus, task_id: str) -> Progress:
+        async def on(msg: Any) -> None:
+            self.steps.append(json.loads(msg.data)["step"])
+            self._changed.set()
+
+        self._sub = await bus.nc.subscribe(subjects.gen_progress(task_id), cb=on)
+        return self
+
+    async def wait(self, n: int = 1, timeout: float = DEADLINE) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.steps) < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+
+async def count_on(bus: Bus, stream: str, subject: str) -> int:
+    """How many messages ``stream`` holds on ``subject``."""
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    return sum((info.state.subjects or {}).values())
+
+
+async def stream_messages(bus: Bus, stream: str, subject: str) -> list[Any]:
+    """Every message stored in ``stream`` on ``subject``, oldest first."""
+    want = await count_on(bus, stream, subject)
+    out: list[Any] = []
+    if want == 0:
+        return out
+    sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True)
+    try:
+        while len(out) < want:
+            out.append(await sub.next_msg(timeout=10))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def wait_result(bus: Bus, task_id: str, timeout: float = DEADLINE) -> Any:
+    """The task's first ``gen.result`` message in ``GEN_EVENTS`` (waits for it)."""
+    sub = await bus.js.subscribe(subjects.gen_result(task_id), stream="GEN_EVENTS",
+                                 ordered_consumer=True)
+    try:
+        return await sub.next_msg(timeout=timeout)
+    finally:
+        await sub.unsubscribe()
+
+
+async def dead_letters(bus: Bus, stream: str, pred: Callable[[list[DeadLetter]], bool],
+                       timeout: float = DEADLINE) -> list[DeadLetter]:
+    """Dead letters of ``stream`` (oldest first), read until ``pred`` holds for them."""
+    sub = await bus.js.subscribe(subjects.dlq(stream), stream="DLQ", ordered_consumer=True)
+    out: list[DeadLetter] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while not pred(out):
+                out.append(decode((await sub.next_msg(timeout=timeout)).data, DeadLetter))
+    finally:
+        await sub.unsubscribe()
+    return out

@@ -1,0 +1,192 @@
+"""The gateway's HTTP API in-process (ASGI) against a real NATS server and S3:
+submission, idempotency, validation, limits, cancel, the model registry."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem.common import subjects
+from tandem.common.bus import Bus, TypedKV
+from tandem.common.events import NodeHeartbeat, TaskRecord, TaskState
+from tandem.common.models import Registry
+from tandem.common.servers import S3Server
+from tandem.common.settings import Settings, load
+from tandem.common.storage import s3_client
+from tandem.common.streams import KV_NODES, KV_TASKS, core_streams, gen_stream
+from tandem.gateway.api import create_app
+from tandem.gateway.generations import Gateway
+from tests.conftest import PYTHON
+
+MAX_BODY = 4096
+
+
+@pytest.fixture
+async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
+    await bus.provision([*core_streams(), gen_stream(settings.cluster), gen_stream("other")])
+    s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                        s3_secret_key="tandem"))
+    g = Gateway(bus, Registry.parse(""), [settings.cluster, "other"], s3=s3, bucket="b",
+                url_ttl=60, publish_retry_for=1.0)
+    await g.start()
+    return g
+
+
+@pytest.fixture
+async def http(gw: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    asgi, _ = create_app(gw, max_body_bytes=MAX_BODY, max_images=4, max_prompt_chars=100,
+                         max_size=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
+                                 base_url="http://gw") as client:
+        yield client
+
+
+async def queued_on(bus: Bus, cluster: str) -> int:
+    return (await bus.js.stream_info(subjects.gen_stream_name(cluster))).state.messages
+
+
+async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
+        http: httpx.AsyncClient, bus: Bus, settings: Settings) -> None:
+    r = await http.post("/v1/generations", json={"model": "tiny-text", "prompt": "a cat",
+                                                  "num_images": 2, "lane": "batch"})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["state"] == "queued" and body["cluster"] == settings.cluster
+    assert body["status_url"] == f"/v1/generations/{body['id']}" == r.headers["location"]
+    assert body["events_url"] == body["status_url"] + "/events"
+    assert await queued_on(bus, settings.cluster) == 1
+    view = (await http.get(body["status_url"])).json()
+    assert view["state"] == "queued" and view["lane"] == "batch"
+    # Unset parameters took the model's defaults; the seed is derived and reported.
+    assert view["params"] == {"width": 16, "height": 16, "steps": 10, "guidance": 5.0,
+                              "seed": body["seed"], "num_images": 2}
+    assert view["created_at"] and view["images"] == []
+
+
+async def test_same_idempotency_key_returns_same_task_and_never_enqueues_twice(
+        http: httpx.AsyncClient, bus: Bus, settings: Settings) -> None:
+    body = {"model": "digits", "class_label": 3}
+    first = await http.post("/v1/generations", json=body, headers={"Idempotency-Key": "k-1"})
+    again = await http.post("/v1/generations", json=body, headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == again.status_code == 202
+    assert first.json() == again.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await queued_on(bus, settings.cluster) == 1
+    other = await http.post("/v1/generations", json=body, headers={"Idempotency-Key": "k-2"})
+    assert other.json()["id"] != first.json()["id"]
+    assert await queued_on(bus, settings.cluster) == 2
+    reused = await http.post("/v1/generations", json={**body, "class_label": 4},
+                             headers={"Idempotency-Key": "k-1"})
+    assert reused.status_code == 422
+    assert reused.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"]
+
+
+@pytest.mark.parametrize(("body", "field", "says"), [
+    ({"model": "nope", "prompt": "x"}, "model", "unknown model 'nope'"),
+    ({"model": "bad model"}, "model", "pattern"),
+    ({"model": "tiny-text"}, "prompt", "a prompt is required"),
+    ({"model": "tiny-text", "prompt": "x" * 101}, "prompt", "101 characters; at most 100"),
+    ({"model": "tiny-text", "prompt": "x", "negative_prompt": "y" * 200}, "negative_prompt",
+     "at most 100"),
+    ({"model": "tiny-text", "prompt": "x", "class_label": 1}, "class_label", "not a class"),
+    ({"model": "digits", "prompt": "x", "class_label": 1}, "prompt", "does not take a prompt"),
+    ({"model": "digits"}, "class_label", "class_label 0..9 is required"),
+    ({"model": "digits", "class_label": 10}, "class_label", "0..9"),
+    ({"model": "noop", "class_label": 0}, "class_label", "unconditional"),
+    ({"model": "tiny-text", "prompt": "x", "width": 20}, "width", "multiple of 8"),
+    ({"model": "tiny-text", "prompt": "x", "height": 0}, "height", "greater than or equal"),
+    ({"model": "tiny-text", "prompt": "x", "width": 128}, "width", "8..64"),
+    ({"model": "tiny-text", "prompt": "x", "height": 1024}, "height", "at most 512"),
+    ({"model": "digits", "class_label": 1, "width": 32}, "width", "sizes [16]"),
+    ({"model": "tiny-text", "prompt": "x", "steps": 0}, "steps", "greater than or equal"),
+    ({"model": "tiny-text", "prompt": "x", "steps": 201}, "steps", "at most 200 steps"),
+    ({"model": "tiny-text", "prompt": "x", "guidance": 21}, "guidance", "up to 20.0"),
+    ({"model": "tiny-text", "prompt": "x", "guidance": -1}, "guidance", "greater than"),
+    ({"model": "digits", "class_label": 1, "guidance": 7.5}, "guidance", "up to 1.0"),
+    ({"model": "tiny-text", "prompt": "x", "num_images": 5}, "num_images", "at most 4"),
+    ({"model": "tiny-text", "prompt": "x", "num_images": 0}, "num_images", "greater than"),
+    ({"model": "tiny-text", "prompt": "x", "lane": "fast"}, "lane", "interactive"),
+    ({"model": "tiny-text", "prompt": "x", "cluster": "mars"}, "cluster", "unknown cluster"),
+    ({"model": "tiny-text", "prompt": "x", "colour": "red"}, "colour", "Extra inputs"),
+])
+async def test_invalid_request_gets_422_naming_the_field(
+        http: httpx.AsyncClient, bus: Bus, settings: Settings, body: dict[str, Any],
+        field: str, says: str) -> None:
+    r = await http.post("/v1/generations", json=body)
+    assert r.status_code == 422, r.text
+    problems = r.json()["detail"]
+    assert any(p["loc"][-1] == field and says in p["msg"] for p in problems), problems
+    assert await queued_on(bus, settings.cluster) == 0
+
+
+async def test_oversized_body_gets_413_whether_declared_or_streamed(
+        http: httpx.AsyncClient) -> None:
+    big = b'{"model": "tiny-text", "prompt": "' + b"x" * MAX_BODY + b'"}'
+    r = await http.post("/v1/generations", content=big,
+                        headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit is 4096 bytes" in r.json()["detail"]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+
+    r = await http.post("/v1/generations", content=chunks(),
+                        headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refuse(
+        http: httpx.AsyncClient, bus: Bus) -> None:
+    task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]
+    r = await http.delete(f"/v1/generations/{task_id}")
+    assert r.status_code == 200
+    assert r.json()["state"] == "cancelled" and r.json()["finished_at"]
+    assert (await http.delete(f"/v1/generations/{task_id}")).status_code == 200
+    tasks = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
+    got = await tasks.get(task_id)
+    assert got is not None and got[0].state == TaskState.cancelled
+    assert (await http.delete("/v1/generations/unknown")).status_code == 404
+    assert (await http.get("/v1/generations/not..valid")).status_code == 404
+    assert (await http.get("/v1/generations/unknown")).status_code == 404
+
+
+async def test_models_lists_conditioning_sizes_steps_and_where_each_is_loaded(
+        http: httpx.AsyncClient, bus: Bus, settings: Settings) -> None:
+    nodes = TypedKV(await bus.kv(KV_NODES), NodeHeartbeat)
+    await nodes.put(subjects.node_key(settings.cluster, "n1"), NodeHeartbeat(
+        cluster=settings.cluster, node="n1", models=["digits"]))
+    models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+    assert set(models) == {"digits", "tiny-text", "noop"}
+    digits = models["digits"]
+    assert digits["conditioning"] == "class_label"
+    assert digits["class_labels"] == {"min": 0, "max": 9}
+    assert digits["sizes"] == [16] and digits["default_steps"] == 20
+    assert digits["loaded_on"] == [f"{settings.cluster}/n1"]
+    assert models["tiny-text"]["conditioning"] == "text"
+    assert models["tiny-text"]["loaded_on"] == []
+    assert "config" not in digits
+
+
+async def test_pinned_cluster_gets_the_task(http: httpx.AsyncClient, bus: Bus) -> None:
+    r = await http.post("/v1/generations", json={"model": "noop", "cluster": "other"})
+    assert r.status_code == 202 and r.json()["cluster"] == "other"
+    assert await queued_on(bus, "other") == 1
+
+
+async def test_openapi_documents_the_generation_api(http: httpx.AsyncClient) -> None:
+    paths = (await http.get("/openapi.json")).json()["paths"]
+    assert {"/v1/generations", "/v1/generations/{task_id}",
+            "/v1/generations/{task_id}/events", "/v1/models"} <= set(paths)
+    assert (await http.get("/docs")).status_code == 200
+
+
+def test_gateway_imports_without_torch_or_diffusers() -> None:
+    code = ("import sys, tandem.gateway.service, tandem.gateway.api; "
+            "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,389 @@
+"""Generation end to end: HTTP in, images out, with the gateway and workers as real
+child processes on a real NATS server and S3 endpoint, and what each survives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem.common import subjects
+from tandem.common.bus import Bus
+from tandem.common.events import GenerationTask, TaskRecord, TaskState
+from tandem.common.servers import NatsServer, S3Server, free_port
+from tandem.common.settings import Settings, load
+from tandem.common.storage import s3_client
+from tandem.common.streams import GEN_EVENTS, KV_TASKS
+from tests.serving_stack import (
+    Child,
+    Progress,
+    count_on,
+    dead_letters,
+    gateway,
+    terminal,
+    wait_result,
+    worker,
+)
+
+MAIN = "main"
+FAULT_MODELS = json.dumps([
+    {"name": "digits", "source": "builtin:class-unet", "conditioning": "class_label",
+     "num_classes": 10, "sizes": [16], "max_steps": 1000},
+    {"name": "tiny-text", "source": "builtin:tiny-text", "conditioning": "text",
+     "max_size": 64, "default_steps": 4, "max_guidance": 20, "default_guidance": 3.0},
+    {"name": "crasher", "source": "fault:kill", "max_steps": 10},
+])
+
+
+class Stack:
+    """One NATS server, the session's S3, a gateway and the main cluster's worker."""
+
+    def __init__(self, root: Path, s3: S3Server) -> None:
+        self.root = root
+        self.s3 = s3
+        self.nats = NatsServer(name="serving", log_path=root / "nats.log", store_dir=root / "js")
+        self.bucket = f"serving-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.children: list[Child] = []
+        self.gateway: Child | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"nats_url": self.nats.url, "s3_endpoint": self.s3.url,
+                "s3_bucket": self.bucket, "s3_access_key": "tandem", "s3_secret_key": "tandem",
+                "models": FAULT_MODELS, **extra}
+
+    def start_gateway(self) -> Child:
+        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle"])
+        gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
+                     **self.env(clusters=clusters, cluster=MAIN, sse_ping="1"))
+        self.children.append(gw.start())
+        gw.wait_healthy(url=f"{self.url}/healthz")
+        self.gateway = gw
+        return gw
+
+    def start_worker(self, name: str, cluster: str, **extra: str) -> Child:
+        w = worker(self.root, name, **self.env(cluster=cluster, node=name, **extra))
+        self.children.append(w.start())
+        return w
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def settings(self) -> Settings:
+        return load(Settings, nats_url=self.nats.url, s3_endpoint=self.s3.url,
+                    s3_bucket=self.bucket, s3_access_key="tandem", s3_secret_key="tandem")
+
+    def stop(self) -> None:
+        for c in self.children:
+            c.kill()
+        self.nats.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Stack]:
+    st = Stack(tmp_path_factory.mktemp("serving"), s3_server)
+    st.nats.start()
+    try:
+        st.start_gateway()
+        st.start_worker("w-main", MAIN, serve="digits,tiny-text", max_batch="8",
+                        ack_wait="10")
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture
+async def bus(stack: Stack) -> AsyncIterator[Bus]:
+    b = await Bus.connect(stack.settings(), "test")
+    yield b
+    await b.drain()
+
+
+@pytest.fixture
+async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        yield client
+
+
+async def submit(http: httpx.AsyncClient, **body: Any) -> str:
+    r = await http.post("/v1/generations", json=body)
+    assert r.status_code == 202, r.text
+    return r.json()["id"]
+
+
+async def sse(http: httpx.AsyncClient, task_id: str) -> list[tuple[str, Any]]:
+    """Every SSE event of a task until the stream ends."""
+    events: list[tuple[str, Any]] = []
+    async with http.stream("GET", f"/v1/generations/{task_id}/events") as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((kind or "message", json.loads(line[6:])))
+    return events
+
+
+async def images_of(http: httpx.AsyncClient, view: dict[str, Any]) -> list[bytes]:
+    out = []
+    for ref in view["images"]:
+        r = await http.get(ref["url"])
+        assert r.status_code == 200, r.text
+        out.append(r.content)
+    return out
+
+
+def s3_keys(stack: Stack, task_id: str) -> list[str]:
+    s3 = s3_client(stack.settings())
+    listed = s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"images/{task_id}/")
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+# ------------------------------------------------------------------------------ happy path
+
+
+async def test_text_task_streams_every_step_then_final_state_with_presigned_images(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    task_id = await submit(http, model="tiny-text", prompt="a red fox", num_images=2,
+                           steps=5, seed=11)
+    events = await sse(http, task_id)
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "final"
+    final = events[-1][1]
+    assert final["state"] == "succeeded", final
+    # A client may connect after a few steps ran; the steps it saw are in order, one each.
+    steps = [d["step"] for k, d in events if k == "progress"]
+    assert steps == sorted(set(steps)) and all(1 <= s <= 5 for s in steps)
+    assert final["cluster"] == MAIN and final["worker"] == "w-main"
+    assert final["started_at"] and final["finished_at"] and final["progress"] == 1.0
+    pngs = await images_of(http, final)
+    assert len(pngs) == 2 and all(p.startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
+    assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png", f"images/{task_id}/1.png"]
+    await wait_result(bus, task_id)
+    assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
+
+
+async def test_same_seed_and_parameters_give_byte_identical_pngs(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    bodies = [dict(model="digits", class_label=3, steps=8, seed=5),
+              dict(model="digits", class_label=3, steps=8, seed=5),
+              dict(model="digits", class_label=3, steps=8, seed=6),
+              dict(model="tiny-text", prompt="a lighthouse", steps=3, seed=9),
+              dict(model="tiny-text", prompt="a lighthouse", steps=3, seed=9)]
+    ids = [await submit(http, **b) for b in bodies]
+    for task_id in ids:
+        assert (await terminal(bus, task_id)).state == TaskState.succeeded
+    pngs = []
+    for task_id in ids:
+        view = (await http.get(f"/v1/generations/{task_id}")).json()
+        pngs.append((await images_of(http, view))[0])
+    assert pngs[0] == pngs[1]
+    assert pngs[0] != pngs[2]
+    assert pngs[3] == pngs[4]
+
+
+async def test_interactive_runs_before_older_batch_tasks_and_compatible_ones_share_a_call(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    # Queued before any worker of cluster "prio" exists, so the worker sees them all at once.
+    batch = [await submit(http, model="digits", class_label=i, steps=6, seed=i,
+                          lane="batch", cluster="prio") for i in range(3)]
+    urgent = await submit(http, model="digits", class_label=9, steps=7, seed=1,
+                          cluster="prio")
+    progress = await Progress().start(bus, urgent)
+    w = stack.start_worker("w-prio", "prio", serve="digits", linger="0.5")
+    try:
+        recs = {t: await terminal(bus, t) for t in [urgent, *batch]}
+        assert all(r.state == TaskState.succeeded for r in recs.values())
+        assert all(recs[urgent].finished_at < recs[t].finished_at for t in batch)
+        health = w.wait_healthy()
+        assert health["batches"] == 2  # the urgent task alone, then the three batch tasks
+        # Subscribed before the task ran: every step's progress, once, in order.
+        assert progress.steps == list(range(1, 8))
+    finally:
+        await progress.stop()
+        w.kill()
+
+
+async def test_cancel_queued_task_never_runs(stack: Stack, http: httpx.AsyncClient,
+                                            bus: Bus) -> None:
+    # Cluster "idle" has no worker yet: the task stays queued.
+    task_id = await submit(http, model="digits", class_label=1, steps=3, cluster="idle")
+    r = await http.delete(f"/v1/generations/{task_id}")
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    assert (await http.delete(f"/v1/generations/{task_id}")).json()["state"] == "cancelled"
+    w = stack.start_worker("w-idle", "idle", serve="digits")
+    try:
+        # The worker takes the message, reads the record, and acks without running it.
+        nxt = await submit(http, model="digits", class_label=2, steps=2, cluster="idle")
+        assert (await terminal(bus, nxt)).state == TaskState.succeeded
+        rec = await terminal(bus, task_id)
+        assert rec.state == TaskState.cancelled and rec.started_at is None
+        assert s3_keys(stack, task_id) == []
+    finally:
+        w.kill()
+
+
+async def test_cancel_running_task_stops_within_one_step(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    task_id = await submit(http, model="digits", class_label=2, steps=1000, seed=3)
+    progress = await Progress().start(bus, task_id)
+    try:
+        await progress.wait(3)
+        r = await http.delete(f"/v1/generations/{task_id}")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        seen_at_cancel = len(progress.steps)
+        # The worker is free again: a new task runs to completion right after.
+        nxt = await submit(http, model="digits", class_label=2, steps=2, seed=3)
+        assert (await terminal(bus, nxt)).state == TaskState.succeeded
+    finally:
+        await progress.stop()
+    health = stack.children[1].wait_healthy()
+    assert task_id not in health["running"]
+    # At most the step in flight when the cancel arrived ran after it.
+    assert len(progress.steps) <= seen_at_cancel + 1
+    rec = await terminal(bus, task_id)
+    assert rec.state == TaskState.cancelled and rec.images == []
+    assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 0
+    assert s3_keys(stack, task_id) == []
+    assert (await http.delete(f"/v1/generations/{nxt}")).status_code == 409
+
+
+# -------------------------------------------------------------------------------- failures
+
+
+async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one_result(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    env = dict(serve="digits", ack_wait="2")
+    first = stack.start_worker("w-kill-1", "kill", **env)
+    task_id = await submit(http, model="digits", class_label=7, steps=60, seed=2,
+                           num_images=2, cluster="kill")
+    progress = await Progress().start(bus, task_id)
+    try:
+        await progress.wait(2)
+        first.kill()
+    finally:
+        await progress.stop()
+    second = stack.start_worker("w-kill-2", "kill", **env)
+    try:
+        rec = await terminal(bus, task_id)
+        assert rec.state == TaskState.succeeded, rec.reason
+        assert rec.worker == "w-kill-2" and rec.attempts == 2
+        await wait_result(bus, task_id)
+        assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
+        assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png", f"images/{task_id}/1.png"]
+        view = (await http.get(f"/v1/generations/{task_id}")).json()
+        assert len(view["images"]) == 2
+    finally:
+        second.kill()
+
+
+async def test_malformed_tasks_go_to_dlq_and_fail_with_the_reason_and_worker_goes_on(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    tasks = TypedKVTasks(bus)
+    bad_id = uuid.uuid4().hex
+    await tasks.create(bad_id, GenerationTask(task_id=bad_id, model="digits", cluster=MAIN))
+    subject = subjects.gen(MAIN, "interactive")
+    await bus.publish(subject, json.dumps(
+        {"task_id": bad_id, "model": "digits", "width": "wide"}).encode(), msg_id=bad_id)
+    await bus.publish(subject, b"\x00not json at all", msg_id=uuid.uuid4().hex)
+    rec = await terminal(bus, bad_id)
+    assert rec.state == TaskState.failed
+    assert "undecodable" in rec.reason and "width" in rec.reason
+    letters = await dead_letters(bus, f"GEN_{MAIN.upper()}", lambda ls: any(
+        d.data.startswith(b"\x00not json") for d in ls) and any(
+        bad_id.encode() in d.data for d in ls))
+    mine = [d for d in letters if bad_id.encode() in d.data]
+    assert len(mine) == 1 and mine[0].reason == rec.reason
+    ok = await submit(http, model="digits", class_label=0, steps=2)
+    assert (await terminal(bus, ok)).state == TaskState.succeeded
+
+
+async def test_task_that_keeps_killing_its_worker_fails_after_max_deliver_and_goes_to_dlq(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    env = dict(serve="crasher", fault_injection="1", ack_wait="1", max_deliver="3")
+    task_id = await submit(http, model="crasher", steps=2, cluster="crash")
+    seen: list[TaskRecord] = []
+    done = asyncio.create_task(terminal(bus, task_id, seen=seen))
+    starts = 0
+    try:
+        while not done.done():
+            w = stack.start_worker(f"w-crash-{starts}", "crash", **env)
+            starts += 1
+            # The worker dies on the task (SIGKILL from inside) or the task ends.
+            while w.running and not done.done():
+                await asyncio.wait({done}, timeout=0.2)
+            w.kill()
+            assert starts <= 5, "the task was never dead-lettered"
+        rec = done.result()
+    finally:
+        done.cancel()
+    assert rec.state == TaskState.failed
+    assert rec.reason.startswith("exhausted: delivered 3 times"), rec.reason
+    assert starts == 3
+    assert TaskState.succeeded not in {r.state for r in seen}
+    await dead_letters(bus, "GEN_CRASH", lambda ls: any(
+        task_id.encode() in d.data and d.reason == rec.reason for d in ls))
+
+
+async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_images(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    dead_s3 = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    w = stack.start_worker("w-s3down", "s3down", serve="digits", s3_endpoint=dead_s3,
+                           s3_max_attempts="1", upload_retry_for="1", max_deliver="2",
+                           ack_wait="5")
+    try:
+        task_id = await submit(http, model="digits", class_label=5, steps=2,
+                               cluster="s3down")
+        seen: list[TaskRecord] = []
+        rec = await terminal(bus, task_id, seen=seen)
+        assert rec.state == TaskState.failed
+        assert "image upload failed after" in rec.reason, rec.reason
+        assert all(r.state != TaskState.succeeded for r in seen) and rec.images == []
+        assert "upload_retry" in w.tail(100_000)
+        assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 0
+        await dead_letters(bus, "GEN_S3DOWN", lambda ls: any(
+            task_id.encode() in d.data and d.reason == rec.reason for d in ls))
+    finally:
+        w.kill()
+
+
+async def test_gateway_restart_keeps_status_results_and_sse_for_earlier_tasks(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    done = await submit(http, model="digits", class_label=8, steps=2, seed=4)
+    assert (await terminal(bus, done)).state == TaskState.succeeded
+    before = (await http.get(f"/v1/generations/{done}")).json()
+    queued = await submit(http, model="digits", class_label=8, steps=2, cluster="idle")
+    assert stack.gateway is not None
+    stack.gateway.kill()
+    stack.start_gateway()
+    after = (await http.get(f"/v1/generations/{done}")).json()
+    assert after["state"] == "succeeded" and after["images"][0]["key"] == \
+        before["images"][0]["key"]
+    assert await images_of(http, after) == await images_of(http, before)
+    events = await sse(http, done)
+    assert events == [("final", events[0][1])] and events[0][1]["state"] == "succeeded"
+    assert (await http.get(f"/v1/generations/{queued}")).json()["state"] == "queued"
+    assert (await http.delete(f"/v1/generations/{queued}")).json()["state"] == "cancelled"
+
+
+class TypedKVTasks:
+    """The gateway's first step, done by hand: record a task as queued."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def create(self, task_id: str, task: GenerationTask) -> None:
+        from tandem.common import tasks as moves
+        from tandem.common.bus import TypedKV
+
+        kv = TypedKV(await self.bus.kv(KV_TASKS), TaskRecord)
+        await kv.create(task_id, moves.queued(task, task.cluster))
