@@ -68,6 +68,47 @@ def build_scheduler(cfg: UNetConfig) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps)
 
 
+@dataclass(kw_only=True)
+class DiTConfig:
+    """A small class-conditional DiT (diffusers ``DiTTransformer2DModel``)."""
+
+    sample_size: int = 16
+    in_channels: int = 1
+    num_classes: int = 10
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    attention_head_dim: int = 16
+    patch_size: int = 2
+    num_train_timesteps: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiTConfig:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def build_dit(cfg: DiTConfig, seed: int | None = None) -> torch.nn.Module:
+    """A randomly initialised DiTTransformer2DModel from ``cfg``; call it with
+    ``model(x, timestep=t, class_labels=y).sample``."""
+    from diffusers import DiTTransformer2DModel
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return DiTTransformer2DModel(
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.in_channels,
+        num_layers=cfg.num_layers,
+        sample_size=cfg.sample_size,
+        patch_size=cfg.patch_size,
+        num_embeds_ada_norm=cfg.num_classes,
+        norm_num_groups=1,
+    )
+
+
 # ------------------------------------------------------------------ tiny text-to-image pipeline
 
 

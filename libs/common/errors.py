@@ -9,6 +9,9 @@ that explains it, so a caller can log or act on fields rather than parse a messa
     ├── EventDecodeError       a payload is not a valid event of the expected type
     ├── StreamConflict         an existing stream/consumer/bucket differs from its declaration
     ├── ServerStartError       a local server (nats-server, S3) could not start (e.g. port in use)
+    ├── InvalidRunConfig       a training run config failed validation (names each field)
+    ├── RunExists              a run id is taken by a run with a different config
+    ├── RunNotFound            no run with that id in KV ``runs``
     └── HandlerError           raised by message handlers to steer acknowledgement
         ├── Retry              nak with a delay: the message is redelivered
         └── Reject             terminate: the message goes to the DLQ with the reason
@@ -108,3 +111,28 @@ class Reject(HandlerError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class InvalidRunConfig(TandemError, ValueError):
+    """A training run config is invalid; ``problems`` maps each field path to the reason."""
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        self.problems = problems
+        lines = "; ".join(f"{k}: {v}" for k, v in problems.items())
+        super().__init__(f"invalid run config: {lines}")
+
+
+class RunExists(TandemError):
+    """``run_id`` is already used by a run with a different config."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"run {run_id!r} already exists with a different config")
+
+
+class RunNotFound(TandemError, LookupError):
+    """No run ``run_id`` in KV ``runs``."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"no run {run_id!r}")

@@ -426,3 +426,8 @@ class RunRecord(Event, kw_only=True):
     nodes: list[str] = []
     created_at: float = msgspec.field(default_factory=now)
     updated_at: float = msgspec.field(default_factory=now)
+    coordinator: str = ""  # "<cluster>.<node>" of the trainer coordinator that owns the run
+    stragglers: list[dict[str, Any]] = []  # ranks flagged slow, with score, node, telemetry
+    skipped: list[list[int]] = []  # data windows [first, last] skipped after loss anomalies
+    corrupt_checkpoints: list[dict[str, Any]] = []  # local checkpoints that failed verification
+    ranks: list[dict[str, Any]] = []  # current attempt: rank, pid, node of each rank

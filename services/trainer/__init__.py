@@ -1,1 +1,6 @@
-"""placeholder"""
+"""Tandem trainer: the coordinator service and the torchrun rank entry point.
+
+Modules without torch (the coordinator imports only these): ``service``,
+``supervisor``, ``launcher``, ``ckpt_store``, ``health``, ``channel``, ``spec``.
+With torch (ranks and benchmarks): ``rank``, ``loop``, ``data``, ``async_ckpt``.
+"""

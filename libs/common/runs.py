@@ -1,0 +1,222 @@
+"""Training runs: the validated run config and its submission (no torch here).
+
+``RunConfig`` is the one schema of a training run, used by ``tandem train submit``, the
+gateway's ``POST /v1/training-runs`` and the trainer itself. ``submit_run`` validates a
+config, records the run in KV ``runs`` (state ``pending``) and publishes
+``train.<run>.status`` pending, which a trainer coordinator of the run's cluster claims.
+
+Submission is idempotent per run id: resubmitting the same config returns the existing
+record; a different config under an existing id raises ``RunExists``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tandem.common import subjects
+from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound
+from tandem.common.events import RunRecord, RunState, TrainStatus
+
+
+class _Spec(BaseModel):
+    # Unknown keys are errors: a typo in a run config must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Spec):
+    """The network. ``unet`` builds a diffusers UNet2DModel, ``dit`` a DiTTransformer2DModel."""
+
+    kind: Literal["unet", "dit"] = "unet"
+    sample_size: int = Field(16, ge=4, le=1024, description="Image side in pixels.")
+    in_channels: int = Field(1, ge=1, le=16)
+    num_classes: int = Field(10, ge=0, description="Class-conditional with this many classes.")
+    # UNet
+    block_out_channels: tuple[int, ...] = (32, 64, 64)
+    layers_per_block: int = Field(1, ge=1, le=8)
+    down_block_types: tuple[str, ...] = ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D")
+    up_block_types: tuple[str, ...] = ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")
+    norm_num_groups: int = Field(8, ge=1)
+    # DiT
+    num_layers: int = Field(4, ge=1, le=64)
+    num_attention_heads: int = Field(4, ge=1)
+    attention_head_dim: int = Field(16, ge=4)
+    patch_size: int = Field(2, ge=1)
+    num_train_timesteps: int = Field(1000, ge=10)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSpec:
+        if self.kind == "unet":
+            n = len(self.block_out_channels)
+            if len(self.down_block_types) != n or len(self.up_block_types) != n:
+                raise ValueError("block_out_channels, down_block_types and up_block_types "
+                                 "must have the same length")
+            if any(c % self.norm_num_groups for c in self.block_out_channels):
+                raise ValueError("every block_out_channels entry must be divisible by "
+                                 "norm_num_groups")
+        elif self.sample_size % self.patch_size:
+            raise ValueError("sample_size must be divisible by patch_size")
+        if self.kind == "dit" and self.num_classes < 1:
+            raise ValueError("a DiT is class-conditional: num_classes must be at least 1")
+        return self
+
+
+class DataSpec(_Spec):
+    """The data set. ``digits`` is scikit-learn's bundled 8x8 digits (no download)."""
+
+    kind: Literal["digits", "image_folder", "synthetic"] = "digits"
+    path: str | None = Field(None, description="image_folder: root with one folder per class.")
+    synthetic_size: int = Field(1024, ge=1, description="synthetic: number of images.")
+
+    @model_validator(mode="after")
+    def _path(self) -> DataSpec:
+        if self.kind == "image_folder" and not self.path:
+            raise ValueError("data.path is required for an image_folder data set")
+        return self
+
+
+class WatchdogSpec(_Spec):
+    hang_multiple: float = Field(
+        10.0, gt=1, description="A hang is no step within this multiple of the median step.")
+    hang_floor_s: float = Field(5.0, gt=0, description="Never call a hang sooner than this.")
+    startup_timeout_s: float = Field(180.0, gt=0, description="Launch to first step.")
+    max_restarts: int = Field(5, ge=0, description="Past this the run is failed.")
+    backoff_s: float = Field(1.0, ge=0, description="First restart delay; doubles each time.")
+    backoff_max_s: float = Field(60.0, ge=0)
+
+
+class LossHealthSpec(_Spec):
+    enabled: bool = True
+    window: int = Field(50, ge=5, description="Steps of loss history for the robust z-score.")
+    min_history: int = Field(20, ge=3, description="Steps before spikes are judged.")
+    z_threshold: float = Field(
+        12.0, gt=0, description="Robust z-score (median/MAD) above which a loss is a spike.")
+    skip_batches: int = Field(
+        1, ge=1, description="Data window skipped after a rollback, ending at the bad batch.")
+
+
+class StragglerSpec(_Spec):
+    ratio: float = Field(1.5, gt=1, description="Flag a rank slower than this times the median.")
+    window: int = Field(20, ge=3, description="Steps over which slowness must persist.")
+
+
+class FaultSpec(_Spec):
+    """Fault hooks for tests and drills; all off by default."""
+
+    nan_at_data_pos: list[int] = Field(
+        [], description="Inject a NaN loss whenever the batch at these data positions is used.")
+    crash_at_step: int | None = Field(None, description="Rank crash_rank exits 1 at this step.")
+    crash_rank: int = 0
+    slow_rank: int | None = Field(None, description="This rank sleeps slow_s in every step.")
+    slow_s: float = Field(0.0, ge=0)
+
+
+class RunConfig(_Spec):
+    """A training run: what to train, on what, for how long, where, and how to recover."""
+
+    run_id: str | None = Field(None, description="Token; generated when absent.")
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(32, ge=1, description="Per rank.")
+    lr: float = Field(2e-4, gt=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ema_decay: float = Field(0.999, ge=0, lt=1)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
+    step_event_every: int = Field(1, ge=1, description="Publish every k-th step.")
+    ranks: int = Field(2, ge=1, le=1024, description="Total ranks (world size).")
+    nodes: list[str] = Field([], description="Nodes to run on; empty: the coordinator's node.")
+    cluster: str | None = Field(None, description="Cluster whose coordinator runs it.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="cuda uses NCCL, cpu uses gloo; auto picks cuda when present.")
+    seed: int = 0
+    watchdog: WatchdogSpec = WatchdogSpec()
+    loss_health: LossHealthSpec = LossHealthSpec()
+    straggler: StragglerSpec = StragglerSpec()
+    faults: FaultSpec = FaultSpec()
+
+    @field_validator("run_id", "cluster")
+    @classmethod
+    def _token(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else subjects.token(value, info.field_name.replace("_", " "))
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("nodes must not repeat")
+        return [subjects.token(n, "node") for n in value]
+
+    @model_validator(mode="after")
+    def _fit(self) -> RunConfig:
+        if self.model.kind == "unet" and self.model.sample_size % 2 ** (
+                len(self.model.block_out_channels) - 1):
+            raise ValueError("model.sample_size must be divisible by 2^(number of blocks - 1)")
+        return self
+
+
+def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
+    """Validate ``data``; raise ``InvalidRunConfig`` naming every bad field."""
+    if isinstance(data, RunConfig):
+        return data
+    if not isinstance(data, dict):
+        raise InvalidRunConfig({"": f"a run config is a mapping, got {type(data).__name__}"})
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = {".".join(str(p) for p in e["loc"]) or "(config)": e["msg"]
+                    for e in exc.errors()}
+        raise InvalidRunConfig(problems) from None
+
+
+def new_run_id() -> str:
+    return f"run-{uuid.uuid4().hex[:12]}"
+
+
+async def get_run(bus: Any, run_id: str) -> RunRecord:
+    """The run's record from KV ``runs``; ``RunNotFound`` when there is none."""
+    from tandem.common.bus import TypedKV
+    from tandem.common.streams import KV_RUNS
+
+    got = await TypedKV(await bus.kv(KV_RUNS), RunRecord).get(subjects.token(run_id, "run id"))
+    if got is None:
+        raise RunNotFound(run_id)
+    return got[0]
+
+
+async def submit_run(bus: Any, config: dict[str, Any] | RunConfig) -> RunRecord:
+    """Validate ``config``, record the run as pending and announce it.
+
+    Returns the stored record. Idempotent: the same config under the same run id returns
+    the existing record (and re-announces it if it is still pending); a different config
+    under an existing run id raises ``RunExists``.
+    """
+    from tandem.common.bus import TypedKV
+    from tandem.common.streams import KV_RUNS
+
+    cfg = parse_run_config(config)
+    if cfg.run_id is None:
+        cfg = cfg.model_copy(update={"run_id": new_run_id()})
+    run_id = cfg.run_id
+    assert run_id is not None
+    as_dict = cfg.model_dump(mode="json")
+    kv = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+    record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
+                       nodes=list(cfg.nodes))
+    if await kv.create(run_id, record) is None:
+        got = await kv.get(run_id)
+        if got is None or got[0].config != as_dict:
+            raise RunExists(run_id)
+        record = got[0]
+        if record.state != RunState.pending:
+            return record
+    await bus.publish(subjects.train(run_id, "status"),
+                      TrainStatus(run_id=run_id, state=RunState.pending, reason="submitted"),
+                      msg_id=f"{run_id}-pending", retry_for=10.0)
+    return record

@@ -1,0 +1,135 @@
+"""A rank: ``python -m torch.distributed.run ... -m tandem.trainer.rank <launch.json>``.
+
+Reads the attempt's ``LaunchSpec``, joins the process group (NCCL on CUDA, gloo on CPU,
+chosen by the run's ``device``), resumes from the checkpoint the coordinator chose,
+trains, checkpoints asynchronously every ``checkpoint_every`` steps (and at the end),
+and reports to the coordinator. SIGUSR1 dumps every thread's stack to
+``<attempt_dir>/stacks-rank<r>.txt`` (the watchdog asks for it on a hang).
+
+Exit codes: 0 done, 1 crashed, ``ANOMALY`` (3) stopped on a loss anomaly before applying
+the bad update, ``channel.ORPHANED`` (17) coordinator gone.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import msgspec
+
+from tandem.common.runs import RunConfig
+from tandem.trainer.channel import EventChannel
+from tandem.trainer.spec import LaunchSpec
+
+ANOMALY = 3
+
+
+def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("the run asks for device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=LaunchSpec)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    node = spec.rank_nodes[rank] if rank < len(spec.rank_nodes) else spec.node
+    attempt_dir = Path(spec.attempt_dir)
+    attempt_dir.mkdir(parents=True, exist_ok=True)
+    stacks = open(attempt_dir / f"stacks-rank{rank}.txt", "w")  # open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+    channel = EventChannel(spec.events or None)
+    channel.send("hello", rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
+                 world=world)
+
+    import torch
+    import torch.distributed as dist
+
+    from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
+    from tandem.trainer.loop import TrainLoop
+
+    cfg = RunConfig.model_validate(spec.config)
+    torch.set_num_threads(spec.threads)
+    device, backend = pick_device(cfg, local_rank)
+    distributed = world > 1
+    if distributed:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    loop = TrainLoop(cfg, rank=rank, world=world, device=device, distributed=distributed,
+                     skipped=spec.skipped)
+    if spec.resume_path:
+        loop.load(Path(spec.resume_path))
+
+    def written(w: Written) -> None:
+        channel.send("checkpoint", step=w.step, path=str(w.path),
+                     manifest=msgspec.to_builtins(w.manifest), blocked_s=w.blocked_s,
+                     write_s=w.write_s, node=node)
+
+    def failed(step: int, exc: BaseException) -> None:
+        channel.send("checkpoint_failed", step=step, error=repr(exc))
+
+    writer = (AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=device.type == "cuda",
+                                on_written=written, on_error=failed) if rank == 0 else None)
+    faults = cfg.faults
+    samples = cfg.batch_size * world
+    rank_nodes = list(spec.rank_nodes) or [node] * world
+    code = 0
+    while loop.step < cfg.steps:
+        if faults.crash_at_step == loop.step + 1 and rank == faults.crash_rank:
+            print(f"tandem rank {rank}: fault hook crash_at_step={faults.crash_at_step}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        r = loop.train_step()
+        if r.anomaly is not None:
+            if rank == 0:
+                channel.send("anomaly", step=r.step + 1, data_pos=r.data_pos,
+                             kind=r.anomaly.kind, loss=_num(r.loss),
+                             grad_norm=_num(r.grad_norm), evidence=r.anomaly.evidence)
+            code = ANOMALY
+            break
+        blocked = 0.0
+        if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
+            snap = loop.checkpoint(writer)
+            blocked = snap.blocked_s if snap is not None else 0.0
+        if rank == 0:
+            channel.send("step", step=r.step, data_pos=r.data_pos, loss=r.loss,
+                         grad_norm=r.grad_norm, lr=r.lr, step_time=r.wall_s,
+                         samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
+                         rank_step_times=r.rank_times, rank_nodes=rank_nodes,
+                         blocked_s=blocked, at=time.time())
+    if writer is not None:
+        writer.close(timeout=None)
+    if code == 0 and rank == 0:
+        channel.send("done", step=loop.step)
+    channel.send("bye", rank=rank, code=code)
+    channel.close()
+    if distributed:
+        dist.destroy_process_group()
+    return code
+
+
+def _num(x: float) -> float | str:
+    """JSON has no NaN: send non-finite numbers as their names."""
+    import math
+
+    return x if math.isfinite(x) else str(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

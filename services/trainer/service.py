@@ -1,0 +1,194 @@
+"""The trainer coordinator: claims pending runs of its cluster and supervises each one.
+
+- ``train.*.status`` (durable ``trainer-<cluster>``): a ``pending`` run whose cluster is
+  this one (or unset) is claimed by compare-and-set on its KV record (``coordinator`` =
+  ``<cluster>.<node>``), so of several coordinators exactly one runs it.
+- ``health.<cluster>.*`` and KV ``drains`` (core subscriptions): node health changes go
+  to every supervisor, which restarts a run without a node that turned bad.
+- On start, runs this coordinator owned that are not finished are adopted (their ranks
+  died with the previous coordinator process) and resume from their newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from tandem.common import events, subjects
+from tandem.common.bus import Delivery, TypedKV, struct_replace
+from tandem.common.events import HealthTransition, RunRecord, RunState, TrainStatus
+from tandem.common.runner import Context, Service
+from tandem.common.runs import parse_run_config
+from tandem.common.settings import Settings
+from tandem.common.streams import KV_RUNS, Spec, core_streams, trainer_consumer
+from tandem.trainer import ckpt_store
+from tandem.trainer.launcher import LocalLauncher
+from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
+
+
+class TrainerSettings(Settings):
+    checkpoint_root: str = Field(
+        ".tandem/checkpoints", description="Local checkpoints: <root>/<run>/step-<N>/.")
+    work_root: str = Field(
+        ".tandem/trainer", description="Per-attempt launch specs, agent logs, stack dumps.")
+    relay_host: str = Field(
+        "127.0.0.1", description="Address ranks connect to for their events.")
+    python: str = Field(sys.executable, description="Interpreter that runs torchrun.")
+    threads_per_rank: int = Field(1, ge=1, le=256, description="torch threads per rank.")
+    max_runs: int = Field(4, ge=1, description="Runs this coordinator supervises at once.")
+    status_every_s: float = Field(
+        2.0, gt=0, description="How often progress and goodput go to KV runs.")
+    restore_from_s3: bool = Field(
+        True, description="Resume from S3 (the checkpointer's commits) when no local "
+        "checkpoint is valid; needs TANDEM_S3_* settings.")
+
+
+class Trainer(Service):
+    name = "trainer"
+    settings_class = TrainerSettings
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        assert isinstance(settings, TrainerSettings)
+        self.s: TrainerSettings = settings
+        self.me = subjects.node_key(settings.cluster, settings.node)
+        self.supervisors: dict[str, RunSupervisor] = {}
+        self.launcher = LocalLauncher(python=settings.python)
+        self._slots = asyncio.Semaphore(settings.max_runs)
+
+    def streams(self) -> Sequence[Spec]:
+        return [*core_streams(self.settings.stream_replicas),
+                trainer_consumer(self.settings.cluster)]
+
+    def health(self) -> dict[str, Any]:
+        return {"runs": sorted(self.supervisors)}
+
+    def supervisor_config(self) -> SupervisorConfig:
+        return SupervisorConfig(
+            checkpoint_root=Path(self.s.checkpoint_root).resolve(),
+            work_root=Path(self.s.work_root).resolve(), cluster=self.s.cluster,
+            node=self.s.node, relay_host=self.s.relay_host,
+            threads_per_rank=self.s.threads_per_rank, status_every_s=self.s.status_every_s,
+            restore=self._restore if self.s.restore_from_s3 and self.s.s3_endpoint else None)
+
+    async def run(self, ctx: Context) -> None:
+        self.ctx = ctx
+        kv = TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord)
+        subs = [
+            await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),
+            await ctx.bus.nc.subscribe(f"$KV.drains.{self.s.cluster}.*", cb=self._on_drain),
+        ]
+        async with asyncio.TaskGroup() as tg:
+            self.tg = tg
+            for run_id, rec in (await kv.items()).items():
+                if rec.coordinator == self.me and rec.state not in TERMINAL:
+                    ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
+                    self._start(run_id, rec)
+            consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
+                                        self._on_status)
+            await consumer.run(ctx.stopping)
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # ------------------------------------------------------------------------ claiming
+
+    async def _on_status(self, d: Delivery[TrainStatus]) -> None:
+        ev = d.event
+        if ev.state != RunState.pending:
+            return
+        kv = TypedKV(await self.ctx.bus.kv(KV_RUNS), RunRecord)
+        got = await kv.get(ev.run_id)
+        if got is None:
+            return
+        cfg_cluster = got[0].config.get("cluster")
+        if cfg_cluster not in (None, "", self.s.cluster):
+            return
+
+        def claim(cur: RunRecord | None) -> RunRecord | None:
+            if cur is None or cur.state != RunState.pending or cur.coordinator:
+                return None
+            return struct_replace(cur, coordinator=self.me, state=RunState.starting,
+                                  updated_at=events.now())
+
+        rec = await kv.update(ev.run_id, claim)
+        if rec is not None and rec.coordinator == self.me and ev.run_id not in self.supervisors:
+            self._start(ev.run_id, rec)
+
+    def _start(self, run_id: str, rec: RunRecord) -> None:
+        try:
+            config = parse_run_config(rec.config)
+        except Exception as exc:
+            self.tg.create_task(self._reject(run_id, str(exc)))
+            return
+        sup = RunSupervisor(self.ctx.bus, self.supervisor_config(), run_id, config,
+                            self.launcher, self.ctx.log)
+        self.supervisors[run_id] = sup
+        self.tg.create_task(self._supervise(sup), name=f"run-{run_id}")
+
+    async def _supervise(self, sup: RunSupervisor) -> None:
+        try:
+            async with self._slots:
+                state = await sup.run(self.ctx.stopping)
+            self.ctx.log.info("trainer.run_ended", run_id=sup.run_id, state=state.value)
+        except Exception as exc:  # a supervisor bug must not take the other runs down
+            self.ctx.log.error("trainer.supervisor_crashed", run_id=sup.run_id,
+                               error=repr(exc), exc_info=exc)
+            with contextlib.suppress(Exception):
+                await sup._status(RunState.failed, f"coordinator error: {exc!r}")
+        finally:
+            self.supervisors.pop(sup.run_id, None)
+
+    async def _reject(self, run_id: str, reason: str) -> None:
+        kv = TypedKV(await self.ctx.bus.kv(KV_RUNS), RunRecord)
+        await kv.update(run_id, lambda cur: struct_replace(cur, state=RunState.failed)
+                        if cur else None)
+        await self.ctx.bus.publish(subjects.train(run_id, "status"), TrainStatus(
+            run_id=run_id, state=RunState.failed, reason=reason), retry_for=5.0)
+
+    # -------------------------------------------------------------------------- health
+
+    async def _on_health(self, msg: Any) -> None:
+        try:
+            ev = events.decode(msg.data, HealthTransition)
+        except Exception:
+            return
+        for sup in list(self.supervisors.values()):
+            if sup.cluster == ev.cluster:
+                sup.on_health(ev.node, ev.current.value, f"{ev.rule}: {ev.reason}")
+
+    async def _on_drain(self, msg: Any) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        op = (msg.headers or {}).get("KV-Operation", "")
+        drained = bool(msg.data) and op not in ("DEL", "PURGE")
+        for sup in list(self.supervisors.values()):
+            sup.on_health(node, "drained" if drained else "healthy",
+                          "drained by operator" if drained else "undrained")
+
+    # --------------------------------------------------------------------------- restore
+
+    async def _restore(self, run_id: str, dest: Path) -> ckpt_store.Resume | None:
+        """Seam to the checkpointer: the newest committed checkpoint in S3, verified."""
+        try:
+            from tandem.common import checkpoints, storage
+        except ImportError:
+            return None
+
+        def fetch() -> Any:
+            s3 = storage.s3_client(self.settings)
+            return checkpoints.restore(s3, self.settings.s3_bucket, run_id, dest)
+
+        try:
+            restored = await asyncio.to_thread(fetch)
+        except Exception as exc:
+            self.ctx.log.warning("trainer.s3_restore_failed", run_id=run_id, error=repr(exc))
+            return None
+        self.ctx.log.info("trainer.s3_restored", run_id=run_id, step=restored.step)
+        return ckpt_store.Resume(step=restored.step, path=restored.path,
+                                 manifest=restored.manifest)

@@ -1,0 +1,22 @@
+"""What the coordinator hands every rank of one attempt (``launch.json``; no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class LaunchSpec(msgspec.Struct, kw_only=True):
+    run_id: str
+    attempt: int
+    config: dict[str, Any]  # a validated RunConfig, as JSON
+    checkpoint_root: str
+    attempt_dir: str  # stack dumps and logs of this attempt
+    events: str = ""  # host:port of the coordinator's relay; empty sends nothing
+    rank_nodes: list[str] = []  # node of each global rank
+    resume_path: str = ""  # checkpoint directory to resume from; empty starts fresh
+    skipped: list[list[int]] = []  # data windows to skip
+    threads: int = 1  # torch intra-op threads per rank
+    node: str = ""
+    cluster: str = ""

@@ -1,0 +1,493 @@
+"""One run, supervised: launch, relay, watch, restart from the newest valid checkpoint.
+
+The life of a run (each transition is in KV ``runs`` and on ``train.<run>.status``)::
+
+    pending ─claim─> starting ─first step─> running ─all ranks done─> succeeded
+                        ^                      │
+                        └── restarting <───────┘  rank exit, hang, node lost, loss anomaly
+                                │
+                                └─ restarts > max_restarts ─> failed (with every incident)
+
+Failures are detected from the ranks' own signals (a rank's connection closing without
+a goodbye is a dead rank, found within milliseconds; an agent's non-zero exit), from
+time (no step within ``hang_multiple`` x the median step interval: a hang, whose stacks
+are captured before the kill), from the fleet (``health.<cluster>.<node>`` unhealthy or
+drained, KV ``drains``) and from the loss (the ranks stop on NaN/inf or a spike before
+applying the update; the run resumes from the newest checkpoint and skips the data
+window that ended in the bad batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from tandem.common import subjects
+from tandem.common.bus import Bus, TypedKV, struct_replace
+from tandem.common.events import (
+    CheckpointManifest,
+    CheckpointWritten,
+    Health,
+    NodeHeartbeat,
+    RunRecord,
+    RunState,
+    TrainStatus,
+    TrainStep,
+)
+from tandem.common.runs import RunConfig
+from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS
+from tandem.trainer import ckpt_store
+from tandem.trainer.health import Goodput, HangWatch, StragglerDetector
+from tandem.trainer.launcher import (
+    Attempt,
+    LocalLauncher,
+    Placement,
+    capture_stacks,
+    place,
+    proc_state,
+)
+from tandem.trainer.spec import LaunchSpec
+
+TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
+BAD_HEALTH = (Health.unhealthy, Health.drained)
+
+
+@dataclass
+class Outcome:
+    kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
+    #            no_healthy_nodes, stopping
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SupervisorConfig:
+    checkpoint_root: Path
+    work_root: Path
+    cluster: str
+    node: str
+    relay_host: str = "127.0.0.1"
+    threads_per_rank: int = 1
+    status_every_s: float = 2.0
+    restore: Any = None  # async (run_id, dest) -> ckpt_store.Resume | None (S3 restore)
+
+
+class RunSupervisor:
+    def __init__(self, bus: Bus, cfg: SupervisorConfig, run_id: str, config: RunConfig,
+                 launcher: LocalLauncher, log: Any) -> None:
+        self.bus = bus
+        self.cfg = cfg
+        self.run_id = run_id
+        self.config = config
+        self.launcher = launcher
+        self.log = log.bind(run_id=run_id)
+        self.cluster = config.cluster or cfg.cluster
+        self.q: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self.attempt_no = 0
+        self.restarts = 0
+        self.incidents: list[dict[str, Any]] = []
+        self.skipped: list[list[int]] = []
+        self.excluded: dict[str, str] = {}  # node -> why (health events, drains)
+        self.goodput = Goodput()
+        self.last_ckpt_step = 0
+        self.latest_step = 0
+        self.placement: Placement | None = None
+        self.pids: dict[int, int] = {}
+        self._byes: set[int] = set()
+        self._kv: TypedKV[RunRecord] | None = None
+        self._last_kv = 0.0
+        self.stragglers = StragglerDetector(config.straggler.ratio, config.straggler.window)
+
+    # ------------------------------------------------------------------------ bookkeeping
+
+    async def kv(self) -> TypedKV[RunRecord]:
+        if self._kv is None:
+            self._kv = TypedKV(await self.bus.kv(KV_RUNS), RunRecord)
+        return self._kv
+
+    async def _record(self, **changes: Any) -> RunRecord | None:
+        changes.setdefault("goodput", self.goodput.summary())
+        changes["updated_at"] = time.time()
+
+        def apply(cur: RunRecord | None) -> RunRecord | None:
+            if cur is None:
+                return RunRecord(run_id=self.run_id, **changes)
+            return struct_replace(cur, **changes)
+
+        self._last_kv = time.monotonic()
+        return await (await self.kv()).update(self.run_id, apply)
+
+    async def _status(self, state: RunState, reason: str = "",
+                      incident: dict[str, Any] | None = None, **record: Any) -> None:
+        if state in (RunState.starting, RunState.running, RunState.restarting, *TERMINAL):
+            record["state"] = state
+        await self._record(restarts=self.restarts, incidents=self.incidents,
+                           skipped=self.skipped, latest_step=self.latest_step, **record)
+        await self._publish(subjects.train(self.run_id, "status"), TrainStatus(
+            run_id=self.run_id, state=state, reason=reason, restarts=self.restarts,
+            incident=incident), f"{self.run_id}-status-{uuid.uuid4().hex[:12]}")
+        self.log.info("run.status", state=state.value, reason=reason, restarts=self.restarts)
+
+    async def _publish(self, subject: str, event: Any, msg_id: str,
+                       retry_for: float = 10.0) -> None:
+        try:
+            await self.bus.publish(subject, event, msg_id=msg_id, retry_for=retry_for)
+        except Exception as exc:  # the bus is down for long: the run goes on, KV catches up
+            self.log.warning("run.publish_failed", subject=subject, error=repr(exc))
+
+    # --------------------------------------------------------------------------- health
+
+    def on_health(self, node: str, current: str, reason: str) -> None:
+        """A node of this cluster changed health (event or drain); called by the service."""
+        if current in (Health.unhealthy.value, Health.drained.value):
+            self.excluded[node] = f"{current}: {reason}"
+            if self.placement is not None and node in self.placement.nodes:
+                self.q.put_nowait(("health", self.attempt_no, node, current, reason))
+        else:
+            self.excluded.pop(node, None)
+
+    async def _healthy_nodes(self) -> tuple[list[str], dict[str, str]]:
+        candidates = list(self.config.nodes) or [self.cfg.node]
+        why = {n: r for n, r in self.excluded.items() if n in candidates}
+        drains = await self.bus.kv(KV_DRAINS)
+        nodes_kv = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+        for n in candidates:
+            key = subjects.node_key(self.cluster, n)
+            with contextlib.suppress(Exception):
+                entry = await drains.get(key)
+                if entry.value:
+                    why[n] = "drained"
+            with contextlib.suppress(Exception):
+                hb = await nodes_kv.get(key)
+                if hb is not None and (hb[0].drained or hb[0].health in BAD_HEALTH):
+                    why[n] = f"heartbeat says {hb[0].health.value}"
+        return [n for n in candidates if n not in why], why
+
+    async def _telemetry(self, node: str) -> dict[str, Any]:
+        with contextlib.suppress(Exception):
+            nodes_kv = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+            hb = await nodes_kv.get(subjects.node_key(self.cluster, node))
+            if hb is not None:
+                return msgspec.to_builtins(hb[0])
+        return {}
+
+    # ------------------------------------------------------------------------- the life
+
+    async def run(self, stopping: asyncio.Event) -> RunState:
+        rec = (await (await self.kv()).get(self.run_id))
+        if rec is not None:
+            r = rec[0]
+            self.restarts, self.incidents = r.restarts, list(r.incidents)
+            self.skipped = [list(w) for w in r.skipped]
+            self.latest_step = r.latest_step
+            if r.state in TERMINAL:
+                return r.state
+        server = await asyncio.start_server(self._client, self.cfg.relay_host, 0)
+        self.relay = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
+        try:
+            return await self._supervise(stopping)
+        finally:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 2)
+
+    async def _supervise(self, stopping: asyncio.Event) -> RunState:
+        wd = self.config.watchdog
+        while True:
+            outcome = await self._attempt(stopping)
+            if outcome.kind == "succeeded":
+                self.goodput.finished()
+                await self._status(RunState.succeeded, f"trained {self.latest_step} steps")
+                return RunState.succeeded
+            if outcome.kind == "stopping":
+                await self._status(RunState.restarting, "coordinator stopping; resumes when "
+                                   "a coordinator adopts the run")
+                return RunState.restarting
+            # The ranks are gone: the newest whole checkpoint is where the next attempt
+            # resumes (unless it fails verification, which is reported then).
+            on_disk = ckpt_store.complete_steps(self.cfg.checkpoint_root, self.run_id)
+            resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
+            self.goodput.failed(resume_from)
+            incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
+                        "step": self.latest_step, "resume_from": resume_from,
+                        **outcome.detail}
+            if outcome.kind == "loss_anomaly":
+                pos = int(outcome.detail["data_pos"])
+                window = [max(0, pos - self.config.loss_health.skip_batches + 1), pos]
+                self.skipped.append(window)
+                incident["skip_window"] = window
+            self.incidents.append(incident)
+            self.restarts += 1
+            if self.restarts > wd.max_restarts:
+                await self._status(RunState.failed, f"gave up after {wd.max_restarts} restarts; "
+                                   f"last: {_summary(incident)}", incident)
+                return RunState.failed
+            await self._status(RunState.restarting, _summary(incident), incident)
+            delay = min(wd.backoff_s * 2 ** (self.restarts - 1), wd.backoff_max_s)
+            if await _wait(stopping, delay):
+                await self._status(RunState.restarting, "coordinator stopping")
+                return RunState.restarting
+
+    async def _attempt(self, stopping: asyncio.Event) -> Outcome:
+        self.attempt_no += 1
+        healthy, why = await self._healthy_nodes()
+        placement = place(self.config.ranks, healthy)
+        if placement is None:
+            return Outcome("no_healthy_nodes", {"excluded": why})
+        resume, rejected = ckpt_store.newest_valid(self.cfg.checkpoint_root, self.run_id)
+        if rejected:
+            corrupt = [{"step": r.step, "path": r.path, "reason": r.reason, "at": time.time()}
+                       for r in rejected]
+            rec = await (await self.kv()).get(self.run_id)
+            before = rec[0].corrupt_checkpoints if rec else []
+            await self._status(RunState.restarting if self.restarts else RunState.starting,
+                               "corrupt checkpoint(s) skipped: " + "; ".join(
+                                   f"step {c['step']}: {c['reason']}" for c in corrupt),
+                               {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
+                               corrupt_checkpoints=[*before, *corrupt])
+        if resume is None and self.cfg.restore is not None:
+            resume = await self.cfg.restore(self.run_id,
+                                            ckpt_store.run_dir(self.cfg.checkpoint_root,
+                                                               self.run_id))
+        ckpt_store.remove_incomplete(self.cfg.checkpoint_root, self.run_id)
+        self.last_ckpt_step = resume.step if resume else 0
+        self.latest_step = self.last_ckpt_step
+        attempt_dir = self.cfg.work_root / self.run_id / f"attempt-{self.attempt_no}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        spec = LaunchSpec(
+            run_id=self.run_id, attempt=self.attempt_no,
+            config=self.config.model_dump(mode="json"),
+            checkpoint_root=str(self.cfg.checkpoint_root), attempt_dir=str(attempt_dir),
+            events=self.relay, rank_nodes=placement.rank_nodes,
+            resume_path=str(resume.path) if resume else "", skipped=self.skipped,
+            threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster)
+        spec_path = attempt_dir / "launch.json"
+        spec_path.write_bytes(msgspec.json.encode(spec))
+        self.placement = placement
+        self.pids, self._byes = {}, set()
+        self.stragglers.reset()
+        await self._status(RunState.starting,
+                           f"attempt {self.attempt_no} on {','.join(placement.nodes)} "
+                           f"({placement.per_node} ranks each), "
+                           + (f"resuming from step {resume.step}" if resume else "from scratch"),
+                           nodes=placement.nodes)
+        attempt = await self.launcher.start(placement, spec_path, attempt_dir)
+        self.goodput.launched()
+        try:
+            outcome = await self._watch(attempt, attempt_dir, stopping)
+        finally:
+            codes = await self.launcher.stop(attempt, list(self.pids.values()))
+            self.placement = None
+        if outcome.kind != "succeeded":
+            outcome.detail.setdefault("agent_exit_codes", codes)
+            outcome.detail.setdefault("logs", [str(a.log_path) for a in attempt.agents])
+        return outcome
+
+    # --------------------------------------------------------------------------- watching
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One rank's connection: forward each line; a close without goodbye is a death."""
+        rank, attempt = -1, -1
+        try:
+            while line := await reader.readline():
+                msg = msgspec.json.decode(line)
+                if msg.get("t") == "hello":
+                    rank, attempt = int(msg["rank"]), int(msg["attempt"])
+                self.q.put_nowait(("msg", attempt, rank, msg))
+        except (ConnectionError, msgspec.DecodeError, ValueError) as exc:
+            self.log.warning("relay.bad_connection", rank=rank, error=repr(exc))
+        finally:
+            self.q.put_nowait(("closed", attempt, rank))
+            writer.close()
+
+    async def _watch(self, attempt: Attempt, attempt_dir: Path,
+                     stopping: asyncio.Event) -> Outcome:
+        wd = self.config.watchdog
+        hang = HangWatch(wd.hang_multiple, wd.hang_floor_s)
+        waiters = [asyncio.create_task(self._agent_exit(a.node, a.proc)) for a in attempt.agents]
+        stop_task = asyncio.create_task(self._on_stop(stopping))
+        started, last_step_at, done = time.monotonic(), None, False
+        anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
+        exits: dict[str, int] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                finishing = done or anomaly is not None or self.latest_step >= self.config.steps
+                # Before the first step and after the last one, ranks import, load, write
+                # the final checkpoint and tear down: judged by the startup timeout.
+                limit = (wd.startup_timeout_s if last_step_at is None or finishing
+                         else hang.limit())
+                since = started if last_step_at is None else last_step_at
+                try:
+                    item = await asyncio.wait_for(self.q.get(), max(0.0, since + limit - now))
+                except TimeoutError:
+                    if anomaly is not None:
+                        return anomaly
+                    kind = "startup_timeout" if last_step_at is None else "hang"
+                    stacks = await capture_stacks(self.pids, attempt_dir)
+                    stopped = [int(r) for r, s in stacks.items() if s["state"] in ("T", "t")]
+                    return Outcome(kind, {
+                        "waited_s": round(time.monotonic() - since, 3), "limit_s": round(limit, 3),
+                        "median_step_s": hang.median(), "stopped_ranks": stopped,
+                        "detector": f"no step within {limit:.2f}s", "stacks": stacks})
+                tag = item[0]
+                if tag == "stop":
+                    return Outcome("stopping")
+                if item[1] not in (self.attempt_no, -1) and tag != "exit":
+                    continue  # a message from an earlier attempt's dying ranks
+                if tag == "exit":
+                    node, code = item[2], item[3]
+                    exits[node] = code
+                    if anomaly is not None:
+                        if len(exits) == len(attempt.agents):
+                            return anomaly
+                        continue
+                    if code != 0:
+                        return Outcome("rank_exit", {
+                            "node": node, "exit_code": code,
+                            "detector": "torchrun agent exited non-zero"})
+                    if len(exits) == len(attempt.agents):
+                        if done:
+                            return Outcome("succeeded")
+                        return Outcome("rank_exit", {"detector": "ranks exited before the "
+                                                     "last step", "exit_code": 0})
+                elif tag == "health":
+                    _, _, node, current, reason = item
+                    return Outcome("node_lost", {"node": node, "health": current,
+                                                 "reason": reason,
+                                                 "detector": "health event / drain"})
+                elif tag == "closed":
+                    rank = item[2]
+                    if rank >= 0 and rank not in self._byes and anomaly is None:
+                        pid = self.pids.get(rank, 0)
+                        return Outcome("rank_exit", {
+                            "rank": rank, "pid": pid, "process": proc_state(pid),
+                            "node": self._node_of(rank),
+                            "detected_after_last_step_s": None if last_step_at is None else
+                            round(time.monotonic() - last_step_at, 3),
+                            "detector": "rank connection closed without goodbye"})
+                elif tag == "msg":
+                    msg = item[3]
+                    kind = msg.get("t")
+                    if kind == "hello":
+                        self.pids[int(msg["rank"])] = int(msg["pid"])
+                        if len(self.pids) == self.config.ranks:
+                            await self._record(ranks=[
+                                {"rank": r, "pid": p, "node": self._node_of(r),
+                                 "attempt": self.attempt_no}
+                                for r, p in sorted(self.pids.items())])
+                    elif kind == "bye":
+                        self._byes.add(int(msg["rank"]))
+                    elif kind == "done":
+                        done = True
+                    elif kind == "step":
+                        t = time.monotonic()
+                        if last_step_at is not None:
+                            hang.observe(t - last_step_at)
+                        else:
+                            await self._status(RunState.running,
+                                               f"attempt {self.attempt_no} training")
+                        last_step_at = t
+                        await self._on_step(msg)
+                    elif kind == "checkpoint":
+                        await self._on_checkpoint(msg)
+                    elif kind == "checkpoint_failed":
+                        self.log.error("run.checkpoint_failed", step=msg.get("step"),
+                                       error=msg.get("error"))
+                    elif kind == "anomaly":
+                        anomaly = Outcome("loss_anomaly", {
+                            "anomaly": msg.get("kind"), "data_pos": msg.get("data_pos"),
+                            "at_step": msg.get("step"), "loss": msg.get("loss"),
+                            "grad_norm": msg.get("grad_norm"),
+                            "evidence": msg.get("evidence", {}),
+                            "detector": "rank loss health (update not applied)"})
+        finally:
+            stop_task.cancel()
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(stop_task, *waiters, return_exceptions=True)
+
+    def _node_of(self, rank: int) -> str:
+        nodes = self.placement.rank_nodes if self.placement else []
+        return nodes[rank] if 0 <= rank < len(nodes) else ""
+
+    async def _agent_exit(self, node: str, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.q.put_nowait(("exit", self.attempt_no, node, code))
+
+    async def _on_stop(self, stopping: asyncio.Event) -> None:
+        await stopping.wait()
+        self.q.put_nowait(("stop", self.attempt_no))
+
+    async def _on_step(self, msg: dict[str, Any]) -> None:
+        step = int(msg["step"])
+        self.latest_step = step
+        self.goodput.step(step)
+        if msg.get("blocked_s"):
+            self.goodput.checkpoint_blocked(float(msg["blocked_s"]))
+        times = [float(x) for x in msg.get("rank_step_times", [])]
+        nodes = list(msg.get("rank_nodes", []))
+        for s in self.stragglers.observe(times, nodes):
+            record = {"kind": "straggler", "rank": s.rank, "node": s.node,
+                      "score": round(s.score, 3), "rank_time_s": s.rank_time,
+                      "median_time_s": s.median_time, "steps": s.steps, "step": step,
+                      "telemetry": await self._telemetry(s.node), "at": time.time()}
+            rec = await (await self.kv()).get(self.run_id)
+            before = rec[0].stragglers if rec else []
+            await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
+                               f"at {s.score:.2f}x the median step time", record,
+                               stragglers=[*before, record])
+        every = self.config.step_event_every
+        if step % every == 0 or step == self.config.steps:
+            await self._publish(subjects.train(self.run_id, "step"), TrainStep(
+                run_id=self.run_id, step=step, loss=_finite(msg.get("loss")),
+                grad_norm=_finite(msg.get("grad_norm")), lr=float(msg.get("lr", 0.0)),
+                samples_per_s=float(msg.get("samples_per_s", 0.0)),
+                step_time=float(msg.get("step_time", 0.0)), rank_step_times=times,
+                rank_nodes=nodes, attempt=self.attempt_no),
+                f"{self.run_id}-step-{step}-a{self.attempt_no}", retry_for=2.0)
+        if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
+            await self._record(latest_step=step)
+
+    async def _on_checkpoint(self, msg: dict[str, Any]) -> None:
+        step = int(msg["step"])
+        self.last_ckpt_step = max(self.last_ckpt_step, step)
+        manifest = msgspec.convert(msg["manifest"], CheckpointManifest)
+        event = CheckpointWritten(
+            run_id=self.run_id, step=step, path=str(msg["path"]), manifest=manifest,
+            blocked_s=float(msg.get("blocked_s", 0.0)), write_s=float(msg.get("write_s", 0.0)),
+            node=str(msg.get("node", "")), cluster=self.cluster)
+        # A step rewritten after a resume is announced again (the checkpointer's mirror
+        # is idempotent), since the first copy may have been lost with the node.
+        await self._publish(subjects.train(self.run_id, "checkpoint"), event,
+                            f"{self.run_id}-ckpt-{step}-a{self.attempt_no}", retry_for=30.0)
+
+
+def _finite(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) else 0.0  # JSON has no NaN; anomalies are reported apart
+
+
+def _summary(incident: dict[str, Any]) -> str:
+    parts = [incident["kind"]]
+    for k in ("rank", "node", "exit_code", "anomaly", "skip_window", "detector"):
+        if incident.get(k) not in (None, ""):
+            parts.append(f"{k}={incident[k]}")
+    return " ".join(str(p) for p in parts)
+
+
+async def _wait(stopping: asyncio.Event, seconds: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
+    return stopping.is_set()
+

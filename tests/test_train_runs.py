@@ -1,0 +1,413 @@
+"""The trainer end to end: a real coordinator process, real torchrun ranks, real NATS.
+
+One coordinator (``python -m tandem.trainer``) serves the whole module. Every scenario
+starts when the module does and they run side by side (on two cores, most of a run's
+cost is its ranks importing torch): runs that need no interaction (the uninterrupted
+reference, the NaN run, the always-crashing run) are simply submitted; the interactive
+ones (kill -9, SIGSTOP, a node turning bad) are coroutines that act on their run and
+return what they saw. Each test awaits its scenario and checks it. Every wait is on a
+KV update or a stream event, with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from safetensors.torch import load_file
+
+from tandem.cli.train import follow, render_status, watch
+from tandem.common import events, subjects
+from tandem.common.bus import Bus
+from tandem.common.events import (
+    Health,
+    HealthTransition,
+    RunRecord,
+    RunState,
+    TrainStatus,
+    TrainStep,
+)
+from tandem.common.runs import submit_run
+from tandem.common.servers import NatsServer
+from tandem.common.settings import Settings, load
+from tandem.common.streams import KV_RUNS
+from tests.conftest import PYTHON, service_env
+
+TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
+RUN_TIMEOUT = 240.0
+
+# A tiny UNet on 8x8 digits: a step takes milliseconds, a checkpoint ~3 MB.
+TINY_MODEL = {"sample_size": 8, "block_out_channels": [16, 32],
+              "down_block_types": ["DownBlock2D", "DownBlock2D"],
+              "up_block_types": ["UpBlock2D", "UpBlock2D"]}
+
+
+def tiny(run_id: str, **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "run_id": run_id, "steps": 16, "batch_size": 8, "ranks": 2, "device": "cpu",
+        "checkpoint_every": 3, "warmup_steps": 2, "model": TINY_MODEL, "seed": 7,
+        # Two shared cores run several runs at once here: only the hang test judges hangs.
+        "watchdog": {"hang_floor_s": 120, "backoff_s": 0.2, "startup_timeout_s": 200,
+                     "max_restarts": 4},
+        "loss_health": {"min_history": 5},
+    }
+    cfg.update(over)
+    return cfg
+
+
+@dataclass
+class Stack:
+    nats: NatsServer
+    cluster: str
+    ckpt_root: Path
+    work_root: Path
+    log: Path
+    background: dict[str, str]
+
+    def settings(self) -> Settings:
+        return load(Settings, nats_url=self.nats.url, cluster=self.cluster, node="n0")
+
+
+async def _submit_all(url: str, configs: list[dict[str, Any]]) -> None:
+    bus = await Bus.connect(load(Settings, nats_url=url), "test")
+    try:
+        from tandem.common.streams import core_streams
+
+        await bus.provision(core_streams())
+        for cfg in configs:
+            await submit_run(bus, cfg)
+    finally:
+        await bus.drain()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("train")
+    nats = NatsServer(name="train", log_path=root / "nats.log", store_dir=root / "js")
+    nats.start()
+    uid = uuid.uuid4().hex[:8]
+    st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
+               log=root / "trainer.log", background={
+                   "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}"})
+    bg = st.background
+    asyncio.run(_submit_all(nats.url, [
+        tiny(bg["reference"]),
+        tiny(bg["nan"], ranks=1, steps=10, checkpoint_every=2, faults={"nan_at_data_pos": [5]},
+             loss_health={"min_history": 5, "skip_batches": 2}),
+        tiny(bg["crash"], steps=10, faults={"crash_at_step": 3, "crash_rank": 1},
+             watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
+                       "startup_timeout_s": 200}),
+    ]))
+    env = service_env(nats_url=nats.url, cluster=st.cluster, node="n0",
+                      checkpoint_root=str(st.ckpt_root), work_root=str(st.work_root),
+                      max_runs="8", status_every_s="0.5")
+    with open(st.log, "wb") as log:
+        proc = subprocess.Popen([PYTHON, "-m", "tandem.trainer"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        yield st
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        nats.stop()
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def tbus(stack: Stack) -> AsyncIterator[Bus]:
+    b = await Bus.connect(stack.settings(), "test")
+    yield b
+    await b.drain()
+
+
+async def until(bus: Bus, run_id: str, pred: Callable[[RunRecord], bool],
+                timeout: float = RUN_TIMEOUT) -> RunRecord:
+    """The run's record once ``pred`` holds (KV watch, no polling); fails at the deadline."""
+    kv = await bus.kv(KV_RUNS)
+    watcher = await kv.watch(run_id)
+    deadline = time.monotonic() + timeout
+    last: RunRecord | None = None
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                entry = await watcher.updates(timeout=left)
+            except TimeoutError:
+                break
+            if entry is None or not entry.value:
+                continue
+            last = events.decode(entry.value, RunRecord)
+            if pred(last):
+                return last
+    finally:
+        await watcher.stop()
+    raise AssertionError(f"run {run_id} never reached the condition; last record: {last}")
+
+
+async def until_event(bus: Bus, run_id: str, pred: Callable[[Any], bool],
+                      timeout: float = RUN_TIMEOUT) -> Any:
+    async def scan() -> Any:
+        async for ev in follow(bus, run_id):
+            if pred(ev):
+                return ev
+        return None
+
+    return await asyncio.wait_for(scan(), timeout)
+
+
+async def finished(bus: Bus, run_id: str) -> RunRecord:
+    return await until(bus, run_id, lambda r: r.state in TERMINAL)
+
+
+async def ranks_of(bus: Bus, run_id: str, attempt: int) -> dict[int, int]:
+    rec = await until(bus, run_id, lambda r: any(x.get("attempt") == attempt for x in r.ranks))
+    return {int(x["rank"]): int(x["pid"]) for x in rec.ranks}
+
+
+def final_weights(stack: Stack, run_id: str, steps: int) -> dict[str, Any]:
+    d = stack.ckpt_root / run_id / f"step-{steps}"
+    return {"model": load_file(str(d / "model.safetensors")),
+            "ema": load_file(str(d / "ema.safetensors"))}
+
+
+def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for part in ("model", "ema"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert a[part][k].dtype == b[part][k].dtype
+            assert a[part][k].view(-1).view(dtype=_int_view(a[part][k])).equal(
+                b[part][k].view(-1).view(dtype=_int_view(b[part][k]))), f"{part}.{k} differs"
+
+
+def _int_view(t: Any) -> Any:
+    import torch
+
+    return {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------------------- scenarios
+
+
+async def kill_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """kill -9 a random rank at a random step, twice; before the second restart, corrupt
+    the newest checkpoint (the restart's 1 s backoff leaves the time to do it)."""
+    run = f"kill-{uuid.uuid4().hex[:8]}"
+    rng = random.Random()
+    await submit_run(bus, tiny(run, watchdog={"hang_floor_s": 120, "backoff_s": 1.0,
+                                              "startup_timeout_s": 200}))
+    kills = []
+    for attempt, lo, hi in ((1, 2, 5), (2, 7, 10)):
+        at = rng.randint(lo, hi)
+        await until_event(bus, run, lambda e, a=attempt, s=at: isinstance(e, TrainStep)
+                          and e.attempt == a and e.step >= s)
+        pids = await ranks_of(bus, run, attempt)
+        victim = rng.choice(sorted(pids))
+        os.kill(pids[victim], signal.SIGKILL)
+        kills.append((at, victim))
+    # The ranks are dead, so nothing newer can appear while the restart waits out its backoff.
+    on_disk = sorted(int(p.name.split("-")[1]) for p in (stack.ckpt_root / run).glob("step-*")
+                     if p.name.split("-")[1].isdigit())
+    newest = on_disk[-1]
+    flip_byte(stack.ckpt_root / run / f"step-{newest}" / "model.safetensors")
+    return {"record": await finished(bus, run), "kills": kills, "corrupted": newest,
+            "previous": on_disk[-2] if len(on_disk) > 1 else None}
+
+
+async def hang_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """SIGSTOP rank 1 once the run trains; let it go again when the watchdog has acted."""
+    run = f"hang-{uuid.uuid4().hex[:8]}"
+    await submit_run(bus, tiny(run, steps=30, watchdog={
+        "hang_multiple": 10, "hang_floor_s": 4, "backoff_s": 0.2, "startup_timeout_s": 200}))
+    ev = await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.step >= 4)
+    pids = await ranks_of(bus, run, ev.attempt)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        await until(bus, run, lambda r: any(
+            i["kind"] == "hang" and i["stopped_ranks"] == [1] for i in r.incidents))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+    return {"record": await finished(bus, run)}
+
+
+async def node_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """Two nodes; rank 1 (on nb) is slow until flagged, then nb turns unhealthy."""
+    run = f"node-{uuid.uuid4().hex[:8]}"
+    await submit_run(bus, tiny(run, steps=40, checkpoint_every=5, nodes=["na", "nb"],
+                               faults={"slow_rank": 1, "slow_s": 0.12},
+                               straggler={"ratio": 1.5, "window": 5}))
+    flagged = await until(bus, run, lambda r: bool(r.stragglers))
+    await bus.publish(subjects.health(stack.cluster, "nb"), HealthTransition(
+        cluster=stack.cluster, node="nb", previous=Health.healthy, current=Health.unhealthy,
+        rule="xid", reason="XID 79: GPU fell off the bus (test)"))
+    return {"flagged": flagged, "record": await finished(bus, run)}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def scenarios(stack: Stack) -> AsyncIterator[dict[str, asyncio.Task[dict[str, Any]]]]:
+    bus = await Bus.connect(stack.settings(), "test")
+    tasks = {name: asyncio.create_task(fn(stack, bus)) for name, fn in (
+        ("kill", kill_scenario), ("hang", hang_scenario), ("node", node_scenario))}
+    yield tasks
+    for t in tasks.values():
+        t.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    await bus.drain()
+
+
+# ----------------------------------------------------------------------------------- tests
+
+
+async def test_run_killed_at_random_steps_resumes_bitwise_identical_to_uninterrupted(
+        stack: Stack, tbus: Bus, scenarios: dict[str, Any]) -> None:
+    got = await scenarios["kill"]
+    rec, kills = got["record"], got["kills"]
+    assert rec.state == RunState.succeeded, render_status(rec)
+    deaths = [i for i in rec.incidents if i["kind"] == "rank_exit"]
+    assert len(deaths) == 2, (kills, rec.incidents)
+    for inc, (_, victim) in zip(deaths, kills, strict=True):
+        # Found by the rank's connection dropping, not by a timeout.
+        assert inc["detector"] == "rank connection closed without goodbye"
+        assert inc["rank"] == victim
+    ref = await finished(tbus, stack.background["reference"])
+    assert ref.state == RunState.succeeded, render_status(ref)
+    assert_bitwise_equal(final_weights(stack, rec.run_id, 16),
+                         final_weights(stack, stack.background["reference"], 16))
+
+
+async def test_corrupt_newest_checkpoint_is_reported_and_previous_one_used(
+        stack: Stack, tbus: Bus, scenarios: dict[str, Any]) -> None:
+    got = await scenarios["kill"]
+    rec, newest = got["record"], got["corrupted"]
+    assert [c["step"] for c in rec.corrupt_checkpoints] == [newest]
+    assert "model.safetensors sha256" in rec.corrupt_checkpoints[0]["reason"]
+    assert (stack.ckpt_root / rec.run_id / f"step-{newest}.corrupt").is_dir()
+    expect = f"resuming from step {got['previous']}" if got["previous"] else "from scratch"
+    reported = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
+                                 and e.incident is not None
+                                 and e.incident.get("kind") == "corrupt_checkpoint")
+    assert reported.incident["checkpoints"][0]["step"] == newest
+    await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
+                      and e.state == RunState.starting and "attempt 3" in e.reason
+                      and expect in e.reason)
+
+
+async def test_hung_rank_is_detected_with_stacks_captured_and_run_restarted(
+        scenarios: dict[str, Any]) -> None:
+    rec = (await scenarios["hang"])["record"]
+    hang = next(i for i in rec.incidents if i["kind"] == "hang" and i["stopped_ranks"] == [1])
+    assert hang["waited_s"] >= hang["limit_s"] >= 4
+    assert hang["stacks"]["1"]["state"] == "T"
+    assert "File " in hang["stacks"]["1"]["stack"]
+    # The healthy rank is stuck in a collective, waiting for the stopped one.
+    assert "train_step" in hang["stacks"]["0"]["stack"]
+    assert rec.state == RunState.succeeded, render_status(rec)
+
+
+async def test_unhealthy_node_restarts_run_without_it(
+        tbus: Bus, scenarios: dict[str, Any]) -> None:
+    rec = (await scenarios["node"])["record"]
+    assert rec.state == RunState.succeeded, render_status(rec)
+    lost = [i for i in rec.incidents if i["kind"] == "node_lost"]
+    assert len(lost) == 1 and lost[0]["node"] == "nb" and lost[0]["health"] == "unhealthy"
+    assert rec.nodes == ["na"]
+    assert {x["node"] for x in rec.ranks} == {"na"}
+    last = await until_event(tbus, rec.run_id,
+                             lambda e: isinstance(e, TrainStep) and e.step == 40)
+    assert last.rank_nodes == ["na", "na"]
+
+
+async def test_straggler_is_flagged_with_score_and_node(
+        tbus: Bus, scenarios: dict[str, Any]) -> None:
+    rec = (await scenarios["node"])["flagged"]
+    s = rec.stragglers[0]
+    assert s["rank"] == 1 and s["node"] == "nb"
+    assert s["score"] >= 1.5
+    assert "telemetry" in s
+    alert = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
+                              and e.reason.startswith("straggler"))
+    assert alert.incident["node"] == "nb"
+
+
+async def test_restarts_are_bounded_then_run_fails_with_incident_history(
+        stack: Stack, tbus: Bus) -> None:
+    rec = await finished(tbus, stack.background["crash"])
+    assert rec.state == RunState.failed
+    assert rec.restarts == 2  # the first failure, one restart (max_restarts=1), then over
+    assert [i["kind"] for i in rec.incidents] == ["rank_exit", "rank_exit"]
+    assert all(i["rank"] == 1 for i in rec.incidents)
+    final = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
+                              and e.state == RunState.failed)
+    assert "gave up after 1 restarts" in final.reason
+
+
+async def test_nan_loss_rolls_back_and_skips_the_data_window(stack: Stack, tbus: Bus) -> None:
+    run = stack.background["nan"]
+    rec = await finished(tbus, run)
+    assert rec.state == RunState.succeeded, render_status(rec)
+    inc = [i for i in rec.incidents if i["kind"] == "loss_anomaly"]
+    assert len(inc) == 1
+    inc0 = inc[0]
+    # Data position 5 is the 6th batch: the update of step 6 was never applied; the run
+    # went back to the checkpoint at step 4 and skipped positions 4..5.
+    assert inc0["anomaly"] == "nonfinite" and inc0["data_pos"] == 5 and inc0["at_step"] == 6
+    assert inc0["evidence"]["loss_finite"] is False
+    assert inc0["resume_from"] == 4 and inc0["skip_window"] == [4, 5]
+    assert rec.skipped == [[4, 5]]
+    event = await until_event(tbus, run, lambda e: isinstance(e, TrainStatus)
+                              and e.incident is not None
+                              and e.incident.get("kind") == "loss_anomaly")
+    assert event.state == RunState.restarting
+    import torch
+
+    trainer = torch.load(stack.ckpt_root / run / "step-10" / "trainer.pt", weights_only=True)
+    assert trainer["data_pos"] == 12 and trainer["skipped"] == [[4, 5]]
+
+
+async def test_goodput_is_recorded_and_shown_in_status(stack: Stack, tbus: Bus) -> None:
+    rec = await finished(tbus, stack.background["reference"])
+    g = rec.goodput
+    assert 0 < g["goodput"] <= 1
+    accounted = g["productive_s"] + sum(v for k, v in g.items() if k.startswith("badput_"))
+    assert accounted == pytest.approx(g["elapsed_s"], rel=0.1, abs=1.0)
+    assert g["badput_startup_s"] > 0 and g["badput_checkpoint_s"] > 0
+    text = render_status(rec)
+    assert "goodput" in text and "badput: startup" in text and "succeeded" in text
+    crash = await finished(tbus, stack.background["crash"])
+    assert crash.goodput["badput_restart_s"] > 0
+
+
+async def test_watch_prints_progress_until_the_run_ends(stack: Stack, tbus: Bus) -> None:
+    run = stack.background["reference"]
+    await finished(tbus, run)
+    out = io.StringIO()
+    code = await watch(tbus, run, out)
+    text = out.getvalue()
+    assert code == 0
+    assert "[" + "#" * 30 + "] 16/16 100.0%" in text
+    assert "checkpoint step 15" in text and "training blocked" in text
+    assert "succeeded: trained 16 steps" in text

@@ -1,0 +1,261 @@
+"""The trainer's parts on their own: run configs and submission, loss health, stragglers,
+goodput, the checkpoint store, data positions, the async checkpointer, other models."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tandem.common import subjects
+from tandem.common.bus import Bus
+from tandem.common.errors import InvalidRunConfig, RunExists
+from tandem.common.events import RunState, TrainStatus, decode
+from tandem.common.runs import RunConfig, get_run, parse_run_config, submit_run
+from tandem.common.servers import NatsServer
+from tandem.common.settings import Settings, load
+from tandem.common.streams import core_streams
+from tandem.trainer import ckpt_store
+from tandem.trainer.health import Goodput, LossHealth, StragglerDetector
+from tandem.trainer.launcher import place
+
+TINY_MODEL = {"sample_size": 8, "block_out_channels": [16, 32],
+              "down_block_types": ["DownBlock2D", "DownBlock2D"],
+              "up_block_types": ["UpBlock2D", "UpBlock2D"]}
+
+
+# ------------------------------------------------------------------------ configs and submit
+
+
+def test_run_config_errors_name_every_bad_field() -> None:
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({"steps": 0, "lr": -1, "bogus": 1, "model": {"kind": "gan"},
+                          "run_id": "has space", "data": {"kind": "image_folder"}})
+    problems = exc.value.problems
+    assert {"steps", "lr", "bogus", "model.kind", "run_id", "data"} <= set(problems)
+    assert "path is required" in problems["data"]
+    with pytest.raises(InvalidRunConfig, match="divisible"):
+        parse_run_config({"model": {"sample_size": 10}})
+    cfg = parse_run_config({"model": {"kind": "dit"}, "data": {"kind": "synthetic"}})
+    assert cfg.model.kind == "dit" and cfg.ranks == 2 and cfg.device == "auto"
+
+
+async def test_submit_is_idempotent_and_refuses_another_config_under_the_same_id(
+        bus: Bus, uid: str) -> None:
+    await bus.provision(core_streams())
+    seen: list[TrainStatus] = []
+    got = asyncio.Event()
+
+    async def on(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(decode(msg.data, TrainStatus))
+        got.set()
+
+    await bus.nc.subscribe(subjects.train(f"r{uid}", "status"), cb=on)
+    first = await submit_run(bus, {"run_id": f"r{uid}", "steps": 5})
+    again = await submit_run(bus, {"run_id": f"r{uid}", "steps": 5})
+    assert first.run_id == again.run_id == f"r{uid}" and again.state == RunState.pending
+    with pytest.raises(RunExists):
+        await submit_run(bus, {"run_id": f"r{uid}", "steps": 6})
+    await asyncio.wait_for(got.wait(), 5)
+    assert seen[0].state == RunState.pending
+    rec = await get_run(bus, f"r{uid}")
+    assert rec.config["steps"] == 5
+    generated = await submit_run(bus, RunConfig(steps=3))
+    assert generated.run_id.startswith("run-")
+
+
+def test_submit_command_validates_and_records_a_pending_run(
+        nats_server: NatsServer, tmp_path: Path, uid: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli.main import main
+
+    monkeypatch.setenv("TANDEM_NATS_URL", nats_server.url)
+
+    async def provision() -> None:
+        b = await Bus.connect(load(Settings, nats_url=nats_server.url), "test")
+        await b.provision(core_streams())
+        await b.drain()
+
+    asyncio.run(provision())
+    bad = tmp_path / "bad.toml"
+    bad.write_text('steps = 0\nmodel = { kind = "gan" }\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "submit", str(bad)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "steps" in err and "model.kind" in err
+    good = tmp_path / "run.toml"
+    good.write_text("steps = 5\n")
+    run = f"cli-{uid}"
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "submit", str(good), "--run-id", run, "--set", "ranks=1",
+              "--set", "model.kind=dit"])
+    assert exc.value.code == 0
+    assert run in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "status", run])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert f"run {run}: pending" in out and "0/5" in out
+
+
+# ---------------------------------------------------------------------------- judgements
+
+
+def test_loss_health_flags_nonfinite_and_spikes_but_not_noise() -> None:
+    h = LossHealth(window=30, min_history=10, z_threshold=8)
+    for i in range(60):  # a noisy, decreasing loss
+        assert h.check(1.0 / (1 + 0.05 * i) + 0.02 * math.sin(i * 1.7), 1.0) is None
+    spike = h.check(5.0, 1.0)
+    assert spike is not None and spike.kind == "spike" and spike.evidence["z"] > 8
+    assert h.check(float("nan"), 1.0).kind == "nonfinite"  # type: ignore[union-attr]
+    assert h.check(0.5, float("inf")).kind == "nonfinite"  # type: ignore[union-attr]
+    restored = LossHealth(window=30, min_history=10, z_threshold=8)
+    restored.load_state_dict(h.state_dict())
+    assert restored.check(5.0, 1.0) is not None  # the window survives a checkpoint
+
+
+def test_straggler_is_flagged_only_when_slowness_persists() -> None:
+    d = StragglerDetector(ratio=1.5, window=4)
+    nodes = ["a", "b", "c"]
+    assert d.observe([1.0, 3.0, 1.0], nodes) == []  # once is noise
+    for _ in range(2):
+        assert d.observe([1.0, 1.0, 1.0], nodes) == []
+    flagged = []
+    for _ in range(4):
+        flagged += d.observe([1.0, 1.0, 2.0], nodes)
+    assert [(s.rank, s.node) for s in flagged] == [(2, "c")]
+    assert flagged[0].score == pytest.approx(2.0)
+    assert d.observe([1.0, 1.0, 2.0], nodes) == []  # reported once
+
+
+def test_goodput_moves_redone_steps_to_lost_and_adds_up() -> None:
+    g = Goodput(started_at=0.0)
+    g.launched(at=0.0)
+    g.step(1, at=10.0)  # startup: launch to first step
+    for s in range(2, 7):
+        g.step(s, at=10.0 + s)  # steps 2..6, 1 s each (s=2 lands at 12: 2 s)
+    g.checkpoint_blocked(0.5)
+    g.failed(resume_step=3, at=20.0)  # steps 4..6 are redone; 16 -> 20 lost
+    g.launched(at=22.0)
+    g.step(4, at=30.0)
+    g.finished(at=31.0)
+    out = g.summary(at=31.0)
+    assert out["badput_startup_s"] == 18.0
+    assert out["badput_restart_s"] == 2.0
+    assert out["badput_lost_s"] == 3.0 + 4.0
+    assert out["badput_checkpoint_s"] == 0.5
+    accounted = out["productive_s"] + sum(v for k, v in out.items() if k.startswith("badput_"))
+    assert accounted == pytest.approx(out["elapsed_s"])
+
+
+def test_placement_keeps_the_world_size() -> None:
+    assert place(4, ["a", "b", "c"]).rank_nodes == ["a", "a", "b", "b"]  # type: ignore[union-attr]
+    assert place(2, ["a"]).rank_nodes == ["a", "a"]  # type: ignore[union-attr]
+    assert place(2, []) is None
+
+
+# ----------------------------------------------------------------------- checkpoint store
+
+
+def _fake_checkpoint(root: Path, run: str, step: int) -> Path:
+    tmp = ckpt_store.incomplete_dir(root, run, step)
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (tmp / "trainer.pt").write_bytes(b"state %d" % step)
+    path, manifest = ckpt_store.commit(run, step, tmp)
+    assert [f.name for f in manifest.files] == ["model.safetensors", "trainer.pt"]
+    return path
+
+
+def test_newest_valid_skips_incomplete_and_quarantines_corrupt(tmp_path: Path) -> None:
+    for step in (3, 6, 9):
+        _fake_checkpoint(tmp_path, "r", step)
+    ckpt_store.incomplete_dir(tmp_path, "r", 12).mkdir()  # a write a crash interrupted
+    data = bytearray((tmp_path / "r/step-9/model.safetensors").read_bytes())
+    data[10] ^= 1
+    (tmp_path / "r/step-9/model.safetensors").write_bytes(bytes(data))
+    (tmp_path / "r/step-6/trainer.pt").unlink()
+    resume, rejected = ckpt_store.newest_valid(tmp_path, "r")
+    assert resume is not None and resume.step == 3
+    assert [(r.step, r.reason.split(" ")[0]) for r in rejected] == [
+        (9, "model.safetensors"), (6, "trainer.pt")]
+    assert (tmp_path / "r/step-9.corrupt").is_dir() and not (tmp_path / "r/step-9").exists()
+    assert ckpt_store.remove_incomplete(tmp_path, "r") == ["step-12.incomplete"]
+    shutil.rmtree(tmp_path / "r/step-3")
+    assert ckpt_store.newest_valid(tmp_path, "r") == (None, [])
+
+
+# ------------------------------------------------------------------------ data and training
+
+
+def test_data_positions_shard_disjointly_and_skip_windows() -> None:
+    from tandem.trainer.data import BatchPlan, next_position
+
+    plans = [BatchPlan(100, 8, 2, r, seed=1) for r in range(2)]
+    a, b = (p.indices(13).tolist() for p in plans)
+    assert len(a) == len(b) == 8 and not set(a) & set(b)
+    assert plans[0].indices(13).tolist() == BatchPlan(100, 8, 2, 0, seed=1).indices(13).tolist()
+    assert next_position(4, [[4, 5]]) == 6
+    assert next_position(3, [[4, 5], [6, 6]]) == 3
+    assert next_position(5, [[6, 7], [4, 5]]) == 8
+
+
+def test_async_checkpoint_blocks_only_for_the_copy_and_loads_back_weights_only(
+        tmp_path: Path) -> None:
+    import torch
+
+    from tandem.trainer.async_ckpt import AsyncCheckpointer
+    from tandem.trainer.loop import TrainLoop
+
+    cfg = parse_run_config({"model": TINY_MODEL, "ranks": 1, "batch_size": 4, "steps": 4,
+                            "device": "cpu", "data": {"kind": "synthetic",
+                                                      "synthetic_size": 64}})
+    writer = AsyncCheckpointer(tmp_path, "r")
+    loop = TrainLoop(cfg)
+    loop.train_step()
+    snap = loop.checkpoint(writer)
+    assert snap is not None and snap.blocked_s > 0
+    before = {k: v.clone() for k, v in loop.model.state_dict().items()}
+    loop.train_step()  # training goes on while the write runs; the snapshot is a copy
+    writer.close()
+    (written,) = writer.written
+    assert written.path == tmp_path / "r" / "step-1"
+    assert ckpt_store.verify(written.path).step == 1
+    assert {f.name for f in written.manifest.files} == {
+        "model.safetensors", "ema.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt",
+        "trainer.pt", "model_config.json"}
+    resumed = TrainLoop(cfg)
+    resumed.load(written.path)  # torch.load(weights_only=True) inside
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert resumed.step == 1 and resumed.data_pos == 1
+    again = TrainLoop(cfg)
+    again.load(written.path)
+    # Every RNG state came back: the step after a resume is the same step, bit for bit.
+    assert again.train_step().loss == resumed.train_step().loss
+
+
+def test_dit_and_image_folder_are_config_changes(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from tandem.trainer.loop import TrainLoop
+
+    for label in ("cats", "dogs"):
+        (tmp_path / label).mkdir()
+        for i in range(4):
+            Image.new("L", (12, 12), color=40 * i + (100 if label == "dogs" else 0)).save(
+                tmp_path / label / f"{i}.png")
+    cfg = parse_run_config({
+        "ranks": 1, "batch_size": 4, "steps": 2, "device": "cpu",
+        "model": {"kind": "dit", "sample_size": 8, "num_classes": 2, "num_layers": 1,
+                  "num_attention_heads": 2, "attention_head_dim": 8, "patch_size": 2},
+        "data": {"kind": "image_folder", "path": str(tmp_path)}})
+    loop = TrainLoop(cfg)
+    assert type(loop.model).__name__ == "DiTTransformer2DModel"
+    assert loop.x.shape == (8, 1, 8, 8) and sorted(set(loop.y.tolist())) == [0, 1]
+    r = loop.train_step()
+    assert r.anomaly is None and math.isfinite(r.loss) and loop.step == 1
