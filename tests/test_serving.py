@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from tandem.common.servers import NatsServer, S3Server, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import GEN_EVENTS, KV_TASKS
+from tests.conftest import PYTHON
 from tests.serving_stack import (
     Child,
     Progress,
@@ -387,3 +389,12 @@ class TypedKVTasks:
 
         kv = TypedKV(await self.bus.kv(KV_TASKS), TaskRecord)
         await kv.create(task_id, moves.queued(task, task.cluster))
+
+
+def test_generate_command_writes_the_images_of_a_task(stack: Stack, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [PYTHON, "-m", "tandem.cli.main", "generate", "3", "-n", "2", "-o", str(tmp_path),
+         "--steps", "2", "--url", stack.url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    written = sorted(tmp_path.glob("*.png"))
+    assert len(written) == 2 and all(p.read_bytes().startswith(b"\x89PNG") for p in written)

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "tandem.cli.dev",
     "tandem.cli.demo",
     "tandem.cli.fleet",
+    "tandem.cli.generate",
     "tandem.cli.train",
     "tandem.cli.bench",
 ]
