@@ -9,6 +9,7 @@ import json
 # benchmark name -> module with `async def run(args) -> dict` and `add_arguments(p)`.
 BENCHES = {
     "bus": "tandem.cli.bench_bus",
+    "checkpoint": "tandem.cli.bench_checkpoint",
     "serve": "tandem.cli.bench_serve",
     "agent": "tandem.cli.bench_agent",
 }

@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "tandem.cli.fleet",
     "tandem.cli.generate",
     "tandem.cli.train",
+    "tandem.cli.checkpoints",
     "tandem.cli.bench",
 ]
 

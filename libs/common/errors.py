@@ -12,6 +12,9 @@ that explains it, so a caller can log or act on fields rather than parse a messa
     ├── InvalidRunConfig       a training run config failed validation (names each field)
     ├── RunExists              a run id is taken by a run with a different config
     ├── RunNotFound            no run with that id in KV ``runs``
+    ├── CheckpointError        a checkpoint in S3 cannot be used (names run and step)
+    │   ├── CheckpointNotFound     no such committed checkpoint (lists what there is)
+    │   └── CheckpointCorrupt      a file or the manifest fails verification (names the file)
     └── HandlerError           raised by message handlers to steer acknowledgement
         ├── Retry              nak with a delay: the message is redelivered
         └── Reject             terminate: the message goes to the DLQ with the reason
@@ -90,6 +93,34 @@ class ServerStartError(TandemError):
         self.server = server
         self.reason = reason
         super().__init__(f"cannot start {server}: {reason}")
+
+
+class CheckpointError(TandemError):
+    """A checkpoint in S3 cannot be used; ``run_id`` and ``step`` name it."""
+
+    def __init__(self, run_id: str, step: int | None, reason: str) -> None:
+        self.run_id = run_id
+        self.step = step
+        self.reason = reason
+        where = f"run {run_id}" if step is None else f"run {run_id} step {step}"
+        super().__init__(f"checkpoint of {where}: {reason}")
+
+
+class CheckpointNotFound(CheckpointError):
+    """No (valid) committed checkpoint matches; ``available`` lists the committed steps."""
+
+    def __init__(self, run_id: str, step: int | None, reason: str,
+                 available: list[int] | None = None) -> None:
+        self.available = available or []
+        super().__init__(run_id, step, reason)
+
+
+class CheckpointCorrupt(CheckpointError):
+    """``name`` (a file, or ``manifest.json``) does not match what the manifest promises."""
+
+    def __init__(self, run_id: str, step: int | None, name: str, reason: str) -> None:
+        self.name = name
+        super().__init__(run_id, step, f"{name}: {reason}")
 
 
 class HandlerError(TandemError):

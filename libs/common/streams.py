@@ -186,16 +186,18 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
     ]
 
 
-# The checkpointer's durable consumer: only checkpoint events of the TRAIN stream (status
-# and step events share it). A mirror can take minutes: the handler sends in-progress acks,
-# so ack_wait bounds only how long a crashed checkpointer holds a checkpoint.
-CHECKPOINTER_CONSUMER = ConsumerSpec(
-    stream=TRAIN,
-    durable="checkpointer",
-    filter_subjects=(subjects.train_kind_filter("checkpoint"),),
-    ack_wait=60.0,
-    max_deliver=20,
-)
+def checkpointer_consumer(ack_wait: float = 60.0, max_deliver: int = 20) -> ConsumerSpec:
+    """The checkpointer's durable consumer: only the checkpoint events of ``TRAIN`` (status
+    and step events share the stream). A mirror can take minutes; the handler sends
+    in-progress acks, so ``ack_wait`` bounds only how long a crashed checkpointer holds one.
+    """
+    return ConsumerSpec(
+        stream=TRAIN,
+        durable="checkpointer",
+        filter_subjects=(subjects.train_kind_filter("checkpoint"),),
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+    )
 
 
 def trainer_consumer(cluster: str) -> ConsumerSpec:

@@ -122,6 +122,13 @@ def train(run: str, kind: str) -> str:
     return f"train.{token(run, 'run id')}.{kind}"
 
 
+def train_kind_filter(kind: str) -> str:
+    """``train.*.<kind>``: one kind of training event, every run (e.g. checkpoints)."""
+    if kind not in TRAIN_KINDS:
+        raise InvalidToken("train event kind", kind, f"must be one of {', '.join(TRAIN_KINDS)}")
+    return f"train.*.{kind}"
+
+
 def ckpt(run: str, kind: str) -> str:
     if kind not in CKPT_KINDS:
         raise InvalidToken("checkpoint event kind", kind, f"must be one of {', '.join(CKPT_KINDS)}")

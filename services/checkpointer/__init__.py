@@ -1,1 +1,4 @@
-"""placeholder"""
+"""The checkpointer service: mirrors written checkpoints to S3, commits, retains, restores.
+
+See ``README.md``; the S3 layout and restore live in ``tandem.common.checkpoints``.
+"""

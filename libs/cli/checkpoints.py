@@ -1,0 +1,109 @@
+"""``tandem checkpoints``: list a run's committed checkpoints in S3, restore one verified.
+
+S3 settings come from the environment (``TANDEM_S3_ENDPOINT``, ``TANDEM_S3_BUCKET``,
+credentials), as for the services; ``--bucket`` overrides the bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoints", help="list and restore a run's checkpoints in S3",
+                       description="Only committed checkpoints (manifest.json stored) are "
+                       "listed or restored; every restored file is checked against the "
+                       "manifest's sha256.")
+    csub = p.add_subparsers(dest="action", metavar="<action>", required=True)
+
+    ls = csub.add_parser("list", help="committed checkpoints of a run, oldest first")
+    ls.add_argument("run", help="run id")
+    ls.add_argument("--bucket", help="S3 bucket (default: TANDEM_S3_BUCKET)")
+    ls.add_argument("--all", action="store_true",
+                    help="also show steps with files but no manifest (not committed)")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
+    ls.set_defaults(func=_list)
+
+    rs = csub.add_parser("restore", help="download and verify a checkpoint",
+                         description="Download the newest committed checkpoint (or --step) "
+                         "into OUTPUT/step-<N>/, verifying every file; a corrupt one is "
+                         "skipped for the previous committed checkpoint.")
+    rs.add_argument("run", help="run id")
+    rs.add_argument("--step", type=int, help="step to restore (default: the newest)")
+    rs.add_argument("-o", "--output", default=".", help="directory to restore into")
+    rs.add_argument("--bucket", help="S3 bucket (default: TANDEM_S3_BUCKET)")
+    rs.add_argument("--no-fallback", action="store_true",
+                    help="fail instead of falling back to an older checkpoint")
+    rs.set_defaults(func=_restore)
+
+
+def _client(args: argparse.Namespace) -> tuple[object, str]:
+    from tandem.common.settings import Settings, load
+    from tandem.common.storage import s3_client
+
+    settings = load(Settings, "tandem checkpoints")
+    return s3_client(settings), args.bucket or settings.s3_bucket
+
+
+def _list(args: argparse.Namespace) -> int:
+    from tandem.common import checkpoints as ck
+    from tandem.common.errors import CheckpointError
+
+    s3, bucket = _client(args)
+    rows = []
+    for step, committed in ck.list_steps(s3, bucket, args.run).items():
+        if not committed:
+            if args.all:
+                rows.append({"step": step, "committed": False,
+                             "uri": ck.checkpoint_uri(bucket, args.run, step)})
+            continue
+        row: dict[str, object] = {"step": step, "committed": True,
+                                  "uri": ck.checkpoint_uri(bucket, args.run, step)}
+        try:
+            m = ck.read_manifest(s3, bucket, args.run, step)
+            row.update(files=len(m.files), bytes=sum(f.size for f in m.files),
+                       created_at=m.created_at)
+        except CheckpointError as exc:
+            row["error"] = exc.reason
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"run_id": args.run, "bucket": bucket, "checkpoints": rows}))
+        return 0
+    if not rows:
+        print(f"{args.run}: no committed checkpoints in s3://{bucket}/")
+        return 0
+    print(f"{'STEP':>10}  {'FILES':>5}  {'SIZE':>10}  {'CREATED (UTC)':<19}  URI")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(r["created_at"]))) \
+            if "created_at" in r else ("not committed" if not r["committed"] else "?")
+        size = f"{int(r['bytes']) / 2**20:.1f} MiB" if "bytes" in r else "-"
+        note = f"  ({r['error']})" if "error" in r else ""
+        print(f"{r['step']:>10}  {r.get('files', '-'):>5}  {size:>10}  {created:<19}  "
+              f"{r['uri']}{note}")
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from tandem.common import checkpoints as ck
+    from tandem.common.errors import CheckpointNotFound
+
+    s3, bucket = _client(args)
+
+    def skipped(step: int, reason: str) -> None:
+        print(f"skipped step {step}: {reason}", file=sys.stderr)
+
+    t = time.perf_counter()
+    try:
+        r = ck.restore(s3, bucket, args.run, Path(args.output), step=args.step,
+                       fallback=not args.no_fallback, on_skip=skipped)
+    except CheckpointNotFound as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t
+    print(f"restored step {r.step} of {args.run}: {len(r.manifest.files)} files, "
+          f"{r.bytes / 2**20:.1f} MiB verified in {dt:.2f}s -> {r.path}")
+    return 0

@@ -1,0 +1,455 @@
+"""One attempt at mirroring a local checkpoint to S3 and committing it (blocking, boto3).
+
+``Mirror.mirror(directory, manifest)`` guarantees, when it returns, that every file is
+stored whole and verified against the manifest's sha256 and that ``manifest.json`` is
+stored (the commit). When it raises, nothing is committed: the manifest is put last,
+with ``If-None-Match: *``, and only after every file verified.
+
+Verification, per file:
+
+- multipart (size > ``multipart_threshold``): each part is sent with its SHA-256; the
+  store's composite checksum of what it holds (sha256 of the parts' digests) must equal
+  the one computed from the bytes read locally. S3 and moto both compute it from the
+  stored parts, so a part corrupted in transit shows up here.
+- single put: the object is sent with its SHA-256. With ``verify="readback"`` it is read
+  back and hashed (moto stores whatever checksum the client claims, so only a read-back
+  proves the bytes); with ``verify="checksum"`` the store's own check is trusted
+  (AWS S3 and MinIO reject a body whose checksum does not match).
+
+The bytes that are hashed are the bytes that are sent (each part is read once), and the
+whole-file sha256 of those bytes must equal the manifest's: a local file that changed or
+rotted since the manifest was written fails with ``LocalCheckpointError``, not retried.
+
+Idempotence: a file already stored whole and verified is not uploaded again; a
+committed checkpoint is recognised (same files) and nothing is written; leftover
+multipart uploads of the step are aborted before an attempt.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from botocore.exceptions import ClientError
+
+from tandem.common import checkpoints as ck
+from tandem.common.events import CheckpointManifest, FileEntry
+
+Verify = Literal["readback", "checksum"]
+
+
+class MirrorError(Exception):
+    """An attempt failed. ``retryable`` says whether another attempt can succeed."""
+
+    retryable = True
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"{name}: {reason}")
+
+
+class VerifyError(MirrorError):
+    """What S3 stored differs from what was sent (corrupted in transit): retry."""
+
+
+class LocalCheckpointError(MirrorError):
+    """The local checkpoint is missing or does not match its manifest: retrying won't help."""
+
+    retryable = False
+
+
+class CommitConflict(MirrorError):
+    """The step is already committed with different files; it is never overwritten."""
+
+    retryable = False
+
+
+@dataclass(frozen=True)
+class MirrorConfig:
+    bucket: str
+    multipart_threshold: int = 16 << 20
+    part_size: int = 16 << 20
+    concurrency: int = 8
+    verify: Verify = "readback"
+
+
+@dataclass
+class MirrorResult:
+    committed: bool  # True: this attempt stored the manifest; False: it was already there
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # already stored whole and verified
+    bytes_uploaded: int = 0
+    aborted_uploads: int = 0
+    seconds: float = 0.0
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _missing(exc: ClientError) -> bool:
+    return _code(exc) in ("404", "NoSuchKey", "NotFound")
+
+
+class _Budget:
+    """Bounds the bytes read into memory and not yet sent (``slots`` parts)."""
+
+    def __init__(self, slots: int) -> None:
+        self._sem = threading.BoundedSemaphore(slots)
+
+    def acquire(self) -> None:
+        self._sem.acquire()
+
+    def release(self) -> None:
+        self._sem.release()
+
+
+class Mirror:
+    """Uploads checkpoints with one boto3 client and one pool of upload threads."""
+
+    def __init__(self, s3: Any, config: MirrorConfig,
+                 on_progress: Callable[[str, int], None] | None = None) -> None:
+        self.s3 = s3
+        self.cfg = config
+        self.on_progress = on_progress
+        self._pool = ThreadPoolExecutor(max(1, config.concurrency),
+                                        thread_name_prefix="ckpt-upload")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------------- the attempt
+
+    def mirror(self, directory: Path, manifest: CheckpointManifest) -> MirrorResult:
+        started = time.perf_counter()
+        run, step = manifest.run_id, manifest.step
+        existing = self._stored_manifest(run, step)
+        if existing is not None:
+            if not ck.same_files(existing, manifest):
+                raise CommitConflict(ck.MANIFEST, "step already committed with other files")
+            return MirrorResult(committed=False, seconds=time.perf_counter() - started)
+        result = MirrorResult(committed=True)
+        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step))
+        stored = self._stored_sizes(ck.step_prefix(run, step))
+        todo: list[FileEntry] = []
+        for entry in manifest.files:
+            if stored.get(ck.object_key(run, step, entry.name)) == entry.size and \
+                    self._stored_whole(directory, run, step, entry):
+                result.skipped.append(entry.name)
+            else:
+                todo.append(entry)
+        result.bytes_uploaded = self._upload(directory, run, step, todo)
+        result.uploaded = [e.name for e in todo]
+        result.committed = self._commit(manifest)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _stored_manifest(self, run: str, step: int) -> CheckpointManifest | None:
+        try:
+            data = self.s3.get_object(Bucket=self.cfg.bucket,
+                                      Key=ck.manifest_key(run, step))["Body"].read()
+        except ClientError as exc:
+            if _missing(exc) or _code(exc) == "NoSuchBucket":
+                return None
+            raise
+        return ck.decode_manifest(data, run, step)
+
+    def _commit(self, manifest: CheckpointManifest) -> bool:
+        """Put the manifest if absent. True if this call committed it."""
+        run, step = manifest.run_id, manifest.step
+        body = ck.encode_manifest(manifest)
+        key = ck.manifest_key(run, step)
+        try:
+            self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=body, IfNoneMatch="*",
+                               ChecksumSHA256=_b64(hashlib.sha256(body).digest()),
+                               ContentType="application/json")
+        except ClientError as exc:
+            if _code(exc) not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise
+            # Someone (a previous delivery of this event) committed first.
+            existing = self._stored_manifest(run, step)
+            if existing is None or not ck.same_files(existing, manifest):
+                raise CommitConflict(
+                    ck.MANIFEST, "step already committed with other files") from None
+            return False
+        if self.cfg.verify == "checksum":  # the store checked the SHA-256 sent with it
+            return True
+        stored = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+        if stored != body:
+            # Our own commit arrived corrupted: take it back (it is not a valid commit
+            # anyone may rely on) and let the next attempt write it again.
+            self.s3.delete_object(Bucket=self.cfg.bucket, Key=key)
+            raise VerifyError(ck.MANIFEST, "stored manifest differs from the one sent")
+        return True
+
+    # --------------------------------------------------------------------- what is stored
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return self.s3.head_object(Bucket=self.cfg.bucket, Key=key, ChecksumMode="ENABLED")
+        except ClientError as exc:
+            if _missing(exc) or _code(exc) == "NoSuchBucket":
+                return None
+            raise
+
+    def _stored_sizes(self, prefix: str) -> dict[str, int]:
+        """Key -> size of the objects under ``prefix``: one listing, not a HEAD per file."""
+        out: dict[str, int] = {}
+        try:
+            for page in self.s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.cfg.bucket, Prefix=prefix):
+                out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        except ClientError as exc:
+            if _code(exc) != "NoSuchBucket":
+                raise
+        return out
+
+    def _stored_whole(self, directory: Path, run: str, step: int, entry: FileEntry) -> bool:
+        """Whether ``entry`` is already stored whole and verified (a redelivery)."""
+        key = ck.object_key(run, step, entry.name)
+        head = self._head(key)
+        if head is None or head.get("ContentLength") != entry.size:
+            return False
+        if entry.size > self.cfg.multipart_threshold:
+            path = self._local(directory, entry)
+            digests = self._hash_parts(path, entry)
+            stored = self._stored_checksum(head)
+            if stored:
+                return stored == self._composite(digests)
+            return self._read_back(key, entry)
+        return self._verified_single(key, entry, head)
+
+    def _verified_single(self, key: str, entry: FileEntry, head: dict[str, Any]) -> bool:
+        if self.cfg.verify == "checksum" and head.get("ChecksumSHA256"):
+            return head["ChecksumSHA256"] == ck.b64(entry.sha256)
+        return self._read_back(key, entry)
+
+    def _read_back(self, key: str, entry: FileEntry) -> bool:
+        """Download ``key`` and compare its size and sha256 with ``entry``."""
+        h = hashlib.sha256()
+        size = 0
+        body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]
+        for chunk in body.iter_chunks(ck.CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        return size == entry.size and h.hexdigest() == entry.sha256
+
+    @staticmethod
+    def _stored_checksum(head: dict[str, Any]) -> str:
+        return str(head.get("ChecksumSHA256") or "").split("-")[0]
+
+    @staticmethod
+    def _composite(digests: list[bytes]) -> str:
+        return _b64(hashlib.sha256(b"".join(digests)).digest())
+
+    def _local(self, directory: Path, entry: FileEntry) -> Path:
+        path = directory / entry.name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise LocalCheckpointError(entry.name, f"local file {path} is missing") from None
+        if size != entry.size:
+            raise LocalCheckpointError(
+                entry.name, f"local file is {size} bytes, manifest says {entry.size}")
+        return path
+
+    def _hash_parts(self, path: Path, entry: FileEntry) -> list[bytes]:
+        whole = hashlib.sha256()
+        digests = []
+        with open(path, "rb") as f:
+            while block := f.read(self.cfg.part_size):
+                whole.update(block)
+                digests.append(hashlib.sha256(block).digest())
+        if whole.hexdigest() != entry.sha256:
+            raise LocalCheckpointError(entry.name, "local file's sha256 differs from manifest")
+        return digests
+
+    # ---------------------------------------------------------------------------- uploads
+
+    def abort_uploads(self, prefix: str, older_than: float | None = None) -> int:
+        """Abort multipart uploads under ``prefix`` (initiated before ``older_than``, an
+        epoch time, when given). Returns how many were aborted."""
+        n = 0
+        kwargs: dict[str, Any] = {"Bucket": self.cfg.bucket, "Prefix": prefix}
+        while True:
+            try:
+                page = self.s3.list_multipart_uploads(**kwargs)
+            except ClientError as exc:
+                if _code(exc) == "NoSuchBucket":
+                    return n
+                raise
+            for up in page.get("Uploads", []):
+                initiated = up.get("Initiated")
+                if older_than is not None and initiated is not None \
+                        and initiated.timestamp() > older_than:
+                    continue
+                try:
+                    self.s3.abort_multipart_upload(Bucket=self.cfg.bucket, Key=up["Key"],
+                                                   UploadId=up["UploadId"])
+                    n += 1
+                except ClientError as exc:
+                    if _code(exc) != "NoSuchUpload":
+                        raise
+            if not page.get("IsTruncated"):
+                return n
+            kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
+            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def _upload(self, directory: Path, run: str, step: int, todo: list[FileEntry]) -> int:
+        """Upload ``todo``, parts and small files in parallel; verify each. Returns bytes."""
+        if not todo:
+            return 0
+        paths = {e.name: self._local(directory, e) for e in todo}
+        budget = _Budget(self.cfg.concurrency * 2)
+        small: list[Future[None]] = []
+        large: list[_Multipart] = []
+        try:
+            # Largest first keeps the pool busy while the small files fill the gaps.
+            for entry in sorted(todo, key=lambda e: -e.size):
+                key = ck.object_key(run, step, entry.name)
+                if entry.size > self.cfg.multipart_threshold:
+                    mp = _Multipart(self, key, entry, paths[entry.name])
+                    large.append(mp)
+                    mp.start(budget)
+                else:
+                    budget.acquire()
+                    small.append(self._pool.submit(self._put_single, key, entry,
+                                                   paths[entry.name], budget))
+            for mp in large:
+                mp.finish()
+            for fut in small:
+                fut.result()
+        except BaseException:
+            for mp in large:
+                mp.abort()
+            for fut in small:
+                fut.cancel()
+            raise
+        return sum(e.size for e in todo)
+
+    def _put_single(self, key: str, entry: FileEntry, path: Path, budget: _Budget) -> None:
+        try:
+            data = path.read_bytes()
+        finally:
+            budget.release()
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise LocalCheckpointError(entry.name, "local file's sha256 differs from manifest")
+        self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=data,
+                           ChecksumSHA256=ck.b64(entry.sha256))
+        self._progress(entry.name, len(data))
+        if self.cfg.verify == "readback":
+            ok = self._read_back(key, entry)
+        else:
+            head = self._head(key)
+            ok = head is not None and head.get("ContentLength") == entry.size \
+                and self._verified_single(key, entry, head)
+        if not ok:
+            self._discard(key)
+            raise VerifyError(entry.name, "stored object differs from the local file "
+                              "(sha256 mismatch after upload)")
+
+    def _discard(self, key: str) -> None:
+        try:
+            self.s3.delete_object(Bucket=self.cfg.bucket, Key=key)
+        except ClientError:
+            pass
+
+    def _progress(self, name: str, n: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(name, n)
+
+
+class _Multipart:
+    """One file as a multipart upload: read once, hashed, parts sent in parallel."""
+
+    def __init__(self, mirror: Mirror, key: str, entry: FileEntry, path: Path) -> None:
+        self.m = mirror
+        self.key = key
+        self.entry = entry
+        self.path = path
+        self.upload_id: str | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.whole = hashlib.sha256()
+        self.failed: BaseException | None = None
+
+    def start(self, budget: _Budget) -> None:
+        cfg = self.m.cfg
+        resp = self.m.s3.create_multipart_upload(Bucket=cfg.bucket, Key=self.key,
+                                                 ChecksumAlgorithm="SHA256")
+        self.upload_id = resp["UploadId"]
+        with open(self.path, "rb") as f:
+            number = 0
+            while True:
+                budget.acquire()
+                if self.failed is not None:  # S3 is failing: stop reading, report it
+                    budget.release()
+                    raise self.failed
+                block = f.read(cfg.part_size)
+                if not block:
+                    budget.release()
+                    break
+                number += 1
+                self.whole.update(block)
+                self.parts.append(self.m._pool.submit(self._part, number, block, budget))
+
+    def _part(self, number: int, block: bytes, budget: _Budget) -> dict[str, Any]:
+        try:
+            digest = hashlib.sha256(block).digest()
+            resp = self.m.s3.upload_part(Bucket=self.m.cfg.bucket, Key=self.key,
+                                         UploadId=self.upload_id, PartNumber=number, Body=block,
+                                         ChecksumSHA256=_b64(digest))
+            self.m._progress(self.entry.name, len(block))
+            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest),
+                    "_digest": digest}
+        except BaseException as exc:
+            self.failed = exc
+            raise
+        finally:
+            budget.release()
+
+    def finish(self) -> None:
+        if self.whole.hexdigest() != self.entry.sha256:
+            raise LocalCheckpointError(self.entry.name,
+                                       "local file's sha256 differs from manifest")
+        parts = [f.result() for f in self.parts]
+        digests = [p.pop("_digest") for p in parts]
+        self.m.s3.complete_multipart_upload(
+            Bucket=self.m.cfg.bucket, Key=self.key, UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts})
+        self.upload_id = None
+        head = self.m._head(self.key)
+        expected = Mirror._composite(digests)
+        stored = Mirror._stored_checksum(head or {})
+        if head is not None and not stored:  # a store that keeps no checksums
+            stored = expected if self.m._read_back(self.key, self.entry) else "mismatch"
+        if head is None or head.get("ContentLength") != self.entry.size or stored != expected:
+            self.m._discard(self.key)
+            raise VerifyError(self.entry.name,
+                              f"stored composite sha256 {stored or 'none'} differs from the "
+                              f"one sent {expected}")
+
+    def abort(self) -> None:
+        for f in self.parts:
+            f.cancel()
+        if self.upload_id is None:
+            return
+        # Wait for parts in flight, so the abort is not followed by a late part.
+        wait(self.parts)
+        # Best effort: the next attempt and the start-up sweep abort what is left.
+        with contextlib.suppress(Exception):
+            self.m.s3.abort_multipart_upload(Bucket=self.m.cfg.bucket, Key=self.key,
+                                             UploadId=self.upload_id)
+        self.upload_id = None

@@ -1,0 +1,271 @@
+"""The checkpointer: mirror each written checkpoint to S3, commit it, apply retention.
+
+For every ``train.<run>.checkpoint`` (durable consumer ``checkpointer``):
+
+1. validate the event (run, step, ``step-N`` path, file names) — garbage goes to the DLQ;
+2. mirror it (``mirror.Mirror``): every file uploaded and verified, ``manifest.json``
+   put last with ``If-None-Match: *`` — the commit. Attempts are retried with backoff;
+   a local checkpoint that is missing or does not match its manifest is not;
+3. committed → ``ckpt.<run>.mirrored``, KV ``runs`` ``latest_checkpoint_*`` (by CAS,
+   only forward), retention in S3 (``ckpt.<run>.pruned``), then local copies of
+   committed checkpoints beyond ``local_keep`` are deleted;
+   not committed after ``attempts`` → ``ckpt.<run>.failed`` with the reason; the local
+   copy is kept.
+
+A redelivered event (a crash between commit and ack) finds the manifest, uploads
+nothing, and finishes steps 3 (the event ids make the publishes idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from tandem.common import checkpoints as ck
+from tandem.common import metrics, storage, subjects
+from tandem.common.bus import Delivery, TypedKV, struct_replace
+from tandem.common.errors import Reject, Retry
+from tandem.common.events import (
+    CheckpointFailed,
+    CheckpointMirrored,
+    CheckpointPruned,
+    CheckpointWritten,
+    RunRecord,
+    now,
+)
+from tandem.common.runner import Context, Service
+from tandem.common.settings import Settings
+from tandem.common.streams import KV_RUNS, ConsumerSpec, Spec, checkpointer_consumer
+
+from .mirror import Mirror, MirrorConfig, MirrorError, MirrorResult
+
+MiB = 1 << 20
+
+BYTES = metrics.Counter("tandem_checkpoint_uploaded_bytes", "Checkpoint bytes sent to S3")
+OUTCOMES = metrics.Counter("tandem_checkpoint_outcomes", "Checkpoint mirror outcomes",
+                           ["outcome"])
+COMMIT_SECONDS = metrics.Histogram(
+    "tandem_checkpoint_commit_seconds", "Checkpoint written -> committed in S3",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+
+
+class CheckpointerSettings(Settings):
+    """``TANDEM_*`` settings of the checkpointer (beside the common ones)."""
+
+    multipart_threshold: int = Field(
+        16 * MiB, ge=5 * MiB,
+        description="Files larger than this (bytes) are uploaded in parts.")
+    part_size: int = Field(
+        16 * MiB, ge=5 * MiB, le=5 * 1024 * MiB,
+        description="Size of each multipart part (bytes); S3 needs >= 5 MiB.")
+    upload_concurrency: int = Field(
+        8, ge=1, le=64, description="Parts and small files uploaded at once.")
+    verify: Literal["readback", "checksum"] = Field(
+        "readback",
+        description="How a single-request upload is verified: 'readback' downloads and "
+        "hashes it (needed for stores that do not check checksums, such as moto); "
+        "'checksum' trusts the store's check of the SHA-256 sent (AWS S3, MinIO).")
+    attempts: int = Field(
+        5, ge=1, le=100, description="Mirror attempts before ckpt.<run>.failed.")
+    retry_backoff: float = Field(
+        1.0, gt=0, le=60, description="Seconds before the 2nd attempt; doubles, max 30.")
+    keep_last: int = Field(3, ge=1, description="Newest committed checkpoints kept in S3.")
+    keep_every: int = Field(
+        0, ge=0, description="Also keep every step that is a multiple of this (0: none).")
+    local_keep: int = Field(
+        2, ge=0,
+        description="Newest local checkpoints of a run kept on disk; older ones are "
+        "deleted once committed in S3 (never before).")
+    concurrency: int = Field(2, ge=1, le=16, description="Checkpoints mirrored at once.")
+    ack_wait: float = Field(
+        60.0, gt=0, le=3600,
+        description="AckWait of the durable consumer: how long a crashed checkpointer "
+        "holds a checkpoint before it is redelivered (in-progress acks keep a live one).")
+    stale_upload_age: float = Field(
+        3600.0, gt=0,
+        description="Multipart uploads under runs/ older than this (s) are aborted at start.")
+
+    def mirror_config(self) -> MirrorConfig:
+        return MirrorConfig(bucket=self.s3_bucket, multipart_threshold=self.multipart_threshold,
+                            part_size=self.part_size, concurrency=self.upload_concurrency,
+                            verify=self.verify)
+
+
+class Checkpointer(Service):
+    name: ClassVar[str] = "checkpointer"
+    settings_class: ClassVar[type[Settings]] = CheckpointerSettings
+    settings: CheckpointerSettings
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.s3: Any = None
+        self.mirror: Mirror | None = None
+        self.committed = 0
+        self.failed = 0
+
+    @property
+    def consumer_spec(self) -> ConsumerSpec:
+        return checkpointer_consumer(self.settings.ack_wait)
+
+    def streams(self) -> Sequence[Spec]:
+        return [*super().streams(), self.consumer_spec]
+
+    def health(self) -> dict[str, Any]:
+        return {"committed": self.committed, "failed": self.failed}
+
+    async def run(self, ctx: Context) -> None:
+        s = self.settings
+        self.ctx = ctx
+        self.s3 = storage.s3_client(s, max_pool=max(32, s.upload_concurrency * s.concurrency))
+        self.mirror = Mirror(self.s3, s.mirror_config(),
+                             on_progress=lambda _name, n: BYTES.inc(n))
+        self.runs = TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord)
+        try:
+            await asyncio.to_thread(storage.ensure_bucket, self.s3, s.s3_bucket)
+            aborted = await asyncio.to_thread(self.mirror.abort_uploads, "runs/",
+                                              time.time() - s.stale_upload_age)
+            ctx.log.info("checkpointer.started", bucket=s.s3_bucket, stale_aborted=aborted)
+        except Exception as exc:  # S3 down at start: the handler retries per checkpoint
+            ctx.log.warning("checkpointer.s3_unavailable", error=repr(exc))
+        consumer = ctx.bus.consumer(self.consumer_spec, CheckpointWritten, self.handle,
+                                    concurrency=s.concurrency)
+        try:
+            await consumer.run(ctx.stopping)
+        finally:
+            await asyncio.to_thread(self.mirror.close)
+
+    # --------------------------------------------------------------------------- handling
+
+    async def handle(self, d: Delivery[CheckpointWritten]) -> None:
+        ev = d.event
+        directory = self._validate(d)
+        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step)
+        async with d.keepalive():
+            result, error, attempts = await self._mirror(ev, directory, lg)
+        if result is None:
+            self.failed += 1
+            OUTCOMES.labels("failed").inc()
+            lg.error("checkpoint.failed", reason=error, attempts=attempts, kept=str(directory))
+            await self.ctx.bus.publish(
+                subjects.ckpt(ev.run_id, "failed"),
+                CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=error,
+                                 attempts=attempts),
+                msg_id=f"ckpt-{ev.run_id}-{ev.step}-failed-{d.num_delivered}", retry_for=30.0)
+            return
+        await self._committed(ev, directory, result, lg)
+
+    def _validate(self, d: Delivery[CheckpointWritten]) -> Path:
+        ev = d.event
+        try:
+            subjects.token(ev.run_id, "run id")
+            if d.subject != subjects.train(ev.run_id, "checkpoint"):
+                raise ValueError(f"run {ev.run_id!r} published on {d.subject!r}")
+            ck.validate_manifest(ev.manifest, ev.run_id, ev.step)
+            directory = Path(ev.path)
+            if not directory.is_absolute() or ck.parse_step(directory.name) != ev.step:
+                raise ValueError(f"path {ev.path!r} is not an absolute .../step-{ev.step}")
+        except ValueError as exc:
+            raise Reject(f"invalid checkpoint event: {exc}") from None
+        return directory
+
+    async def _mirror(self, ev: CheckpointWritten, directory: Path,
+                      lg: Any) -> tuple[MirrorResult | None, str, int]:
+        assert self.mirror is not None
+        delay = self.settings.retry_backoff
+        reason = ""
+        for attempt in range(1, self.settings.attempts + 1):
+            try:
+                await asyncio.to_thread(storage.ensure_bucket, self.s3, self.settings.s3_bucket)
+                result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
+                return result, "", attempt
+            except MirrorError as exc:
+                reason = str(exc)
+                if not exc.retryable:
+                    return None, reason, attempt
+            except Exception as exc:  # S3 unreachable, 5xx after boto3's own retries, ...
+                reason = f"{type(exc).__name__}: {exc}"
+            OUTCOMES.labels("retried").inc()
+            lg.warning("checkpoint.attempt_failed", attempt=attempt, error=reason)
+            if attempt < self.settings.attempts:
+                if await self.ctx.wait_stopping(delay):
+                    raise Retry("checkpointer stopping", delay=1.0)  # handed back, not lost
+                delay = min(delay * 2, 30.0)
+        return None, f"gave up after {self.settings.attempts} attempts: {reason}", \
+            self.settings.attempts
+
+    async def _committed(self, ev: CheckpointWritten, directory: Path, result: MirrorResult,
+                         lg: Any) -> None:
+        s = self.settings
+        bucket, run = s.s3_bucket, ev.run_id
+        uri = ck.checkpoint_uri(bucket, run, ev.step)
+        seconds = max(0.0, now() - ev.at)
+        if result.committed:
+            self.committed += 1
+            OUTCOMES.labels("committed").inc()
+            COMMIT_SECONDS.observe(seconds)
+        lg.info("checkpoint.committed", uri=uri, now=result.committed,
+                uploaded=len(result.uploaded), skipped=len(result.skipped),
+                bytes=result.bytes_uploaded, mirror_s=round(result.seconds, 3),
+                aborted_uploads=result.aborted_uploads)
+        await self.ctx.bus.publish(
+            subjects.ckpt(run, "mirrored"),
+            CheckpointMirrored(run_id=run, step=ev.step, uri=uri, seconds=seconds,
+                               bytes=sum(f.size for f in ev.manifest.files)),
+            msg_id=f"ckpt-{run}-{ev.step}-mirrored", retry_for=30.0)
+        await self.runs.update(run, lambda rec: _record_latest(rec, run, ev.step, uri))
+        committed = await asyncio.to_thread(ck.committed_steps, self.s3, bucket, run)
+        await self._prune(run, committed, lg)
+        await asyncio.to_thread(delete_local, directory.parent, set(committed), s.local_keep,
+                                lg)
+
+    async def _prune(self, run: str, committed: list[int], lg: Any) -> None:
+        s = self.settings
+        drop = ck.retention(committed, s.keep_last, s.keep_every)
+        if not drop:
+            return
+        for step in drop:
+            await asyncio.to_thread(ck.delete, self.s3, s.s3_bucket, run, step)
+        reason = f"retention: keep the newest {s.keep_last}" + (
+            f" and every multiple of {s.keep_every}" if s.keep_every else "")
+        digest = hashlib.sha256(",".join(map(str, drop)).encode()).hexdigest()[:16]
+        await self.ctx.bus.publish(subjects.ckpt(run, "pruned"),
+                                   CheckpointPruned(run_id=run, steps=drop, reason=reason),
+                                   msg_id=f"ckpt-{run}-pruned-{digest}", retry_for=30.0)
+        lg.info("checkpoint.pruned", steps=drop)
+
+
+def _record_latest(rec: RunRecord | None, run: str, step: int, uri: str) -> RunRecord | None:
+    """Move the run's latest committed checkpoint forward; touch no other field."""
+    if rec is None:
+        return RunRecord(run_id=run, latest_checkpoint_step=step, latest_checkpoint_uri=uri)
+    if rec.latest_checkpoint_step is not None and rec.latest_checkpoint_step >= step:
+        return None
+    return struct_replace(rec, latest_checkpoint_step=step, latest_checkpoint_uri=uri,
+                          updated_at=now())
+
+
+def delete_local(parent: Path, committed: set[int], keep: int, lg: Any) -> list[int]:
+    """Delete ``parent/step-N`` directories beyond the newest ``keep`` — only those whose
+    commit this checkpointer has seen (``committed`` was listed before pruning, so a
+    pruned step counts). A checkpoint that failed to mirror is never deleted here."""
+    if not parent.is_dir():
+        return []
+    local = sorted((s, p) for p in parent.iterdir()
+                   if p.is_dir() and (s := ck.parse_step(p.name)) is not None)
+    newest = {s for s, _ in local[max(0, len(local) - keep):]} if keep else set()
+    gone = []
+    for step, path in local:
+        if step in newest or step not in committed:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(step)
+    if gone:
+        lg.info("checkpoint.local_deleted", steps=gone, dir=str(parent))
+    return gone

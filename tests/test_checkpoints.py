@@ -1,0 +1,164 @@
+"""The S3 checkpoint layout, listing and verified restore (``tandem.common.checkpoints``),
+and the ``tandem checkpoints`` commands, against a real S3 endpoint (moto)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.checkpointer.mirror import Mirror, MirrorConfig
+from tandem.cli import checkpoints as cli
+from tandem.common import checkpoints as ck
+from tandem.common.errors import CheckpointNotFound
+from tandem.common.servers import S3Server
+from tandem.common.settings import Settings, load
+from tandem.common.storage import ensure_bucket, s3_client
+from tests.checkpoint_support import MiB, write_checkpoint
+
+
+@pytest.fixture
+def s3(s3_server: S3Server) -> Any:
+    return s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                          s3_secret_key="tandem"))
+
+
+@pytest.fixture
+def bucket(s3: Any, uid: str) -> str:
+    name = f"ckpt-{uid}"
+    ensure_bucket(s3, name)
+    return name
+
+
+def commit(s3: Any, bucket: str, root: Path, run: str, step: int,
+           sizes: dict[str, int] | None = None) -> None:
+    directory, manifest = write_checkpoint(root, run, step, sizes)
+    mirror = Mirror(s3, MirrorConfig(bucket=bucket, multipart_threshold=5 * MiB,
+                                     part_size=5 * MiB))
+    try:
+        assert mirror.mirror(directory, manifest).committed
+    finally:
+        mirror.close()
+
+
+def flip_byte(s3: Any, bucket: str, key: str) -> None:
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+
+def test_file_names_that_could_escape_a_checkpoint_are_rejected() -> None:
+    assert ck.object_key("run-1", 40, "ema/model.safetensors") == \
+        "runs/run-1/checkpoints/step-40/ema/model.safetensors"
+    for bad in ("../x", "/abs", "a//b", "a/./b", "", "manifest.json", "sp ace", "a\\b"):
+        with pytest.raises(ValueError, match="invalid checkpoint file name"):
+            ck.check_name(bad)
+    with pytest.raises(ValueError, match="run id"):
+        ck.run_prefix("a/b")
+    assert ck.parse_step("step-12") == 12
+    assert ck.parse_step("step-12.incomplete") is None
+    assert ck.parse_step("step-012") is None
+
+
+def test_retention_keeps_the_newest_n_and_every_multiple_of_k() -> None:
+    assert ck.retention([1, 2, 3, 4, 5, 6, 7, 8], keep_last=2, keep_every=4) == [1, 2, 3, 5, 6]
+    assert ck.retention([10, 20, 30], keep_last=3) == []
+    assert ck.retention([10, 20, 30], keep_last=1) == [10, 20]
+
+
+def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    run = "run-a"
+    for step in (100, 200, 300):
+        commit(s3, bucket, tmp_path / "local", run, step)
+    # An upload in progress (no manifest) is never listed or restored.
+    s3.put_object(Bucket=bucket, Key=ck.object_key(run, 400, "rng.bin"), Body=b"x")
+    assert ck.list_steps(s3, bucket, run) == {100: True, 200: True, 300: True, 400: False}
+    assert ck.committed_steps(s3, bucket, run) == [100, 200, 300]
+    assert ck.newest_committed(s3, bucket, run) == 300
+
+    flip_byte(s3, bucket, ck.object_key(run, 300, "optimizer.bin"))  # multipart file
+    s3.delete_object(Bucket=bucket, Key=ck.object_key(run, 200, "rng.bin"))
+
+    restored = ck.restore(s3, bucket, run, tmp_path / "out")
+    assert restored.step == 100
+    assert [s for s, _ in restored.skipped] == [300, 200]
+    assert "optimizer.bin: sha256" in restored.skipped[0][1]
+    assert "rng.bin: missing" in restored.skipped[1][1]
+    assert restored.path == tmp_path / "out" / "step-100"
+    assert ck.scan(restored.path, run, 100).files == restored.manifest.files
+    assert not (tmp_path / "out" / "step-300").exists()  # a corrupt one is never handed over
+    assert not (tmp_path / "out" / "step-300.incomplete").exists()
+    assert load_file(str(restored.path / "model.safetensors"))["b"][0] == 100
+
+    with pytest.raises(CheckpointNotFound, match=r"step 300: optimizer\.bin: sha256"):
+        ck.restore(s3, bucket, run, tmp_path / "out", step=300, fallback=False)
+    with pytest.raises(CheckpointNotFound, match=r"committed steps: \[100, 200, 300\]"):
+        ck.restore(s3, bucket, run, tmp_path / "out", step=400)
+
+
+def test_a_worker_downloads_only_the_weights_of_the_newest_committed_checkpoint(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    run = "run-w"
+    assert ck.newest_committed(s3, bucket, run) is None
+    commit(s3, bucket, tmp_path / "local", run, 7, sizes={"rng.bin": 10})
+    step = ck.newest_committed(s3, bucket, run)
+    assert step == 7
+    path = ck.download(s3, bucket, run, step, tmp_path / "w", files=["model.safetensors"])
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.safetensors"]
+    assert load_file(str(path / "model.safetensors"))["w"].shape == (16, 16)
+
+
+def test_a_corrupt_manifest_is_skipped_like_a_corrupt_file(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    run = "run-m"
+    for step in (1, 2):
+        commit(s3, bucket, tmp_path / "local", run, step, sizes={"rng.bin": 10})
+    s3.put_object(Bucket=bucket, Key=ck.manifest_key(run, 2), Body=b'{"run_id": "run-m"')
+    restored = ck.restore(s3, bucket, run, tmp_path / "out")
+    assert restored.step == 1
+    assert "manifest.json: invalid manifest" in restored.skipped[0][1]
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_lists_committed_checkpoints_and_restores_with_fallback(
+        s3: Any, s3_server: S3Server, bucket: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    run = "run-cli"
+    for step in (5, 10):
+        commit(s3, bucket, tmp_path / "local", run, step, sizes={"rng.bin": 1000})
+    for k, v in {"S3_ENDPOINT": s3_server.url, "S3_BUCKET": bucket, "S3_ACCESS_KEY": "tandem",
+                 "S3_SECRET_KEY": "tandem"}.items():
+        monkeypatch.setenv(f"TANDEM_{k}", v)
+
+    assert _cli(["checkpoints", "list", run, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in listed["checkpoints"]] == [5, 10]
+    assert listed["checkpoints"][1]["uri"] == f"s3://{bucket}/runs/{run}/checkpoints/step-10/"
+
+    flip_byte(s3, bucket, ck.object_key(run, 10, "model.safetensors"))
+    out = tmp_path / "restored"
+    assert _cli(["checkpoints", "restore", run, "-o", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "restored step 5" in text.out
+    assert "skipped step 10" in text.err and "model.safetensors: sha256" in text.err
+    assert (out / "step-5" / "rng.bin").stat().st_size == 1000
+
+    assert _cli(["checkpoints", "restore", run, "--step", "10", "--no-fallback",
+                 "-o", str(out)]) == 1
+    assert "no committed checkpoint verifies" in capsys.readouterr().err
+    assert _cli(["checkpoints", "list", "no-such-run"]) == 0
+    assert "no committed checkpoints" in capsys.readouterr().out
