@@ -162,3 +162,38 @@ def test_cli_lists_committed_checkpoints_and_restores_with_fallback(
     assert "no committed checkpoint verifies" in capsys.readouterr().err
     assert _cli(["checkpoints", "list", "no-such-run"]) == 0
     assert "no committed checkpoints" in capsys.readouterr().out
+
+
+def test_a_worker_loads_the_newest_verified_checkpoint_with_ema_weights(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from tandem.common.diffusion import UNetConfig, build_unet
+
+    run = "run-serve"
+    cfg = UNetConfig(sample_size=8, block_out_channels=(8, 8, 8), norm_num_groups=4)
+    for step in (10, 20):
+        d = tmp_path / "local" / f"step-{step}"
+        d.mkdir(parents=True)
+        unet = build_unet(cfg, seed=step)
+        save_file(dict(unet.state_dict()), str(d / "model.safetensors"))
+        ema = {k: torch.full_like(p, float(step)) for k, p in unet.named_parameters()}
+        save_file(ema, str(d / "ema.safetensors"))
+        (d / "model_config.json").write_text(json.dumps({"kind": "unet", **cfg.to_dict()}))
+        (d / "optimizer.pt").write_bytes(b"not needed to serve")
+        mirror = Mirror(s3, MirrorConfig(bucket=bucket))
+        try:
+            mirror.mirror(d, ck.scan(d, run, step))
+        finally:
+            mirror.close()
+
+    unet, scheduler, label, step = ck.load_serving_model(run, s3=s3, bucket=bucket)
+    assert (label, step) == (f"{run}/step-20", 20)
+    assert all(float(p.detach().flatten()[0]) == 20.0 for p in unet.parameters())  # EMA laid over
+    assert scheduler.config.num_train_timesteps == cfg.num_train_timesteps
+
+    flip_byte(s3, bucket, ck.object_key(run, 20, "ema.safetensors"))
+    unet, _, label, step = ck.load_serving_model(run, s3=s3, bucket=bucket)
+    assert (label, step) == (f"{run}/step-10", 10)
+    assert all(float(p.detach().flatten()[0]) == 10.0 for p in unet.parameters())

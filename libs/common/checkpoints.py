@@ -301,14 +301,19 @@ class Restored:
         return sum(f.size for f in self.manifest.files)
 
 
+FileChoice = Iterable[str] | Callable[[CheckpointManifest], Iterable[str]]
+
+
 def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None = None,
-            fallback: bool = True, files: Iterable[str] | None = None,
+            fallback: bool = True, files: FileChoice | None = None,
             on_skip: Callable[[int, str], None] | None = None) -> Restored:
     """Download and verify the newest committed checkpoint (or ``step``), falling back.
 
     Tries ``step`` (default: the newest committed) and, when a file or the manifest is
     corrupt or missing, each older committed checkpoint in turn (unless ``fallback`` is
-    False). ``on_skip(step, reason)`` is called for each checkpoint passed over. Raises
+    False). ``files`` limits the download (names, or a function of the manifest that
+    may raise ``CheckpointCorrupt`` when the checkpoint lacks what is needed).
+    ``on_skip(step, reason)`` is called for each checkpoint passed over. Raises
     ``CheckpointNotFound`` when no committed checkpoint verifies.
     """
     committed = committed_steps(s3, bucket, run_id)
@@ -319,10 +324,10 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
     if not fallback:
         candidates = candidates[:1]
     skipped: list[tuple[int, str]] = []
-    wanted = list(files) if files is not None else None
     for s in candidates:
         try:
             manifest = read_manifest(s3, bucket, run_id, s)
+            wanted = files(manifest) if callable(files) else files
             path = download(s3, bucket, run_id, s, dest, files=wanted, manifest=manifest)
             return Restored(run_id, s, path, manifest, skipped)
         except (CheckpointCorrupt, CheckpointNotFound) as exc:
@@ -363,3 +368,64 @@ def delete(s3: Any, bucket: str, run_id: str, step: int) -> int:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
             n += len(keys)
     return n
+
+
+# --------------------------------------------------------------------------------- serving
+
+MODEL_WEIGHTS = "model.safetensors"
+EMA_WEIGHTS = "ema.safetensors"
+MODEL_CONFIG = "model_config.json"
+
+
+def serving_files(manifest: CheckpointManifest) -> list[str]:
+    """What a worker needs from a trainer checkpoint: weights (model, EMA) and config."""
+    names = {f.name for f in manifest.files}
+    if MODEL_WEIGHTS not in names:
+        raise CheckpointCorrupt(manifest.run_id, manifest.step, MODEL_WEIGHTS,
+                                "missing from the manifest")
+    return [n for n in (MODEL_WEIGHTS, EMA_WEIGHTS, MODEL_CONFIG) if n in names]
+
+
+def load_serving_model(run_id: str, config: dict[str, Any] | None = None, *,
+                       s3: Any = None, bucket: str | None = None,
+                       step: int | None = None) -> tuple[Any, Any, str, int]:
+    """The newest committed checkpoint of ``run_id`` (or ``step``), verified, as a model.
+
+    Returns ``(unet, scheduler, label, step)`` with ``label`` = ``<run>/step-<N>``. The
+    architecture comes from the checkpoint's ``model_config.json`` (else ``config``);
+    the weights are ``model.safetensors`` with the EMA weights laid over it when the
+    checkpoint has them. Tensors only, from safetensors: nothing is unpickled. A corrupt
+    checkpoint is skipped for the previous committed one (``restore``). Imports torch,
+    so only the inference worker calls it. S3 comes from ``TANDEM_S3_*`` unless given.
+    """
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from tandem.common.diffusion import UNetConfig, build_scheduler, build_unet
+    from tandem.common.errors import CheckpointError
+
+    if s3 is None or bucket is None:
+        from tandem.common.settings import Settings, load
+        from tandem.common.storage import s3_client
+
+        settings = load(Settings, "checkpoint loader")
+        s3 = s3 if s3 is not None else s3_client(settings)
+        bucket = bucket or settings.s3_bucket
+    with tempfile.TemporaryDirectory(prefix="tandem-serving-") as tmp:
+        r = restore(s3, bucket, run_id, Path(tmp), step=step, files=serving_files)
+        cfg_path = r.path / MODEL_CONFIG
+        mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(config or {})
+        if mc.get("kind", "unet") != "unet":
+            raise CheckpointError(run_id, r.step, f"model kind {mc['kind']!r} cannot be served")
+        cfg = UNetConfig.from_dict(mc)
+        unet = build_unet(cfg)
+        unet.load_state_dict(load_file(str(r.path / MODEL_WEIGHTS)))
+        if (r.path / EMA_WEIGHTS).exists():
+            _, unexpected = unet.load_state_dict(load_file(str(r.path / EMA_WEIGHTS)),
+                                                 strict=False)
+            if unexpected:
+                raise CheckpointError(run_id, r.step, f"EMA weights for unknown parameters: "
+                                      f"{sorted(unexpected)[:5]}")
+    return unet.eval(), build_scheduler(cfg), f"{run_id}/step-{r.step}", r.step
