@@ -61,7 +61,7 @@ class Stack:
                 "models": FAULT_MODELS, **extra}
 
     def start_gateway(self) -> Child:
-        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle"])
+        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1"))
         self.children.append(gw.start())
@@ -356,6 +356,32 @@ async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_imag
             task_id.encode() in d.data and d.reason == rec.reason for d in ls))
     finally:
         w.kill()
+
+
+async def test_sigterm_hands_a_long_running_task_back_and_the_worker_exits_cleanly(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    w = stack.start_worker("w-term", "term", serve="digits", drain_timeout="3")
+    task_id = await submit(http, model="digits", class_label=6, steps=1000, cluster="term")
+    progress = await Progress().start(bus, task_id)
+    try:
+        await progress.wait(2)
+    finally:
+        await progress.stop()
+    assert w.proc is not None
+    w.proc.terminate()
+    assert await asyncio.to_thread(w.proc.wait, 60) == 0
+    # Handed back (nak), not left to its 30 s AckWait: the queue offers it again at once.
+    sub = await bus.js.pull_subscribe_bind(durable="workers-term-interactive",
+                                           stream="GEN_TERM")
+    try:
+        [msg] = await sub.fetch(1, timeout=10)
+        assert msg.metadata.num_delivered == 2
+        await msg.ack()
+    finally:
+        await sub.unsubscribe()
+    rec = (await http.get(f"/v1/generations/{task_id}")).json()
+    assert rec["state"] == "running" and rec["images"] == []
+    assert (await http.delete(f"/v1/generations/{task_id}")).json()["state"] == "cancelled"
 
 
 async def test_gateway_restart_keeps_status_results_and_sse_for_earlier_tasks(

@@ -75,6 +75,7 @@ class Batcher:
         self.batches = 0
         self._changed = asyncio.Event()
         self._closed = False
+        self._abort = False
 
     # ----------------------------------------------------------------------- callers
 
@@ -119,6 +120,11 @@ class Batcher:
             job.resolve(HandedBack())
         self.pending.clear()
         self._changed.set()
+
+    def abort(self) -> None:
+        """Stop the running call at its next step and hand its tasks back (drain timeout)."""
+        self.close()
+        self._abort = True
 
     def task_ids(self) -> list[str]:
         return [j.task.task_id for j in self.running + self.pending]
@@ -192,7 +198,7 @@ class Batcher:
 
         def on_step(step: int, total: int) -> None:
             # Runs in the pipeline's thread: stop when nobody wants the result any more.
-            if all(j.cancelled for j in group):
+            if self._abort or all(j.cancelled for j in group):
                 raise Interrupted()
             if self.on_step is not None:
                 loop.call_soon_threadsafe(self.on_step, group, step, total)
@@ -201,10 +207,16 @@ class Batcher:
             if pipeline.trivial:
                 images = pipeline.generate(items, params, on_step)
             else:
-                images = await asyncio.to_thread(pipeline.generate, items, params, on_step)
+                try:
+                    images = await asyncio.to_thread(pipeline.generate, items, params, on_step)
+                except asyncio.CancelledError:
+                    # Cancelled from outside: stop the thread at its next step too, or the
+                    # process would wait for the whole call before it could exit.
+                    self._abort = True
+                    raise
         except Interrupted:
             for job in group:
-                job.resolve(JobCancelled())
+                job.resolve(JobCancelled() if job.cancelled else HandedBack())
         except Exception as exc:
             for job in group:
                 job.resolve(exc)

@@ -226,13 +226,25 @@ class InferenceWorker(Service):
                 for c, msg in got:
                     self.inflight += 1
                     tg.create_task(self._process(c, msg))
+            # Stopping: hand back what waits; let the running call finish if it can
+            # within most of the drain timeout, else stop it and hand its tasks back too.
             self.batcher.close()
-        self.batcher.close()
+            grace = self.s.drain_timeout - min(5.0, 0.3 * self.s.drain_timeout)
+            deadline = time.monotonic() + grace
+            while self.inflight and time.monotonic() < deadline:
+                self._slot.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._slot.wait(), deadline - time.monotonic())
+            if self.inflight:
+                _log.warning("worker.drain_abort", running=self.batcher.task_ids())
+                self.batcher.abort()
 
     @staticmethod
     async def _fetch(c: Consumer[GenerationTask], n: int, timeout: float) -> list[Msg]:
         try:
             return await c.fetch(n, timeout)
+        except TimeoutError:  # nothing came within the fetch's own timeout
+            return []
         except Exception as exc:  # reconnects, leader elections: try again next round
             _log.warning("worker.fetch_failed", consumer=c.spec.durable, error=repr(exc))
             await asyncio.sleep(timeout)  # back off before the next fetch, not a sync point
