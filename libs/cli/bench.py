@@ -12,6 +12,7 @@ BENCHES = {
     "checkpoint": "tandem.cli.bench_checkpoint",
     "serve": "tandem.cli.bench_serve",
     "agent": "tandem.cli.bench_agent",
+    "train": "tandem.cli.bench_train",
 }
 
 

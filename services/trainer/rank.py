@@ -19,6 +19,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -62,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
     from tandem.trainer.loop import TrainLoop
 
     cfg = RunConfig.model_validate(spec.config)
@@ -76,16 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if spec.resume_path:
         loop.load(Path(spec.resume_path))
 
-    def written(w: Written) -> None:
-        channel.send("checkpoint", step=w.step, path=str(w.path),
-                     manifest=msgspec.to_builtins(w.manifest), blocked_s=w.blocked_s,
-                     write_s=w.write_s, node=node)
-
-    def failed(step: int, exc: BaseException) -> None:
-        channel.send("checkpoint_failed", step=step, error=repr(exc))
-
-    writer = (AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=device.type == "cuda",
-                                on_written=written, on_error=failed) if rank == 0 else None)
+    writer = (checkpoint_writer(spec, channel, node, pin=device.type == "cuda")
+              if rank == 0 else None)
     faults = cfg.faults
     samples = cfg.batch_size * world
     rank_nodes = list(spec.rank_nodes) or [node] * world
@@ -103,16 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                              grad_norm=_num(r.grad_norm), evidence=r.anomaly.evidence)
             code = ANOMALY
             break
-        blocked = 0.0
-        if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
-            snap = loop.checkpoint(writer)
-            blocked = snap.blocked_s if snap is not None else 0.0
-        if rank == 0:
-            channel.send("step", step=r.step, data_pos=r.data_pos, loss=r.loss,
-                         grad_norm=r.grad_norm, lr=r.lr, step_time=r.wall_s,
-                         samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
-                         rank_step_times=r.rank_times, rank_nodes=rank_nodes,
-                         blocked_s=blocked, at=time.time())
+        after_step(loop, r, channel, writer, samples, rank_nodes)
     if writer is not None:
         writer.close(timeout=None)
     if code == 0 and rank == 0:
@@ -122,6 +105,40 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.destroy_process_group()
     return code
+
+
+def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
+                      pin: bool = False) -> Any:
+    """Rank 0's async checkpointer, announcing each written checkpoint to the coordinator."""
+    from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
+
+    def written(w: Written) -> None:
+        channel.send("checkpoint", step=w.step, path=str(w.path),
+                     manifest=msgspec.to_builtins(w.manifest), blocked_s=w.blocked_s,
+                     write_s=w.write_s, node=node)
+
+    def failed(step: int, exc: BaseException) -> None:
+        channel.send("checkpoint_failed", step=step, error=repr(exc))
+
+    return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
+                             on_error=failed)
+
+
+def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: int,
+               rank_nodes: list[str]) -> None:
+    """What Tandem adds to a step: a checkpoint every ``checkpoint_every`` steps (and at the
+    last one; a collective, so every rank calls this) and, on rank 0, the step report."""
+    cfg = loop.cfg
+    blocked = 0.0
+    if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
+        snap = loop.checkpoint(writer)
+        blocked = snap.blocked_s if snap is not None else 0.0
+    if loop.rank == 0:
+        channel.send("step", step=r.step, data_pos=r.data_pos, loss=r.loss,
+                     grad_norm=r.grad_norm, lr=r.lr, step_time=r.wall_s,
+                     samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
+                     rank_step_times=r.rank_times, rank_nodes=rank_nodes,
+                     blocked_s=blocked, at=time.time())
 
 
 def _num(x: float) -> float | str:

@@ -189,7 +189,7 @@ class RunSupervisor:
             self.latest_step = r.latest_step
             if r.state in TERMINAL:
                 return r.state
-        server = await asyncio.start_server(self._client, self.cfg.relay_host, 0)
+        server = await asyncio.start_server(self.handle_connection, self.cfg.relay_host, 0)
         self.relay = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
         try:
             return await self._supervise(stopping)
@@ -292,7 +292,8 @@ class RunSupervisor:
 
     # --------------------------------------------------------------------------- watching
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
         """One rank's connection: forward each line; a close without goodbye is a death."""
         rank, attempt = -1, -1
         try:
@@ -395,9 +396,9 @@ class RunSupervisor:
                             await self._status(RunState.running,
                                                f"attempt {self.attempt_no} training")
                         last_step_at = t
-                        await self._on_step(msg)
+                        await self.relay(msg)
                     elif kind == "checkpoint":
-                        await self._on_checkpoint(msg)
+                        await self.relay(msg)
                     elif kind == "checkpoint_failed":
                         self.log.error("run.checkpoint_failed", step=msg.get("step"),
                                        error=msg.get("error"))
@@ -425,6 +426,13 @@ class RunSupervisor:
     async def _on_stop(self, stopping: asyncio.Event) -> None:
         await stopping.wait()
         self.q.put_nowait(("stop", self.attempt_no))
+
+    async def relay(self, msg: dict[str, Any]) -> None:
+        """Turn a rank's ``step`` or ``checkpoint`` message into bus events and records."""
+        if msg.get("t") == "step":
+            await self._on_step(msg)
+        elif msg.get("t") == "checkpoint":
+            await self._on_checkpoint(msg)
 
     async def _on_step(self, msg: dict[str, Any]) -> None:
         step = int(msg["step"])
