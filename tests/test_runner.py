@@ -74,3 +74,41 @@ def test_bad_setting_exits_2_with_the_variable_named() -> None:
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 2
     assert "TANDEM_CLUSTER" in out.stderr and "TANDEM_DRAIN_TIMEOUT" in out.stderr
+
+
+async def test_sigterm_while_nats_is_unreachable_exits_promptly_with_zero() -> None:
+    env = service_env(nats_url=f"nats://127.0.0.1:{free_port()}", echo_name="nobody")
+    proc = await asyncio.create_subprocess_exec(
+        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        async def wait_for_retry() -> None:
+            assert proc.stdout is not None
+            while b"Connect call failed" not in await proc.stdout.readline():
+                pass
+
+        await asyncio.wait_for(wait_for_retry(), TIMEOUT)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigterm_after_nats_died_still_exits(settings: Settings, uid: str,
+                                                   nats_server) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port))
+    proc = await asyncio.create_subprocess_exec(
+        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+        nats_server.kill()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -200,14 +200,21 @@ class Bus:
         _log.warning("bus.dead_letter", stream=stream, subject=msg.subject,
                      seq=md.sequence.stream, reason=reason)
 
-    async def drain(self) -> None:
-        """Flush and close; safe to call twice."""
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Flush and close within ``timeout`` seconds; safe to call twice.
+
+        While the server is unreachable a drain could wait forever on the reconnect
+        loop, so past the timeout the connection is simply closed: anything unsent was
+        never acknowledged, so no caller believes it was delivered.
+        """
         if self.nc.is_closed:
             return
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), timeout)
         if not self.nc.is_closed:
-            await self.nc.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), timeout)
 
 
 @dataclass(slots=True)

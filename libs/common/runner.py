@@ -124,8 +124,19 @@ class HttpEndpoint:
 async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: Any) -> Bus | None:
     delay = 0.2
     while not stopping.is_set():
+        # Race each attempt against stopping: a SIGTERM while NATS is unreachable must
+        # still end the process promptly.
+        attempt = asyncio.create_task(Bus.connect(settings, name))
+        stop_wait = asyncio.create_task(stopping.wait())
+        await asyncio.wait({attempt, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            return None
         try:
-            return await Bus.connect(settings, name)
+            return attempt.result()
         except Exception as exc:
             lg.warning("runner.connect_failed", servers=settings.nats_servers, error=repr(exc),
                        retry_in=delay)
