@@ -206,6 +206,7 @@ class InferenceWorker(Service):
     async def _pull(self, stop: asyncio.Event, consumers: list[Consumer[GenerationTask]]) -> None:
         """Fetch while there is room, best lane first; on stop, hand back what waits."""
         limit = self.s.max_batch + (self.s.prefetch or self.s.max_batch)
+        lower_busy = False
         async with asyncio.TaskGroup() as tg:
             while not stop.is_set():
                 room = limit - self.inflight
@@ -214,15 +215,19 @@ class InferenceWorker(Service):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._slot.wait(), self.s.idle_poll)
                     continue
+                # Best lane first. The top lane is long-polled unless a lower one had work
+                # last round, so an interactive task is taken the moment it arrives, and a
+                # busy batch lane is not held up by waits on an empty interactive one.
                 got: list[tuple[Consumer[GenerationTask], Msg]] = []
-                for c in consumers:
-                    msgs = await self._fetch(c, room, 0.01)
+                for i, c in enumerate(consumers):
+                    wait = self.s.idle_poll if i == 0 and not lower_busy else 0.01
+                    msgs = await self._fetch(c, room, wait)
                     if msgs:
                         got = [(c, m) for m in msgs]
+                        lower_busy = i > 0
                         break
-                if not got:
-                    msgs = await self._fetch(consumers[0], room, self.s.idle_poll)
-                    got = [(consumers[0], m) for m in msgs]
+                else:
+                    lower_busy = False
                 for c, msg in got:
                     self.inflight += 1
                     tg.create_task(self._process(c, msg))
