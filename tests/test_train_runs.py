@@ -111,22 +111,34 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
                        "startup_timeout_s": 200}),
     ]))
-    env = service_env(nats_url=nats.url, cluster=st.cluster, node="n0",
-                      checkpoint_root=str(st.ckpt_root), work_root=str(st.work_root),
-                      max_runs="8", status_every_s="0.5")
-    with open(st.log, "wb") as log:
-        proc = subprocess.Popen([PYTHON, "-m", "tandem.trainer"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+    proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8")
     try:
         yield st
     finally:
+        stop_process(proc)
+        nats.stop()
+
+
+def start_coordinator(nats: NatsServer, cluster: str, root: Path, log: Path,
+                      **settings: str) -> subprocess.Popen[bytes]:
+    """``python -m tandem.trainer`` on node n0 of ``cluster``, its files under ``root``."""
+    env = service_env(nats_url=nats.url, cluster=cluster, node="n0",
+                      checkpoint_root=str(root / "ckpt"), work_root=str(root / "work"),
+                      status_every_s="0.5", **settings)
+    with open(log, "ab") as out:
+        return subprocess.Popen([PYTHON, "-m", "tandem.trainer"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the service drains), SIGKILL if it is still there after 30 s."""
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        nats.stop()
 
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -89,7 +89,7 @@ class Trainer(Service):
             for run_id, rec in (await kv.items()).items():
                 if rec.coordinator == self.me and rec.state not in TERMINAL:
                     ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
-                    self._start(run_id, rec)
+                    self._start(run_id, rec, adopted=True)
             consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
                                         self._on_status)
             await consumer.run(ctx.stopping)
@@ -121,7 +121,7 @@ class Trainer(Service):
         if rec is not None and rec.coordinator == self.me and ev.run_id not in self.supervisors:
             self._start(ev.run_id, rec)
 
-    def _start(self, run_id: str, rec: RunRecord) -> None:
+    def _start(self, run_id: str, rec: RunRecord, adopted: bool = False) -> None:
         try:
             config = parse_run_config(rec.config)
         except Exception as exc:
@@ -130,12 +130,12 @@ class Trainer(Service):
         sup = RunSupervisor(self.ctx.bus, self.supervisor_config(), run_id, config,
                             self.launcher, self.ctx.log)
         self.supervisors[run_id] = sup
-        self.tg.create_task(self._supervise(sup), name=f"run-{run_id}")
+        self.tg.create_task(self._supervise(sup, adopted), name=f"run-{run_id}")
 
-    async def _supervise(self, sup: RunSupervisor) -> None:
+    async def _supervise(self, sup: RunSupervisor, adopted: bool) -> None:
         try:
             async with self._slots:
-                state = await sup.run(self.ctx.stopping)
+                state = await sup.run(self.ctx.stopping, adopted)
             self.ctx.log.info("trainer.run_ended", run_id=sup.run_id, state=state.value)
         except Exception as exc:  # a supervisor bug must not take the other runs down
             self.ctx.log.error("trainer.supervisor_crashed", run_id=sup.run_id,

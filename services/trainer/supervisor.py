@@ -99,6 +99,7 @@ class RunSupervisor:
         self.last_ckpt_step = 0
         self.latest_step = 0
         self.placement: Placement | None = None
+        self.relay_address = ""  # host:port ranks send to, once run() listens
         self.pids: dict[int, int] = {}
         self._byes: set[int] = set()
         self._kv: TypedKV[RunRecord] | None = None
@@ -180,17 +181,29 @@ class RunSupervisor:
 
     # ------------------------------------------------------------------------- the life
 
-    async def run(self, stopping: asyncio.Event) -> RunState:
+    async def run(self, stopping: asyncio.Event, adopted: bool = False) -> RunState:
+        """Supervise the run to its end (or until ``stopping``); return its last state.
+
+        ``adopted``: the run was this coordinator's before it restarted; its ranks died
+        with the old process, which is recorded as an incident (not counted against
+        ``max_restarts``: the run did nothing wrong).
+        """
         rec = (await (await self.kv()).get(self.run_id))
         if rec is not None:
             r = rec[0]
             self.restarts, self.incidents = r.restarts, list(r.incidents)
             self.skipped = [list(w) for w in r.skipped]
             self.latest_step = r.latest_step
+            self.attempt_no = max((int(x.get("attempt", 0)) for x in r.ranks), default=0)
             if r.state in TERMINAL:
                 return r.state
+            if adopted:
+                self.incidents.append({
+                    "kind": "coordinator_restart", "attempt": self.attempt_no,
+                    "at": time.time(), "step": r.latest_step, "state": r.state.value,
+                    "detector": "run adopted by its restarted coordinator"})
         server = await asyncio.start_server(self.handle_connection, self.cfg.relay_host, 0)
-        self.relay = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
+        self.relay_address = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
         try:
             return await self._supervise(stopping)
         finally:
@@ -265,7 +278,7 @@ class RunSupervisor:
             run_id=self.run_id, attempt=self.attempt_no,
             config=self.config.model_dump(mode="json"),
             checkpoint_root=str(self.cfg.checkpoint_root), attempt_dir=str(attempt_dir),
-            events=self.relay, rank_nodes=placement.rank_nodes,
+            events=self.relay_address, rank_nodes=placement.rank_nodes,
             resume_path=str(resume.path) if resume else "", skipped=self.skipped,
             threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster)
         spec_path = attempt_dir / "launch.json"
