@@ -150,6 +150,12 @@ def test_goodput_moves_redone_steps_to_lost_and_adds_up() -> None:
     assert out["badput_checkpoint_s"] == 0.5
     accounted = out["productive_s"] + sum(v for k, v in out.items() if k.startswith("badput_"))
     assert accounted == pytest.approx(out["elapsed_s"])
+    # A new coordinator adopting the run at t=40 carries on from the record of t=31.
+    adopted = Goodput.resumed(out, last_seen=31.0)
+    adopted.launched(at=40.0)
+    later = adopted.summary(at=40.0)
+    assert later["elapsed_s"] == 40.0 and later["badput_restart_s"] == 2.0 + 9.0
+    assert later["productive_s"] == out["productive_s"]
 
 
 def test_placement_keeps_the_world_size() -> None:
@@ -259,3 +265,51 @@ def test_dit_and_image_folder_are_config_changes(tmp_path: Path) -> None:
     assert loop.x.shape == (8, 1, 8, 8) and sorted(set(loop.y.tolist())) == [0, 1]
     r = loop.train_step()
     assert r.anomaly is None and math.isfinite(r.loss) and loop.step == 1
+
+
+async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
+        bus: Bus, uid: str, tmp_path: Path) -> None:
+    from tandem.common import log
+    from tandem.common.bus import TypedKV
+    from tandem.common.events import DrainRecord, Health, NodeHeartbeat
+    from tandem.common.streams import KV_DRAINS, KV_NODES
+    from tandem.trainer.launcher import LocalLauncher
+    from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
+
+    await bus.provision(core_streams())
+    cluster = f"c{uid}"
+    cfg = parse_run_config({"run_id": f"r{uid}", "ranks": 2, "cluster": cluster,
+                            "nodes": ["na", "nb", "nc"]})
+    sup = RunSupervisor(bus, SupervisorConfig(checkpoint_root=tmp_path, work_root=tmp_path,
+                                              cluster=cluster, node="n0"),
+                        f"r{uid}", cfg, LocalLauncher(), log.get("test"))
+    assert (await sup.healthy_nodes())[0] == ["na", "nb", "nc"]
+    await TypedKV(await bus.kv(KV_DRAINS), DrainRecord).put(
+        subjects.node_key(cluster, "nb"), DrainRecord(cluster=cluster, node="nb", reason="t"))
+    await TypedKV(await bus.kv(KV_NODES), NodeHeartbeat).put(
+        subjects.node_key(cluster, "nc"),
+        NodeHeartbeat(cluster=cluster, node="nc", health=Health.unhealthy))
+    healthy, why = await sup.healthy_nodes()
+    assert healthy == ["na"] and set(why) == {"nb", "nc"}
+    assert place(2, healthy).rank_nodes == ["na", "na"]  # type: ignore[union-attr]
+    sup.on_health("na", "drained", "operator")  # a drain event while the run is placed
+    assert (await sup.healthy_nodes())[0] == []
+    sup.on_health("na", "healthy", "undrained")
+    assert (await sup.healthy_nodes())[0] == ["na"]
+
+
+def test_device_picks_the_backend() -> None:
+    import torch
+
+    from tandem.trainer.rank import pick_device
+
+    cpu = parse_run_config({"device": "cpu"})
+    assert pick_device(cpu, 0) == (torch.device("cpu"), "gloo")
+    cuda = parse_run_config({"device": "cuda"})
+    if torch.cuda.is_available():
+        assert pick_device(cuda, 0)[1] == "nccl"
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            pick_device(cuda, 0)
+    auto = pick_device(parse_run_config({"device": "auto"}), 0)[1]
+    assert auto == ("nccl" if torch.cuda.is_available() else "gloo")

@@ -164,6 +164,18 @@ class Goodput:
     _last: float | None = None
     _phase: str = "startup"
 
+    @classmethod
+    def resumed(cls, summary: dict[str, float], last_seen: float) -> Goodput:
+        """Continue from a recorded ``summary`` (a coordinator adopting a run); the time
+        since ``last_seen``, the record's last update, counts as restart downtime."""
+        g = cls(started_at=last_seen - summary.get("elapsed_s", 0.0))
+        g.productive = summary.get("productive_s", 0.0)
+        for k in BADPUT:
+            g.badput[k] = summary.get(f"badput_{k}_s", 0.0)
+        g._last = last_seen
+        g._phase = "down"
+        return g
+
     def launched(self, at: float | None = None) -> None:
         at = time.time() if at is None else at
         if self._last is not None:

@@ -147,13 +147,20 @@ def proc_state(pid: int) -> str:
 
 
 async def capture_stacks(pids: dict[int, int], attempt_dir: Path, timeout: float = 5.0,
-                         max_chars: int = 6000) -> dict[str, dict[str, str]]:
-    """Every rank's Python stacks, by rank: its state, then SIGUSR1 (faulthandler).
+                         max_chars: int = 4000, max_ranks: int = 8
+                         ) -> dict[str, dict[str, str]]:
+    """Ranks' Python stacks, by rank: its state, then SIGUSR1 (faulthandler).
 
     A stopped rank (SIGSTOP: state ``T``) is continued after the signal is queued so it
     can dump too; its state before that is recorded, which is the evidence of the hang.
+    At most ``max_ranks`` ranks are dumped, those in an unusual state (stopped, in
+    uninterruptible sleep, zombie, gone) first, so the record stays small on big runs.
     """
-    states = {rank: proc_state(pid) for rank, pid in pids.items()}
+    all_states = {rank: proc_state(pid) for rank, pid in pids.items()}
+    odd = ("T", "t", "D", "Z", "gone")
+    chosen = sorted(pids, key=lambda r: (all_states[r] not in odd, r))[:max_ranks]
+    pids = {r: pids[r] for r in sorted(chosen)}
+    states = {r: all_states[r] for r in pids}
     sizes = {}
     for rank, pid in pids.items():
         path = attempt_dir / f"stacks-rank{rank}.txt"

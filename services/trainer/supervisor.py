@@ -154,7 +154,7 @@ class RunSupervisor:
         else:
             self.excluded.pop(node, None)
 
-    async def _healthy_nodes(self) -> tuple[list[str], dict[str, str]]:
+    async def healthy_nodes(self) -> tuple[list[str], dict[str, str]]:
         candidates = list(self.config.nodes) or [self.cfg.node]
         why = {n: r for n, r in self.excluded.items() if n in candidates}
         drains = await self.bus.kv(KV_DRAINS)
@@ -198,6 +198,8 @@ class RunSupervisor:
             if r.state in TERMINAL:
                 return r.state
             if adopted:
+                if r.goodput:
+                    self.goodput = Goodput.resumed(r.goodput, r.updated_at)
                 self.incidents.append({
                     "kind": "coordinator_restart", "attempt": self.attempt_no,
                     "at": time.time(), "step": r.latest_step, "state": r.state.value,
@@ -250,7 +252,7 @@ class RunSupervisor:
 
     async def _attempt(self, stopping: asyncio.Event) -> Outcome:
         self.attempt_no += 1
-        healthy, why = await self._healthy_nodes()
+        healthy, why = await self.healthy_nodes()
         placement = place(self.config.ranks, healthy)
         if placement is None:
             return Outcome("no_healthy_nodes", {"excluded": why})
@@ -345,12 +347,15 @@ class RunSupervisor:
                     if anomaly is not None:
                         return anomaly
                     kind = "startup_timeout" if last_step_at is None else "hang"
+                    states = {r: proc_state(p) for r, p in sorted(self.pids.items())}
+                    stopped = [r for r, s in states.items() if s in ("T", "t")]
                     stacks = await capture_stacks(self.pids, attempt_dir)
-                    stopped = [int(r) for r, s in stacks.items() if s["state"] in ("T", "t")]
                     return Outcome(kind, {
                         "waited_s": round(time.monotonic() - since, 3), "limit_s": round(limit, 3),
                         "median_step_s": hang.median(), "stopped_ranks": stopped,
-                        "detector": f"no step within {limit:.2f}s", "stacks": stacks})
+                        "detector": f"no step within {limit:.2f}s",
+                        "rank_states": {str(r): s for r, s in states.items()},
+                        "stacks": stacks})
                 tag = item[0]
                 if tag == "stop":
                     return Outcome("stopping")
