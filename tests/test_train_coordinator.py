@@ -52,3 +52,24 @@ async def test_killed_coordinator_is_replaced_and_the_run_resumes(
     assert set(states.values()) <= {"gone", "Z"}, states
 
 
+
+
+async def test_run_trains_through_a_nats_restart(
+        nats_server: NatsServer, bus: Bus, tmp_path: Path, uid: str) -> None:
+    await bus.provision(core_streams())
+    cluster, run = f"k{uid}", f"blip-{uuid.uuid4().hex[:8]}"
+    await submit_run(bus, tiny(run, steps=30, checkpoint_every=5,
+                               faults={"slow_rank": 0, "slow_s": 0.05}))
+    coordinator = start_coordinator(nats_server, cluster, tmp_path, tmp_path / "trainer.log")
+    try:
+        before = await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.step >= 3)
+        nats_server.kill()  # kill -9: the stream store on disk is all that survives
+        nats_server.start()
+        nats_server.wait_jetstream()
+        rec = await finished(bus, run)
+    finally:
+        stop_process(coordinator)
+    assert rec.state == RunState.succeeded, rec
+    assert rec.incidents == [] and rec.restarts == 0  # the ranks never noticed
+    last = await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.step == 30)
+    assert last.attempt == before.attempt == 1

@@ -155,8 +155,14 @@ async def until(bus: Bus, run_id: str, pred: Callable[[RunRecord], bool],
                 timeout: float = RUN_TIMEOUT) -> RunRecord:
     """The run's record once ``pred`` holds (KV watch, no polling); fails at the deadline."""
     kv = await bus.kv(KV_RUNS)
-    watcher = await kv.watch(run_id)
     deadline = time.monotonic() + timeout
+    while True:
+        try:  # the first request after a NATS restart can be lost with the old connection
+            watcher = await kv.watch(run_id)
+            break
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
     last: RunRecord | None = None
     try:
         while (left := deadline - time.monotonic()) > 0:

@@ -76,6 +76,7 @@ class SupervisorConfig:
     relay_host: str = "127.0.0.1"
     threads_per_rank: int = 1
     status_every_s: float = 2.0
+    record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
     restore: Any = None  # async (run_id, dest) -> ckpt_store.Resume | None (S3 restore)
 
 
@@ -123,7 +124,27 @@ class RunSupervisor:
             return struct_replace(cur, **changes)
 
         self._last_kv = time.monotonic()
-        return await (await self.kv()).update(self.run_id, apply)
+        # The ranks keep training through a bus outage (a NATS restart, a leader
+        # election): retry for a while, then log and go on; the next update catches up.
+        deadline, delay = time.monotonic() + self.cfg.record_retry_s, 0.1
+        while True:
+            try:
+                return await (await self.kv()).update(self.run_id, apply)
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    self.log.warning("run.record_failed", error=repr(exc))
+                    return None
+                await asyncio.sleep(delay)  # backoff between retries
+                delay = min(delay * 2, 2.0)
+
+    async def _current(self) -> RunRecord | None:
+        """The run's record, or None when it cannot be read now (bus outage)."""
+        try:
+            got = await (await self.kv()).get(self.run_id)
+        except Exception as exc:
+            self.log.warning("run.record_unreadable", error=repr(exc))
+            return None
+        return got[0] if got else None
 
     async def _status(self, state: RunState, reason: str = "",
                       incident: dict[str, Any] | None = None, **record: Any) -> None:
@@ -260,8 +281,8 @@ class RunSupervisor:
         if rejected:
             corrupt = [{"step": r.step, "path": r.path, "reason": r.reason, "at": time.time()}
                        for r in rejected]
-            rec = await (await self.kv()).get(self.run_id)
-            before = rec[0].corrupt_checkpoints if rec else []
+            rec = await self._current()
+            before = rec.corrupt_checkpoints if rec else []
             await self._status(RunState.restarting if self.restarts else RunState.starting,
                                "corrupt checkpoint(s) skipped: " + "; ".join(
                                    f"step {c['step']}: {c['reason']}" for c in corrupt),
@@ -465,8 +486,8 @@ class RunSupervisor:
                       "score": round(s.score, 3), "rank_time_s": s.rank_time,
                       "median_time_s": s.median_time, "steps": s.steps, "step": step,
                       "telemetry": await self._telemetry(s.node), "at": time.time()}
-            rec = await (await self.kv()).get(self.run_id)
-            before = rec[0].stragglers if rec else []
+            rec = await self._current()
+            before = rec.stragglers if rec else []
             await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
                                f"at {s.score:.2f}x the median step time", record,
                                stragglers=[*before, record])
