@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="start from an empty NATS store (deletes <root>/nats)")
     up.add_argument("--only", metavar="SERVICES",
                     help="comma-separated services to start (default: every built one)")
+    up.add_argument("--auth", action="store_true",
+                    help="NATS with one user per service (least-privilege permissions from "
+                    "tandem.common.permissions, fresh passwords in <root>/nats.conf)")
     up.add_argument("--health-timeout", type=float, default=90.0,
                     help="seconds to wait for services' /healthz before 'ready' (default 90)")
     up.set_defaults(func=_up)
@@ -92,7 +95,7 @@ def _up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stack = Stack(config, args.root, fresh=args.fresh, grace=args.grace)
+    stack = Stack(config, args.root, fresh=args.fresh, grace=args.grace, auth=args.auth)
 
     def say(msg: str) -> None:
         stack.out.line("stack", msg)
@@ -105,6 +108,9 @@ def _up(args: argparse.Namespace) -> int:
         return 130
     for line in summary(stack, health):
         say(line)
+    if stack.auth:
+        say("NATS auth on: each service is its own user; for the CLI, as admin: "
+            f"export TANDEM_NATS_USER=admin TANDEM_NATS_PASSWORD={stack.passwords['admin']}")
     say(f"ready: {len(stack.children)} service processes; NATS {stack.nats_url}, "
         f"S3 {stack.s3_endpoint}; Ctrl-C stops everything")
     while not stop.wait(0.5):

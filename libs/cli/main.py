@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "tandem.cli.train",
     "tandem.cli.checkpoints",
     "tandem.cli.bench",
+    "tandem.cli.security",
 ]
 
 

@@ -36,6 +36,7 @@ from typing import IO, Any, Literal
 
 from tandem.common import subjects
 from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
+from tandem.common.permissions import ADMIN
 from tandem.common.servers import NatsServer, Process, S3Server, free_port, port_in_use
 from tandem.common.settings import Settings, load
 from tandem.common.streams import ConsumerSpec, cluster_streams, core_streams
@@ -308,8 +309,12 @@ class Stack:
 
     def __init__(self, config: StackConfig, root: Path, sink: IO[str] | None = None, *,
                  fresh: bool = False, log_format: str | None = None, grace: float = 15.0,
-                 tail_servers: tuple[str, ...] = ("nats",)) -> None:
+                 tail_servers: tuple[str, ...] = ("nats",), auth: bool = False) -> None:
         self.config = config
+        # auth: nats-server runs with tandem.common.permissions' users, each service
+        # connects as its own role, provisioning and settings() as admin.
+        self.auth = auth
+        self.passwords: dict[str, str] = {}
         self.root = Path(root)
         self.out = Output(sink or sys.stdout)
         self.fresh = fresh
@@ -347,6 +352,8 @@ class Stack:
         values: dict[str, Any] = dict(
             nats_url=self.nats_url, s3_endpoint=self.s3_endpoint, s3_bucket=self.config.bucket,
             s3_access_key=S3_KEY, s3_secret_key=S3_KEY)
+        if self.auth:
+            values.update(nats_user=ADMIN, nats_password=self.passwords.get(ADMIN))
         values.update(overrides)
         return load(Settings, "stack", **values)
 
@@ -422,6 +429,9 @@ class Stack:
             "TANDEM_METRICS_HOST": HOST,
             "TANDEM_METRICS_PORT": str(metrics_port),
         })
+        if self.auth:
+            env.update(TANDEM_NATS_USER=kind.service,
+                       TANDEM_NATS_PASSWORD=self.passwords.get(kind.service, ""))
         env.update({f"TANDEM_{k.upper()}": fmt(str(v), f"env.{k}") for k, v in kind.env.items()})
         return ProcessSpec(
             name=name, argv=(sys.executable, "-m", module_of(kind.service)), env=env,
@@ -462,7 +472,8 @@ class Stack:
             shutil.rmtree(self.root / "nats", ignore_errors=True)
         self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
                                port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
-                               store_dir=self.root / "nats", host=HOST)
+                               store_dir=self.root / "nats", host=HOST,
+                               config_path=self._auth_config() if self.auth else None)
         self._tail(self.nats.log_path, "nats")
         self.nats.start()
         self._check(cancel)
@@ -512,7 +523,9 @@ class Stack:
 
         specs = [s for s in core_streams(1) + cluster_streams(
             [c.name for c in self.config.clusters], 1) if not isinstance(s, ConsumerSpec)]
-        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=3)
+        auth = {"user": ADMIN, "password": self.passwords[ADMIN]} if self.auth else {}
+        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=3,
+                                **auth)
         try:
             return await provision(nc.jetstream(), specs)
         except StreamConflict as exc:
@@ -521,6 +534,24 @@ class Stack:
                                  exc.differences) from None
         finally:
             await nc.close()
+
+    def _auth_config(self) -> Path:
+        """Write ``<root>/nats.conf`` (mode 0600): JetStream plus one user per role with a
+        fresh random password, from the one permissions declaration."""
+        import secrets
+
+        from tandem.common import permissions
+
+        control = next((k.cluster for k in self.config.processes if k.service == "trainer"),
+                       permissions.CONTROL)
+        roles = permissions.declaration([c.name for c in self.config.clusters], control)
+        self.passwords = {r: secrets.token_urlsafe(18) for r in roles}
+        path = self.root / "nats.conf"
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(permissions.server_config(str((self.root / "nats").resolve()), roles,
+                                                  self.passwords))
+        return path
 
     def _tail(self, path: Path, name: str) -> None:
         if name not in self.tail_servers:

@@ -146,6 +146,19 @@ async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: A
     return None
 
 
+def provisionable(service: Service, s: Settings) -> Sequence[Spec]:
+    """What ``service`` provisions at start. Connected as a restricted NATS user it may
+    touch only its own role's streams (``permissions``), so it leaves the others to the
+    services that own them rather than wait on requests the server refuses."""
+    specs = service.streams()
+    if not (s.nats_user or s.nats_creds):
+        return specs
+    from tandem.common import permissions
+
+    role = permissions.role_for(s.nats_user, service.name)
+    return specs if role is None else permissions.provisionable(role, specs)
+
+
 async def serve(service: Service) -> int:
     """Run ``service`` to completion; return the process exit code."""
     s = service.settings
@@ -169,7 +182,7 @@ async def serve(service: Service) -> int:
     if bus is None:
         return 0
     try:
-        await bus.provision(service.streams())
+        await bus.provision(provisionable(service, s))
     except StreamConflict as exc:
         lg.error("runner.stream_conflict", error=str(exc))
         await bus.drain()

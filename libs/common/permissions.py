@@ -1,0 +1,326 @@
+"""Who may publish and subscribe to what on the bus: one declaration, one generator.
+
+Every service connects as its own NATS user (``TANDEM_NATS_USER`` = its role) with
+allow-lists built here from the subject templates in ``subjects`` and the stream, KV
+and consumer names in ``streams``. Anything not listed is refused by the server, which
+answers ``Permissions Violation`` (logged by ``Bus`` as ``nats.permission_denied``).
+
+A grant is written in terms of what a service does, and expands into the subjects
+nats-py sends for it:
+
+=====================  =================================================================
+``stream(S)``          provision S: ``$JS.API.STREAM.INFO.S``, ``$JS.API.STREAM.CREATE.S``
+``publishes(subj, S)`` JetStream publish to ``subj`` (+ ``stream(S)``)
+``consumes(spec)``     its durable: create/info, ``MSG.NEXT``, ``$JS.ACK.S.D.>`` and the
+                       dead letters of S (``dlq.S`` on stream ``DLQ``)
+``kv(b, write=)``      read (direct get, watch: ordered consumer + flow control) and,
+                       with ``write``, ``$KV.b.>``
+``reads_last(S)``      ``get_last_msg`` on S (``STREAM.MSG.GET``, ``DIRECT.GET``)
+``emits`` / ``listens``  core NATS publish / subscribe
+=====================  =================================================================
+
+Every user may subscribe to ``_INBOX.>`` (replies to its own requests). The ``admin``
+role (operators, the CLI, the local stack's provisioning) may do anything.
+
+``nats_config`` renders the nats-server ``authorization`` block; ``deploy/nats/auth.conf``
+is its output for compose (a test checks they agree), ``tandem dev up --auth`` writes
+its own with generated passwords.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tandem.common import streams, subjects
+from tandem.common.streams import ConsumerSpec, KVSpec, Spec, StreamSpec
+
+API = "$JS.API"
+INBOX = "_INBOX.>"
+ADMIN = "admin"
+CONTROL = "control"  # the cluster name of control-plane processes (gateway, trainer, ...)
+GEN = "GEN_*"  # every cluster's work queue, as a provisioning pattern
+
+
+@dataclass(frozen=True)
+class Role:
+    """One NATS user's allow-lists and the streams/consumers it may provision."""
+
+    name: str
+    description: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    # What it may provision, as fnmatch patterns: ``<stream>`` (KV buckets as
+    # ``KV_<bucket>``) and ``<stream>/<durable>``; per-cluster names as ``GEN_*``, so a
+    # process can tell what is its own without knowing the deployment's clusters.
+    provisions: frozenset[str] = frozenset()
+
+    def may_provision(self, spec: Spec) -> bool:
+        if self.name == ADMIN:
+            return True
+        if isinstance(spec, StreamSpec):
+            name = spec.name
+        elif isinstance(spec, KVSpec):
+            name = f"KV_{spec.bucket}"
+        else:
+            name = f"{spec.stream}/{spec.durable}"
+        return any(fnmatch.fnmatchcase(name, p) for p in self.provisions)
+
+
+@dataclass
+class _Grants:
+    """Accumulates one role's subjects while the declaration below is read."""
+
+    name: str
+    description: str
+    pub: set[str] = field(default_factory=set)
+    sub: set[str] = field(default_factory=lambda: {INBOX})
+    provisions: set[str] = field(default_factory=set)
+
+    def stream(self, name: str, pattern: str | None = None) -> _Grants:
+        self.provisions.add(pattern or name)
+        self.pub |= {f"{API}.STREAM.INFO.{name}", f"{API}.STREAM.CREATE.{name}"}
+        return self
+
+    def publishes(self, subject: str, stream: str, pattern: str | None = None) -> _Grants:
+        self.pub.add(subject)
+        return self.stream(stream, pattern)
+
+    def consumes(self, spec: ConsumerSpec, pattern: str | None = None) -> _Grants:
+        """``pattern``: the ``<stream>/<durable>`` family this consumer belongs to."""
+        s, d = spec.stream, spec.durable
+        self.provisions.add(pattern or f"{s}/{d}")
+        self.pub |= {
+            f"{API}.CONSUMER.INFO.{s}.{d}",
+            f"{API}.CONSUMER.CREATE.{s}.{d}",  # nats-py: by name ...
+            f"{API}.CONSUMER.CREATE.{s}.{d}.>",  # ... with its filter subject
+            f"{API}.CONSUMER.DURABLE.CREATE.{s}.{d}",  # older servers
+            f"{API}.CONSUMER.MSG.NEXT.{s}.{d}",
+            f"$JS.ACK.{s}.{d}.>",
+        }
+        self.stream(s, pattern and pattern.partition("/")[0])
+        return self.publishes(subjects.dlq(s), streams.DLQ)
+
+    def kv(self, bucket: str, write: bool = False) -> _Grants:
+        s = f"KV_{bucket}"
+        self.stream(s)
+        self.pub |= {
+            f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>", f"{API}.STREAM.MSG.GET.{s}",
+            # watch / keys: an ordered push consumer with flow control
+            f"{API}.CONSUMER.CREATE.{s}", f"{API}.CONSUMER.CREATE.{s}.>",
+            f"{API}.CONSUMER.INFO.{s}.*", f"{API}.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>",
+        }
+        if write:
+            self.pub.add(f"$KV.{bucket}.>")
+        return self
+
+    def reads_last(self, stream: str) -> _Grants:
+        self.pub |= {f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}",
+                     f"{API}.DIRECT.GET.{stream}.>"}
+        return self
+
+    def emits(self, *subs: str) -> _Grants:
+        self.pub.update(subs)
+        return self
+
+    def listens(self, *subs: str) -> _Grants:
+        self.sub.update(subs)
+        return self
+
+    def role(self) -> Role:
+        return Role(self.name, self.description, tuple(sorted(self.pub)),
+                    tuple(sorted(self.sub)), frozenset(self.provisions))
+
+
+# --------------------------------------------------------------------------- the declaration
+
+
+def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Role]:
+    """Every role, for a deployment whose GPU clusters are ``clusters``.
+
+    GEN streams are per cluster, so the lists name each cluster's stream (NATS wildcards
+    match whole tokens only: ``GEN_*`` cannot be written). Trainers may run in the
+    control plane (``control``) or in a GPU cluster; each cluster has its own durable.
+    """
+    clusters = [subjects.token(c, "cluster") for c in clusters]
+    if not clusters:
+        raise ValueError("a permissions declaration needs at least one cluster")
+    gen_result, gen_status = subjects.GEN_RESULT.wildcard, subjects.GEN_STATUS.wildcard
+
+    gateway = (
+        _Grants("gateway", "HTTP edge: enqueues generations, follows them, submits runs")
+        .publishes(gen_status, streams.GEN_EVENTS)  # a cancel's status
+        .emits(subjects.gen_cancel_all())
+        .listens(subjects.GEN_PROGRESS.wildcard)
+        .kv(streams.KV_TASKS, write=True).kv(streams.KV_IDEMPOTENCY, write=True)
+        .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+        .kv(streams.KV_RUNS, write=True)
+        .publishes(subjects.train_kind_filter("status"), streams.TRAIN)  # a run submitted
+    )
+    for c in clusters:
+        gateway.publishes(subjects.gen_cluster_filter(c), subjects.gen_stream_name(c), GEN)
+
+    worker = (
+        _Grants("inference-worker", "pulls generation tasks, publishes results and progress")
+        .publishes(gen_result, streams.GEN_EVENTS).publishes(gen_status, streams.GEN_EVENTS)
+        .emits(subjects.GEN_PROGRESS.wildcard, subjects.MODELS.wildcard)
+        .listens(subjects.gen_cancel_all())
+        .kv(streams.KV_TASKS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+    )
+    for c in clusters:  # every cluster's queue: healthy clusters drain a dead one's backlog
+        worker.stream(subjects.gen_stream_name(c), GEN)
+        for spec in (streams.gen_consumer(c), *streams.gen_consumers(c)):
+            worker.consumes(spec, f"{GEN}/workers-*")
+
+    agent = (
+        _Grants("cluster-agent", "node telemetry, health transitions, heartbeats")
+        .publishes(subjects.TELEMETRY.wildcard, streams.TELEMETRY)
+        .publishes(subjects.HEALTH.wildcard, streams.HEALTH).reads_last(streams.HEALTH)
+        .listens(subjects.MODELS.wildcard)
+        .kv(streams.KV_NODES, write=True).kv(streams.KV_DRAINS)
+    )
+
+    trainer = (
+        _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
+        .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
+        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>")
+        .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+    )
+    for c in dict.fromkeys([control, *clusters]):
+        trainer.consumes(streams.trainer_consumer(c), f"{streams.TRAIN}/trainer-*")
+
+    checkpointer = (
+        _Grants("checkpointer", "mirrors checkpoints to S3, commits, prunes")
+        .consumes(streams.checkpointer_consumer())
+        .publishes(subjects.CKPT.wildcard, streams.CKPT)
+        .kv(streams.KV_RUNS, write=True)
+    )
+
+    admin = Role(ADMIN, "operators, the CLI and the local stack's provisioning: everything",
+                 (">",), (">",))
+    roles = [g.role() for g in (gateway, worker, agent, trainer, checkpointer)] + [admin]
+    return {r.name: r for r in roles}
+
+
+SERVICE_ROLES = ("gateway", "inference-worker", "cluster-agent", "trainer", "checkpointer")
+
+
+def provisionable(role: Role, specs: Iterable[Spec]) -> list[Spec]:
+    """The part of ``specs`` that ``role`` may provision (the rest is another role's)."""
+    return [s for s in specs if role.may_provision(s)]
+
+
+def role_for(user: str | None, service: str) -> Role | None:
+    """The role a process runs as: its NATS user's, else its service's; None if neither.
+
+    Only what it may provision matters here, which does not depend on the clusters.
+    """
+    roles = declaration([CONTROL])
+    return roles.get(user or "") or roles.get(service)
+
+
+# ------------------------------------------------------------------------------ the config
+
+
+def password_env(role: str) -> str:
+    """``TANDEM_NATS_PASSWORD_<ROLE>``: where compose's nats-server finds a role's password."""
+    return "TANDEM_NATS_PASSWORD_" + role.upper().replace("-", "_")
+
+
+def _q(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _list(items: Sequence[str], indent: str) -> str:
+    return "[\n" + "".join(f"{indent}  {_q(i)}\n" for i in items) + f"{indent}]"
+
+
+def nats_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None = None,
+                header: str = "") -> str:
+    """The nats-server ``authorization`` block for ``roles``.
+
+    ``passwords`` maps a role to its password, written quoted; a role without one gets
+    ``$TANDEM_NATS_PASSWORD_<ROLE>``, which nats-server reads from its environment.
+    """
+    passwords = passwords or {}
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += ["authorization {", "  users: ["]
+    for name in sorted(roles):
+        role = roles[name]
+        pw = _q(passwords[name]) if name in passwords else "$" + password_env(name)
+        ind = "        "
+        lines += [
+            f"    # {role.description}",
+            "    {",
+            f"      user: {_q(name)}",
+            f"      password: {pw}",
+            "      permissions: {",
+            f"        publish: {{ allow: {_list(role.publish, ind)} }}",
+            f"        subscribe: {{ allow: {_list(role.subscribe, ind)} }}",
+            "      }",
+            "    }",
+        ]
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+COMPOSE_CLUSTERS = ("east", "west")
+COMPOSE_HEADER = (
+    "Generated from tandem.common.permissions (one declaration of every service's NATS\n"
+    "permissions): do not edit. Regenerate with\n"
+    "  tandem security nats-config --clusters east,west > deploy/nats/auth.conf\n"
+    "Passwords come from nats-server's environment: TANDEM_NATS_PASSWORD_<ROLE>.")
+
+
+def compose_config() -> str:
+    """What ``deploy/nats/auth.conf`` must hold (checked by a test)."""
+    return nats_config(declaration(COMPOSE_CLUSTERS), header=COMPOSE_HEADER)
+
+
+# --------------------------------------------------------------------------------- refusals
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A permission the server refused: ``operation`` is ``publish`` or ``subscribe``.
+
+    ``subject`` is as nats-py reports it, lowercased (its protocol parser lowercases
+    ``-ERR`` text); the server's own log line keeps the exact subject.
+    """
+
+    operation: str
+    subject: str
+
+
+_VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"\s']+)",
+                        re.IGNORECASE)
+
+
+def violation(error: BaseException | str) -> Violation | None:
+    """The refusal an error from nats-py reports, or None if it is not one."""
+    m = _VIOLATION.search(str(error))
+    if m is None:
+        return None
+    op = "publish" if m.group(1).lower() == "publish" else "subscribe"
+    return Violation(op, m.group(2))
+
+
+def server_config(store_dir: str, roles: Mapping[str, Role] | None = None,
+                  passwords: Mapping[str, str] | None = None, *, tls_cert: str | None = None,
+                  tls_key: str | None = None, tls_ca: str | None = None,
+                  verify_clients: bool = False) -> str:
+    """A single local nats-server's config: JetStream, and authorization and TLS when
+    given (``tandem dev up --auth``, the tests). Ports come from the command line."""
+    out = [f"jetstream {{ store_dir: {_q(store_dir)} }}"]
+    if tls_cert and tls_key:
+        out += ["tls {", f"  cert_file: {_q(tls_cert)}", f"  key_file: {_q(tls_key)}"]
+        if tls_ca:
+            out.append(f"  ca_file: {_q(tls_ca)}")
+        if verify_clients:
+            out.append("  verify: true")
+        out += ["  timeout: 3", "}"]
+    if roles is not None:
+        out.append(nats_config(roles, passwords))
+    return "\n".join(out) + "\n"
