@@ -57,12 +57,30 @@ _RETRYABLE = (NatsTimeout, asyncio.TimeoutError, NoRespondersError, NoStreamResp
               ConnectionClosedError)
 
 
+class DomainJetStream(JetStreamContext):
+    """JetStream in another domain (the control plane, reached through a leaf node).
+
+    API calls go to ``$JS.<domain>.API`` (nats-py does that). KV writes must too, as
+    ``$JS.<domain>.API.$KV.<bucket>.<key>``: the server does not carry ``$KV.>`` across
+    a leaf connection between domains. nats-py 2.16 still writes to the bare ``$KV``
+    subject (nats.py issue #1010, fixed upstream after 2.16 by matching nats.go's
+    ``putPre``), so this does the same here. Reads and watches keep the bare subjects,
+    which are the stream's own.
+    """
+
+    async def publish(self, subject: str, *args: Any, **kwargs: Any) -> PubAck:
+        if subject.startswith("$KV."):
+            subject = f"{self._prefix}.{subject}"
+        return await super().publish(subject, *args, **kwargs)
+
+
 class Bus:
     """A connected NATS client with JetStream, shared by a process's loops."""
 
-    def __init__(self, nc: NATS, service: str) -> None:
+    def __init__(self, nc: NATS, service: str, js_domain: str | None = None) -> None:
         self.nc = nc
-        self.js: JetStreamContext = nc.jetstream()
+        self.js: JetStreamContext = (
+            nc.jetstream() if js_domain is None else DomainJetStream(nc, domain=js_domain))
         self.service = service
         self._kv: dict[str, KeyValue] = {}
 
@@ -107,7 +125,7 @@ class Bus:
         )
         opts.update(options)
         nc = await nats.connect(**opts)
-        return cls(nc, service)
+        return cls(nc, service, settings.nats_js_domain)
 
     async def provision(self, specs: Sequence[Spec]) -> list[str]:
         created = await provision(self.js, specs)

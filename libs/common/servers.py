@@ -165,29 +165,47 @@ class NatsServer(Process):
 
 @dataclass
 class NatsCluster:
-    """A JetStream cluster of ``size`` nats-servers on loopback, routes between them."""
+    """A JetStream cluster of ``size`` nats-servers on loopback, routes between them.
+
+    With ``domain`` its JetStream answers as that domain too (``$JS.<domain>.API``);
+    with ``leafnodes`` every server accepts leaf-node connections (``leaf_urls``), which
+    is how ``Topology`` puts GPU clusters' leaf servers in front of it. ``ports`` fixes
+    the (client, monitoring) ports of the first servers; 0 or missing picks free ones.
+    A cluster of one is a single server (no cluster block).
+    """
 
     root: Path
     size: int = 3
     name: str = "tandem"
     servers: list[NatsServer] = field(default_factory=list)
+    domain: str = ""
+    leafnodes: bool = False
+    ports: list[tuple[int, int]] = field(default_factory=list)
+    leaf_ports: list[int] = field(default_factory=list)
 
     def start(self, timeout: float = 30) -> NatsCluster:
         host = "127.0.0.1"
         cports = [free_port(host) for _ in range(self.size)]
         routes = ", ".join(f"nats-route://{host}:{p}" for p in cports)
+        if self.leafnodes:
+            self.leaf_ports = [free_port(host) for _ in range(self.size)]
         for i in range(self.size):
             name = f"n{i}"
             conf = self.root / f"{name}.conf"
             store = self.root / name / "js"
             conf.parent.mkdir(parents=True, exist_ok=True)
-            conf.write_text(
-                f"server_name: {name}\n"
-                f"jetstream {{ store_dir: \"{store}\" }}\n"
-                f"cluster {{ name: {self.name}, listen: \"{host}:{cports[i]}\", "
-                f"routes: [{routes}] }}\n")
+            domain = f", domain: {self.domain}" if self.domain else ""
+            text = (f"server_name: {name}\n"
+                    f"jetstream {{ store_dir: \"{store}\"{domain} }}\n")
+            if self.size > 1:
+                text += (f"cluster {{ name: {self.name}, listen: \"{host}:{cports[i]}\", "
+                         f"routes: [{routes}] }}\n")
+            if self.leafnodes:
+                text += f"leafnodes {{ listen: \"{host}:{self.leaf_ports[i]}\" }}\n"
+            conf.write_text(text)
+            port, monitor = self.ports[i] if i < len(self.ports) else (0, 0)
             srv = NatsServer(name=name, log_path=self.root / f"{name}.log", store_dir=store,
-                             config_path=conf)
+                             config_path=conf, port=port, monitor_port=monitor)
             self.servers.append(srv)
         for srv in self.servers:
             srv.start(timeout)
@@ -203,12 +221,138 @@ class NatsCluster:
     def url(self) -> str:
         return ",".join(self.urls)
 
+    @property
+    def leaf_urls(self) -> list[str]:
+        """Where leaf-node servers connect (``leafnodes=True``)."""
+        return [f"nats-leaf://127.0.0.1:{p}" for p in self.leaf_ports]
+
     def by_name(self, name: str) -> NatsServer:
         return next(s for s in self.servers if s.name == name)
 
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
+
+
+@dataclass
+class LeafNode(NatsServer):
+    """A GPU cluster's leaf-node server in front of the control-plane cluster.
+
+    That cluster's services connect here; the leaf relays their traffic to the hub
+    (``remotes``: every hub server's leaf-node URL, so it fails over between them). It
+    has no JetStream of its own, so nothing is stored in the GPU cluster and a dead
+    leaf takes no queue with it. Its clients reach the hub's JetStream by its domain
+    (``TANDEM_NATS_JS_DOMAIN``), as the NATS docs prescribe across a leaf connection.
+    ``start`` returns once the leaf connection to the hub is up, not just the server.
+    """
+
+    remotes: list[str] = field(default_factory=list)
+
+    def start(self, timeout: float = 20) -> LeafNode:
+        if not self.remotes:
+            raise ServerStartError(self.name, "a leaf node needs the hub's leaf-node URLs")
+        conf = self.log_path.with_name(f"{self.name}.conf")
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        urls = ", ".join(f'"{u}"' for u in self.remotes)
+        conf.write_text(f"server_name: {self.name}\n"
+                        f"leafnodes {{ remotes: [ {{ urls: [{urls}] }} ] }}\n")
+        self.config_path = conf
+        super().start(timeout)
+        self.wait_connected(timeout)
+        return self
+
+    def restart(self, timeout: float = 20) -> LeafNode:
+        self.stop()
+        return self.start(timeout)
+
+    def connected(self) -> bool:
+        """Whether this server's leaf connection to the hub is up (from its /leafz)."""
+        import json
+
+        try:
+            with urllib.request.urlopen(
+                    f"http://{self.host}:{self.monitor_port}/leafz", timeout=1) as resp:
+                return int(json.loads(resp.read()).get("leafnodes", 0)) > 0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+            return False
+
+    def wait_connected(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.connected():
+            if not self.running:
+                raise ServerStartError(self.name, f"exited: see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise ServerStartError(self.name, f"no leaf connection to {self.remotes} "
+                                       f"within {timeout:g}s: see {self.log_path}")
+            time.sleep(0.05)  # polling the server's own /leafz
+
+
+@dataclass
+class Topology:
+    """The production shape on loopback: a control-plane JetStream cluster that holds
+    every stream and KV bucket (JetStream domain ``domain``), and one ``LeafNode`` per
+    GPU cluster through which that cluster's services reach it.
+
+    Control-plane services (gateway, trainer, checkpointer) connect to ``hub_url``;
+    a GPU cluster's agents and workers to ``url_for(cluster)`` with
+    ``TANDEM_NATS_JS_DOMAIN=<domain>`` (``env_for`` gives both).
+    """
+
+    root: Path
+    clusters: list[str]
+    hub_size: int = 3
+    domain: str = "hub"
+    hub_ports: list[tuple[int, int]] = field(default_factory=list)
+    hub: NatsCluster | None = None
+    leaves: dict[str, LeafNode] = field(default_factory=dict)
+
+    def start(self, timeout: float = 30) -> Topology:
+        try:
+            self.hub = NatsCluster(root=self.root / "hub", size=self.hub_size,
+                                   domain=self.domain, leafnodes=True,
+                                   ports=self.hub_ports).start(timeout)
+            for c in self.clusters:
+                leaf = LeafNode(name=f"leaf-{c}", log_path=self.root / f"leaf-{c}.log",
+                                remotes=self.hub.leaf_urls)
+                self.leaves[c] = leaf
+                leaf.start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def hub_url(self) -> str:
+        assert self.hub is not None, "start() first"
+        return self.hub.url
+
+    def leaf(self, cluster: str) -> LeafNode:
+        try:
+            return self.leaves[cluster]
+        except KeyError:
+            raise KeyError(f"no leaf node for cluster {cluster!r}; clusters: "
+                           f"{', '.join(self.leaves)}") from None
+
+    def url_for(self, cluster: str | None) -> str:
+        """The NATS URL of ``cluster``'s services (its leaf), or the hub's for None."""
+        return self.hub_url if cluster is None else self.leaf(cluster).url
+
+    def env_for(self, cluster: str | None) -> dict[str, str]:
+        """``TANDEM_*`` values that connect a process of ``cluster`` (None: control plane)."""
+        if cluster is None:
+            return {"nats_url": self.hub_url}
+        return {"nats_url": self.url_for(cluster), "nats_js_domain": self.domain}
+
+    @property
+    def servers(self) -> list[NatsServer]:
+        """Every nats-server of the topology: the hub's, then the leaves."""
+        return [*(self.hub.servers if self.hub else []), *self.leaves.values()]
+
+    def stop(self) -> None:
+        for leaf in self.leaves.values():
+            leaf.stop()
+        if self.hub is not None:
+            self.hub.stop()
 
 
 @dataclass

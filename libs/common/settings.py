@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     nats_password: SecretStr | None = Field(None, description="NATS password for nats_user.")
     nats_creds: str | None = Field(None, description="Path to a NATS .creds file (nkey/JWT).")
     nats_tls_ca: str | None = Field(None, description="CA bundle to verify the NATS server.")
+    nats_js_domain: str | None = Field(
+        None, description="JetStream domain of the control plane, for a process connected "
+        "through a GPU cluster's leaf-node server (e.g. 'hub'); unset: the server's own.")
     stream_replicas: int = Field(
         1, ge=1, le=5, description="Replicas of each stream: 1 locally, 3 in production."
     )

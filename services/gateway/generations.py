@@ -38,6 +38,11 @@ from tandem.gateway.schemas import GenerationRequest, ImageRef, view
 _log = log.get("tandem.gateway")
 
 SUBMITTED = metrics.Counter("tandem_gateway_submitted", "Tasks accepted", ["lane", "outcome"])
+# Fine buckets: routing must cost microseconds whatever the fleet size (bench scale).
+ROUTING_SECONDS = metrics.Histogram(
+    "tandem_gateway_routing_seconds", "Time to choose a cluster for a new task",
+    buckets=(1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+             2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0))
 DUPLICATE_WINDOW = 9 * 60.0  # under the GEN_* streams' 10 min dedupe window
 
 
@@ -140,7 +145,9 @@ class Gateway:
                     await self._publish(rec.task, rec.cluster)
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
+        t0 = time.perf_counter()
         cluster = await choose_cluster(self.clusters, req.cluster, req.model)
+        ROUTING_SECONDS.observe(time.perf_counter() - t0)
         task = self.build_task(req, task_id, cluster)
         rec = moves.queued(task, cluster)
         if await self.tasks.create(task_id, rec) is None:

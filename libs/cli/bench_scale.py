@@ -1,0 +1,536 @@
+"""scale: a simulated fleet on the leaf-node topology, and what each cost grows with.
+
+For each fleet size (default 10, 100 and 1,000 nodes of 8 simulated GPUs, 1 Hz), a fresh
+production topology on loopback: a control-plane JetStream cluster (``--hub-size``
+servers, domain ``hub``) holding every stream and KV bucket, one leaf-node server per
+GPU cluster (``--clusters``, default 4). Behind each leaf: that cluster's simulated
+nodes (``tandem.cluster_agent.fleet``: real ``NodeAgent``s multiplexed, at most
+``--nodes-per-proc`` per process) and an inference worker serving the no-op model; on
+the hub: one gateway. Then:
+
+1. steady window (``--seconds``): no-op tasks offered at ``--task-rate``/s through the
+   gateway's HTTP API (not pinned: the gateway routes). Measured: telemetry and
+   heartbeats delivered (stored in the hub) against offered, NATS servers' CPU (from
+   /proc) and memory (RSS), JetStream API requests/s, bytes in per node, the gateway's
+   routing decision time (its ``tandem_gateway_routing_seconds`` histogram, p50/p99
+   interpolated within buckets), task end-to-end latency (POST sent -> ``succeeded``
+   status seen), the work-queue and KV-watch backlogs at the start and end;
+2. burst (``--burst-seconds``): as many no-op tasks as ``--burst-conns`` connections get
+   accepted: tasks/s through one gateway process, and their latency.
+
+Also, in the bench process, a ``FleetWatch`` over the live fleet: the cost of the
+routing input read as per-cluster summaries against building the whole fleet view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tandem.cli.bench_serve import _get_json, _pct, _ready
+from tandem.common.servers import NatsServer, Process, Topology, free_port
+
+GOAL_TASKS_PER_S = 1000.0
+GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+NOOP_BODY = b'{"model":"noop"}'
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="10,100,1000", help="fleet sizes, in nodes")
+    p.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node")
+    p.add_argument("--clusters", type=int, default=4, help="GPU clusters (leaf servers)")
+    p.add_argument("--interval", type=float, default=1.0, help="agent sample interval, s")
+    p.add_argument("--seconds", type=float, default=20.0, help="steady window, s")
+    p.add_argument("--task-rate", type=float, default=100.0,
+                   help="no-op tasks/s offered in the steady window")
+    p.add_argument("--burst-seconds", type=float, default=10.0, help="burst window, s")
+    p.add_argument("--burst-conns", type=int, default=32, help="connections in the burst")
+    p.add_argument("--hub-size", type=int, default=3, help="control-plane nats-servers")
+    p.add_argument("--nodes-per-proc", type=int, default=250,
+                   help="most simulated nodes per agent process")
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc/<pid>/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss(pid: int) -> int:
+    """Resident memory of a process in bytes, from /proc/<pid>/status."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def histogram(metrics_text: str, name: str) -> list[tuple[float, float]]:
+    """``(le, cumulative count)`` of a Prometheus histogram in exposition text."""
+    out = []
+    prefix = f"{name}_bucket{{"
+    for line in metrics_text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix):].rsplit("}", 1)
+            le = labels.split('le="', 1)[1].split('"', 1)[0]
+            out.append((math.inf if le == "+Inf" else float(le), float(value)))
+    return sorted(out)
+
+
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]],
+                    q: float) -> float | None:
+    """Quantile ``q`` of the observations between two histogram readings, interpolated
+    linearly within its bucket (as Prometheus' histogram_quantile does)."""
+    old = dict(before)
+    counts = [(le, c - old.get(le, 0.0)) for le, c in after]
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank = q * counts[-1][1]
+    lower, below = 0.0, 0.0
+    for le, cum in counts:
+        if cum >= rank:
+            if math.isinf(le):
+                return lower
+            inside = cum - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = le, cum
+    return None
+
+
+def _http_text(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+class Http:
+    """A minimal HTTP/1.1 keep-alive client: the load generator must cost far less CPU
+    than the gateway it measures (an httpx request costs about as much as the gateway's
+    own handling of it)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+
+
+class Tasks:
+    """When each task was sent and when its ``succeeded`` status was seen."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        self.rejected = 0
+        self.changed = asyncio.Event()
+
+    async def on_status(self, msg: Any) -> None:
+        if b'"succeeded"' in msg.data:
+            self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
+            self.changed.set()
+
+    async def submit(self, http: Http) -> None:
+        t0 = time.perf_counter()
+        status, body = await http.post("/v1/generations", NOOP_BODY)
+        if status != 202:
+            self.rejected += 1
+            return
+        self.sent[json.loads(body)["id"]] = t0
+
+    async def wait_all(self, ids: list[str], timeout: float) -> int:
+        """Wait (bounded) until every id is done; return how many are not."""
+        deadline = time.monotonic() + timeout
+        while (left := sum(i not in self.done for i in ids)) and time.monotonic() < deadline:
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
+        return left
+
+    def latencies(self, ids: list[str]) -> list[float]:
+        return [self.done[i] - self.sent[i] for i in ids if i in self.done]
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": round(_pct(values, 0.5) * 1e3, 3),
+            "p99_ms": round(_pct(values, 0.99) * 1e3, 3)}
+
+
+def _env(**values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update({f"TANDEM_{k.upper()}": v for k, v in values.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+class _Fleet:
+    """One fleet size: topology, gateway, workers and simulated nodes, then measured."""
+
+    def __init__(self, root: Path, nodes: int, args: argparse.Namespace) -> None:
+        self.root, self.nodes, self.args = root, nodes, args
+        self.clusters = [f"c{i}" for i in range(args.clusters)]
+        self.topo = Topology(root / "nats", self.clusters, hub_size=args.hub_size)
+        self.procs: dict[str, tuple[Process, int]] = {}  # name -> (process, metrics port)
+        self.gateway_port = free_port()
+
+    def spawn(self, name: str, module: str, cluster: str | None, **values: str) -> None:
+        port = free_port()
+        base = {"s3_endpoint": "http://127.0.0.1:9", "s3_access_key": "x", "s3_secret_key": "x",
+                "log_level": "warning", "log_format": "json", "metrics_port": str(port),
+                "cluster": cluster or "control", **self.topo.env_for(cluster)}
+        p = Process(name=name, log_path=self.root / f"{name}.log")
+        p._spawn([sys.executable, "-m", module], env=_env(**{**base, **values}))
+        self.procs[name] = (p, port)
+
+    def split(self) -> dict[str, list[tuple[int, int]]]:
+        """Per cluster, the (first node index, node count) of each agent process."""
+        per = [self.nodes // len(self.clusters) + (i < self.nodes % len(self.clusters))
+               for i in range(len(self.clusters))]
+        out: dict[str, list[tuple[int, int]]] = {}
+        for cluster, n in zip(self.clusters, per, strict=True):
+            step = self.args.nodes_per_proc
+            out[cluster] = [(i, min(step, n - i)) for i in range(0, n, step)]
+        return out
+
+    async def start(self) -> None:
+        a = self.args
+        self.topo.start()
+        self.spawn("gateway", "tandem.gateway", None, http_port=str(self.gateway_port),
+                   clusters=",".join(self.clusters))
+        for c in self.clusters:
+            self.spawn(f"worker-{c}", "tandem.inference_worker", c, node="w0", serve="noop",
+                       worker_id=f"w-{c}", max_batch="64")
+        await self._ready("gateway", None, url=f"http://127.0.0.1:{self.gateway_port}/healthz")
+        for c in self.clusters:
+            await self._ready(f"worker-{c}", lambda h: bool(h.get("models_loaded")))
+        for c, chunks in self.split().items():
+            for j, (first, count) in enumerate(chunks):
+                self.spawn(f"agents-{c}-{j}", "tandem.cluster_agent.fleet", c,
+                           fleet_nodes=str(count), fleet_first=str(first), fleet_prefix="n",
+                           sim_gpus=str(a.gpus), sim_load="0.9", agent_interval=str(a.interval))
+        for name in self.agent_procs():
+            await self._ready(name, lambda h: bool(h.get("started")), timeout=300)
+
+    async def _ready(self, name: str, pred: Any, url: str | None = None,
+                     timeout: float = 120) -> None:
+        proc, port = self.procs[name]
+        await _ready(url or f"http://127.0.0.1:{port}/healthz", proc, pred, timeout)
+
+    def agent_procs(self) -> list[str]:
+        return [n for n in self.procs if n.startswith("agents-")]
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            proc.stop(10)
+        self.topo.stop()
+
+    # ------------------------------------------------------------------------ readings
+
+    def _servers(self) -> dict[str, NatsServer]:
+        return {s.name: s for s in self.topo.servers}
+
+    async def snapshot(self, bus: Any) -> dict[str, Any]:
+        from tandem.common.streams import KV_NODES, TELEMETRY
+
+        tele = await bus.js.stream_info(TELEMETRY)
+        beats = await bus.js.stream_info(f"KV_{KV_NODES}")
+        healths = await asyncio.gather(*(asyncio.to_thread(
+            _get_json, f"http://127.0.0.1:{self.procs[n][1]}/healthz")
+            for n in self.agent_procs()))
+        varz = {name: await asyncio.to_thread(_get_json, f"http://127.0.0.1:{s.monitor_port}/varz")
+                for name, s in self._servers().items()}
+        metrics_text = await asyncio.to_thread(
+            _http_text, f"http://127.0.0.1:{self.procs['gateway'][1]}/metrics")
+        return {
+            "t": time.perf_counter(),
+            "telemetry_seq": tele.state.last_seq, "heartbeat_seq": beats.state.last_seq,
+            "samples": sum((h or {}).get("samples", 0) for h in healths),
+            "cpu": {**{n: proc_cpu(s.pid or 0) for n, s in self._servers().items()},
+                    **{n: proc_cpu(p.pid or 0) for n, (p, _) in self.procs.items()}},
+            "api": sum(((v or {}).get("jetstream", {}).get("stats", {}).get("api", {})
+                        .get("total", 0)) for v in varz.values()),
+            "leaf_in_bytes": sum((v or {}).get("in_bytes", 0) for n, v in varz.items()
+                                 if n.startswith("leaf-")),
+            "routing": histogram(metrics_text, "tandem_gateway_routing_seconds"),
+        }
+
+    async def backlog(self, bus: Any) -> dict[str, int]:
+        from tandem.common import subjects
+        from tandem.common.streams import KV_NODES
+
+        queued = 0
+        for c in self.clusters:
+            queued += (await bus.js.stream_info(subjects.gen_stream_name(c))).state.messages
+        pending = [ci.num_pending for ci in await bus.js.consumers_info(f"KV_{KV_NODES}")]
+        return {"gen_queued": queued, "kv_nodes_watch_pending_max": max(pending, default=0)}
+
+    def memory(self) -> dict[str, int]:
+        return {
+            "hub_rss": sum(proc_rss(s.pid or 0) for s in self.topo.hub.servers),  # type: ignore[union-attr]
+            "leaves_rss": sum(proc_rss(s.pid or 0) for s in self.topo.leaves.values()),
+            "agents_rss": sum(proc_rss(self.procs[n][0].pid or 0) for n in self.agent_procs()),
+            "gateway_rss": proc_rss(self.procs["gateway"][0].pid or 0),
+        }
+
+
+async def _steady(f: _Fleet, bus: Any, tasks: Tasks) -> dict[str, Any]:
+    a = f.args
+    conns = [Http("127.0.0.1", f.gateway_port) for _ in range(8)]
+    stop = asyncio.Event()
+    t0 = time.perf_counter() + 0.1
+
+    async def pace(k: int) -> None:
+        # Open loop: connection k sends task k, k+8, ... at its scheduled time.
+        i = k
+        while not stop.is_set():
+            delay = t0 + i / a.task_rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the offered rate's schedule, not synchronisation
+            if stop.is_set():
+                break
+            await tasks.submit(conns[k])
+            i += len(conns)
+
+    before_ids = set(tasks.sent)
+    back0 = await f.backlog(bus)
+    s0 = await f.snapshot(bus)
+    senders = [asyncio.create_task(pace(k)) for k in range(len(conns))]
+    await asyncio.sleep(a.seconds)  # the measured window itself
+    s1 = await f.snapshot(bus)
+    back1 = await f.backlog(bus)
+    stop.set()
+    await asyncio.gather(*senders)
+    for c in conns:
+        await c.close()
+    ids = [i for i in tasks.sent if i not in before_ids]
+    lost = await tasks.wait_all(ids, 30)
+    dt = s1["t"] - s0["t"]
+    cpu = {n: round((s1["cpu"][n] - s0["cpu"].get(n, 0.0)) / dt, 4) for n in s1["cpu"]}
+    offered = f.nodes / a.interval
+    delivered = (s1["telemetry_seq"] - s0["telemetry_seq"]) / dt
+    nats_cpu = sum(cpu.get(s.name, 0.0) for s in f.topo.servers)
+    agents_cpu = sum(cpu[n] for n in f.agent_procs())
+    routing = {f"p{int(q * 100)}_us": (round(v * 1e6, 2) if (v := bucket_quantile(
+        s0["routing"], s1["routing"], q)) is not None else None) for q in (0.5, 0.99)}
+    return {
+        "window_s": round(dt, 2),
+        "telemetry": {"offered_per_s": round(offered, 1), "delivered_per_s": round(delivered, 1),
+                      "ratio": round(delivered / offered, 4),
+                      "agent_samples_per_s": round((s1["samples"] - s0["samples"]) / dt, 1)},
+        "heartbeats_per_s": round((s1["heartbeat_seq"] - s0["heartbeat_seq"]) / dt, 1),
+        "js_api_per_s": round((s1["api"] - s0["api"]) / dt, 1),
+        "leaf_in_bytes_per_s": round((s1["leaf_in_bytes"] - s0["leaf_in_bytes"]) / dt),
+        "cpu_cores": cpu,
+        "nats_cpu_cores": round(nats_cpu, 4),
+        "hub_cpu_cores": round(sum(cpu.get(s.name, 0) for s in f.topo.hub.servers), 4),  # type: ignore[union-attr]
+        "agents_cpu_cores": round(agents_cpu, 4),
+        "gateway_cpu_cores": cpu.get("gateway", 0.0),
+        "backlog_start": back0, "backlog_end": back1,
+        "routing": routing,
+        "tasks": {"offered_per_s": a.task_rate, "accepted": len(ids), "rejected": tasks.rejected,
+                  "not_done_30s_after": lost,
+                  "throughput_per_s": round(len(ids) / dt, 1),
+                  "latency": _ms(tasks.latencies(ids))},
+    }
+
+
+async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
+    a = f.args
+    conns = [Http("127.0.0.1", f.gateway_port) for _ in range(a.burst_conns)]
+    before = set(tasks.sent)
+    cpu0 = proc_cpu(f.procs["gateway"][0].pid or 0)
+    t0 = time.perf_counter()
+    deadline = t0 + a.burst_seconds
+
+    async def hammer(c: Http) -> None:
+        while time.perf_counter() < deadline:
+            await tasks.submit(c)
+
+    await asyncio.gather(*(hammer(c) for c in conns))
+    wall = time.perf_counter() - t0
+    cpu = proc_cpu(f.procs["gateway"][0].pid or 0) - cpu0
+    for c in conns:
+        await c.close()
+    ids = [i for i in tasks.sent if i not in before]
+    lost = await tasks.wait_all(ids, 60)
+    last = max((tasks.done[i] for i in ids if i in tasks.done), default=t0)
+    accepted = len(ids) / wall
+    return {"connections": a.burst_conns, "seconds": round(wall, 2), "accepted": len(ids),
+            "accepted_per_s": round(accepted, 1),
+            "completed_per_s": round((len(ids) - lost) / (last - t0), 1) if last > t0 else 0.0,
+            "not_done_60s_after": lost, "gateway_cpu_cores": round(cpu / wall, 3),
+            "latency": _ms(tasks.latencies(ids)),
+            "meets_goal": accepted >= GOAL_TASKS_PER_S and lost == 0}
+
+
+async def _routing_input(watch: Any, n: int = 200) -> dict[str, float]:
+    """In this process: reading per-cluster summaries against building the full view."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        watch.summaries()
+    t1 = time.perf_counter()
+    for _ in range(max(1, n // 10)):
+        watch.view()
+    t2 = time.perf_counter()
+    up = sum(s.nodes_up for s in watch.summaries().values())
+    return {"summaries_us": round((t1 - t0) / n * 1e6, 2),
+            "full_view_us": round((t2 - t1) / max(1, n // 10) * 1e6, 2), "nodes_up_seen": up}
+
+
+async def _one(nodes: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from tandem.common import fleet, streams, subjects
+    from tandem.common.bus import Bus
+    from tandem.common.settings import Settings, load
+
+    f = _Fleet(root, nodes, args)
+    t_start = time.perf_counter()
+    try:
+        await f.start()
+        started_s = time.perf_counter() - t_start
+        bus = await Bus.connect(load(Settings, nats_url=f.topo.hub_url), "bench")
+        await bus.provision(streams.core_streams())
+        tasks = Tasks()
+        sub = await bus.nc.subscribe(subjects.GEN_STATUS.wildcard, cb=tasks.on_status)
+        watch = await fleet.FleetWatch(bus).start()
+        await asyncio.sleep(3 * args.interval)  # warm-up: every node ticked a few times
+        steady = await _steady(f, bus, tasks)
+        steady["routing_input"] = await _routing_input(watch)
+        mem = f.memory()
+        burst = await _burst(f, tasks)
+        await watch.stop()
+        await sub.unsubscribe()
+        await bus.drain()
+    finally:
+        f.stop()
+    per_node = {
+        "nats_cpu_ms_per_s": round(steady["nats_cpu_cores"] / nodes * 1e3, 4),
+        "agent_cpu_ms_per_s": round(steady["agents_cpu_cores"] / nodes * 1e3, 4),
+        "leaf_in_bytes_per_s": round(steady["leaf_in_bytes_per_s"] / nodes),
+        "js_api_per_s": round(steady["js_api_per_s"] / nodes, 4),
+        "agent_rss_kib": round(mem["agents_rss"] / nodes / 1024, 1),
+    }
+    return {"nodes": nodes, "gpus": nodes * args.gpus, "startup_s": round(started_s, 1),
+            "steady": steady, "burst": burst, "memory_bytes": mem, "per_node": per_node,
+            "no_backlog_growth": steady["telemetry"]["ratio"] >= GOAL_DELIVERED
+            and steady["backlog_end"]["kv_nodes_watch_pending_max"] <= nodes
+            and steady["tasks"]["not_done_30s_after"] == 0}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem.common import log
+
+    log.configure("console", "error")
+    sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:
+        for n in sizes:
+            rows.append(await _one(n, args, Path(tmp) / f"n{n}"))
+    marginal = None
+    if len(rows) >= 2 and rows[-1]["nodes"] > rows[0]["nodes"]:
+        lo, hi = rows[0], rows[-1]
+        dn = hi["nodes"] - lo["nodes"]
+        marginal = {
+            "nats_cpu_ms_per_node_s": round((hi["steady"]["nats_cpu_cores"]
+                                             - lo["steady"]["nats_cpu_cores"]) / dn * 1e3, 4),
+            "nats_rss_kib_per_node": round(((hi["memory_bytes"]["hub_rss"]
+                                             + hi["memory_bytes"]["leaves_rss"])
+                                            - (lo["memory_bytes"]["hub_rss"]
+                                               + lo["memory_bytes"]["leaves_rss"])) / dn / 1024, 1),
+        }
+    largest = rows[-1] if rows else None
+    return {
+        "cpus": os.cpu_count(), "clusters": args.clusters, "gpus_per_node": args.gpus,
+        "interval_s": args.interval, "hub_size": args.hub_size, "sizes": rows,
+        "marginal_per_node": marginal,
+        "goals": {
+            "no_backlog_at_largest": bool(largest and largest["no_backlog_growth"]),
+            "tasks_per_s_goal": GOAL_TASKS_PER_S,
+            "tasks_per_s_best": max((r["burst"]["accepted_per_s"] for r in rows), default=0),
+        },
+        "ok": True,  # goals are reported, not enforced
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    yes = {True: "yes", False: "NO"}
+    lines = [f"tandem bench scale ({r['cpus']} CPUs): {r['clusters']} clusters behind leaf "
+             f"nodes, hub of {r['hub_size']}, {r['gpus_per_node']} GPUs/node at "
+             f"{1 / r['interval_s']:g} Hz"]
+    for row in r["sizes"]:
+        s, b, pn = row["steady"], row["burst"], row["per_node"]
+        t = s["telemetry"]
+        lines += [
+            f"{row['nodes']:>5} nodes ({row['gpus']} GPUs), up in {row['startup_s']} s",
+            f"   telemetry  {t['delivered_per_s']:>8.1f}/s of {t['offered_per_s']:.1f} offered "
+            f"({t['ratio']:.3f}); heartbeats {s['heartbeats_per_s']}/s; JS API "
+            f"{s['js_api_per_s']}/s; leaf in {s['leaf_in_bytes_per_s'] / 1e6:.2f} MB/s",
+            f"   NATS CPU   {s['nats_cpu_cores']:.3f} cores (hub {s['hub_cpu_cores']:.3f}); RSS "
+            f"hub {row['memory_bytes']['hub_rss'] / 2**20:.0f} MiB, leaves "
+            f"{row['memory_bytes']['leaves_rss'] / 2**20:.0f} MiB; agents "
+            f"{s['agents_cpu_cores']:.3f} cores",
+            f"   backlog    start {s['backlog_start']}  end {s['backlog_end']}  "
+            f"no growth: {yes[row['no_backlog_growth']]}",
+            f"   routing    p50 {s['routing']['p50_us']} us  p99 {s['routing']['p99_us']} us "
+            f"(gateway); summaries {s['routing_input']['summaries_us']} us vs full view "
+            f"{s['routing_input']['full_view_us']} us",
+            f"   steady     {s['tasks']['throughput_per_s']}/s of {s['tasks']['offered_per_s']:g} "
+            f"offered, latency p50 {s['tasks']['latency']['p50_ms']} ms p99 "
+            f"{s['tasks']['latency']['p99_ms']} ms, not done {s['tasks']['not_done_30s_after']}",
+            f"   burst      {b['accepted_per_s']}/s accepted, {b['completed_per_s']}/s completed "
+            f"({b['connections']} conns; gateway {b['gateway_cpu_cores']} cores), latency p50 "
+            f"{b['latency']['p50_ms']} ms p99 {b['latency']['p99_ms']} ms; >= "
+            f"{GOAL_TASKS_PER_S:g}/s: {yes[b['meets_goal']]}",
+            f"   per node   NATS {pn['nats_cpu_ms_per_s']} ms CPU/s, agent "
+            f"{pn['agent_cpu_ms_per_s']} ms CPU/s, {pn['leaf_in_bytes_per_s']} B/s in, "
+            f"{pn['js_api_per_s']} JS API req/s, agent RSS {pn['agent_rss_kib']} KiB",
+        ]
+    if r.get("marginal_per_node"):
+        m = r["marginal_per_node"]
+        lines.append(f"marginal per node (largest - smallest): NATS {m['nats_cpu_ms_per_node_s']} "
+                     f"ms CPU/s, NATS RSS {m['nats_rss_kib_per_node']} KiB")
+    return "\n".join(lines)
