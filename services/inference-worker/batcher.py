@@ -40,6 +40,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     running: bool = False
+    pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
 
     @property
     def rank(self) -> tuple[int, float]:
@@ -91,9 +92,15 @@ class Batcher:
 
     async def submit(self, task: GenerationTask) -> list[bytes]:
         """Queue ``task``; return its PNGs, or raise JobCancelled / HandedBack / the error."""
+        return (await self.submit_job(task)).future.result()
+
+    async def submit_job(self, task: GenerationTask) -> Job:
+        """``submit``, returning the finished job: its ``pipeline`` is the one that made
+        the images (a hot-swap between batches never relabels a finished batch)."""
         job = self.enqueue(task)
         try:
-            return await job.future
+            await job.future
+            return job
         finally:
             if job in self.pending:
                 self.pending.remove(job)
@@ -191,6 +198,8 @@ class Batcher:
     async def _run(self, pipeline: Pipeline, group: list[Job]) -> None:
         self.running = group
         self.batches += 1
+        for job in group:
+            job.pipeline = pipeline
         items = [it for job in group for it in job.items()]
         t = group[0].task
         params = Params(width=t.width, height=t.height, steps=t.steps, guidance=t.guidance)

@@ -109,11 +109,14 @@ class ClassUnetPipeline(Pipeline):
     """A class-conditional UNet2DModel sampled with DDPM (the trainer's model family)."""
 
     def __init__(self, spec: ModelSpec, device: str, dtype: Any, unet: Any = None,
-                 scheduler: Any = None) -> None:
+                 scheduler: Any = None, cfg: Any = None) -> None:
         super().__init__(spec)
         from tandem.common.diffusion import UNetConfig, build_scheduler, build_unet
 
-        cfg = UNetConfig.from_dict(spec.config) if spec.config else UNetConfig()
+        # A loaded checkpoint brings its own architecture (``cfg``); the registry's
+        # config only describes models built here.
+        if cfg is None:
+            cfg = UNetConfig.from_dict(spec.config) if spec.config else UNetConfig()
         self.cfg = cfg
         self.unet = unet if unet is not None else build_unet(cfg, seed=spec.config.get("seed", 0))
         self.unet = _to(self.unet, device, dtype).eval()
@@ -222,24 +225,17 @@ def resolve_dtype(dtype: str, device: str) -> Any:
 
 
 def load_run_checkpoint(spec: ModelSpec, device: str, dtype: Any) -> Pipeline:
-    """``run:<run_id>``: the run's newest committed checkpoint.
+    """``run:<run_id>``: the run's newest committed checkpoint that verifies.
 
-    Seam for the checkpointer (``tandem.common.checkpoints``): it restores and verifies the
-    newest committed checkpoint; this wraps the restored UNet in a ``ClassUnetPipeline``
-    and records which checkpoint it is.
+    Loading, verification and hot-swapping to newer checkpoints live in ``hotswap``.
     """
+    from tandem.common.errors import CheckpointError
+    from tandem.inference_worker.hotswap import load_run_pipeline
+
     try:
-        from tandem.common import checkpoints  # type: ignore[attr-defined]
-    except ImportError:
-        raise ModelLoadError(spec.name, "run: sources need tandem.common.checkpoints, "
-                             "which is not installed in this build") from None
-    loader = getattr(checkpoints, "load_serving_model", None)
-    if loader is None:
-        raise ModelLoadError(spec.name, "tandem.common.checkpoints has no load_serving_model")
-    unet, scheduler, label, step = loader(spec.source_arg, spec.config)
-    pipe = ClassUnetPipeline(spec, device, dtype, unet=unet, scheduler=scheduler)
-    pipe.checkpoint, pipe.checkpoint_step = label, step
-    return pipe
+        return load_run_pipeline(spec, device, dtype)
+    except CheckpointError as exc:
+        raise ModelLoadError(spec.name, str(exc)) from None
 
 
 def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",

@@ -47,6 +47,7 @@ from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import KV_TASKS, Spec, core_streams, gen_consumers, gen_stream
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
+from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
 
 _log = log.get("tandem.inference_worker")
@@ -85,6 +86,9 @@ class WorkerSettings(RegistrySettings):
     preload: bool = Field(True, description="Load served models before pulling tasks.")
     fault_injection: bool = Field(False, description="Allow fault: models (tests only).")
     announce_interval: float = Field(2.0, gt=0, description="Seconds between ModelsLoaded.")
+    checkpoint_poll: float = Field(30.0, ge=0, le=3600, description="Seconds between checks "
+                                   "for a newer committed checkpoint of a run: model when no "
+                                   "ckpt.<run>.mirrored event came; 0: events only.")
 
     @field_validator("pull_clusters", "serve")
     @classmethod
@@ -128,6 +132,12 @@ class InferenceWorker(Service):
         self.inflight = 0
         self.steps_run = 0  # denoising steps of every pipeline call, for /healthz
         self._slot = asyncio.Event()
+        # run: models follow their run's newest good checkpoint (hotswap.py); S3 is set in run.
+        self.hotswap = HotSwapper(
+            [s for m in served if (s := self.registry.get(m)) is not None], self.pipelines,
+            self._loading, device=settings.device, dtype=settings.dtype, s3=None,
+            bucket=settings.s3_bucket, poll=settings.checkpoint_poll,
+            load_missing=settings.preload)
 
     def streams(self) -> Sequence[Spec]:
         out: list[Spec] = list(core_streams(self.s.stream_replicas))
@@ -139,7 +149,8 @@ class InferenceWorker(Service):
     def health(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "inflight": self.inflight, "batches": self.batcher.batches,
-                "steps_run": self.steps_run, "running": self.batcher.task_ids()}
+                "steps_run": self.steps_run, "running": self.batcher.task_ids(),
+                "checkpoints": self.hotswap.status()}
 
     # ------------------------------------------------------------------------- models
 
@@ -168,9 +179,15 @@ class InferenceWorker(Service):
         self.bus = bus
         self.tasks = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
+        self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
         if self.s.preload:
             for model in self.served:
-                await self.pipeline(model)
+                if self.hotswap.serves(model):
+                    # A run without a good checkpoint yet must not stop the worker: the
+                    # hot-swapper loads the first one the checkpointer commits.
+                    await self.hotswap.check(model)
+                else:
+                    await self.pipeline(model)
         consumers = [
             bus.consumer(spec, GenerationTask, self.handle, on_dead=self.on_dead,
                          span_name="gen process")
@@ -184,10 +201,12 @@ class InferenceWorker(Service):
                 batcher = tg.create_task(self.batcher.run())
                 pump = tg.create_task(self._pump_progress())
                 announce = tg.create_task(self._announce(ctx))
+                swaps = tg.create_task(self.hotswap.run(bus.nc))
                 await self._pull(ctx.stopping, consumers)
                 batcher.cancel()
                 pump.cancel()
                 announce.cancel()
+                swaps.cancel()
         finally:
             with contextlib.suppress(Exception):
                 await cancel_sub.unsubscribe()
@@ -305,7 +324,7 @@ class InferenceWorker(Service):
                                    msg_id=f"{task.task_id}-running-{d.num_delivered}")
         t0 = time.monotonic()
         try:
-            images = await self.batcher.submit(task)
+            job = await self.batcher.submit_job(task)
         except JobCancelled:
             TASKS_DONE.labels("cancelled").inc()
             return
@@ -313,10 +332,11 @@ class InferenceWorker(Service):
             raise Retry("worker stopping; task handed back", delay=0.0) from None
         except ModelLoadError as exc:
             raise Reject(str(exc)) from None
+        images = job.future.result()
         gen_s = time.monotonic() - t0
         GEN_SECONDS.observe(gen_s)
         BATCH_IMAGES.observe(max(len(images), 1))
-        pipe = self.pipelines.get(task.model)
+        pipe = job.pipeline  # the one that made the images, even if swapped out since
         keys = await self._upload(task.task_id, images)
         rec = await self.tasks.update(task.task_id, records.to_succeeded(
             keys, pipe.checkpoint if pipe else "", pipe.checkpoint_step if pipe else None))

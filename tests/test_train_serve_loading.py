@@ -1,0 +1,155 @@
+"""Train -> serve in-process: a trainer checkpoint loads with its own architecture,
+mismatches are clear errors, and the hot-swapper finds new checkpoints by polling and
+skips the ones that fail while the served one stays."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.common.bus import Bus
+from tandem.common.errors import CheckpointError
+from tandem.common.models import ModelSpec
+from tandem.common.servers import S3Server
+from tandem.common.settings import Settings, load
+from tandem.common.storage import ensure_bucket, s3_client
+from tandem.inference_worker.hotswap import HotSwapper, load_run_pipeline
+from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
+from tests.train_serve_support import TinyTrainer, mirror, rot
+
+DEADLINE = 60.0
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, uid: str) -> Any:
+    client = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                            s3_secret_key="tandem"))
+    ensure_bucket(client, f"ts-{uid}")
+    return client
+
+
+@pytest.fixture
+def trainer(tmp_path: Path, uid: str) -> Iterator[TinyTrainer]:
+    t = TinyTrainer(tmp_path / "ckpt", f"run-{uid}")
+    yield t
+    t.close()
+
+
+def spec_for(run_id: str, **extra: Any) -> ModelSpec:
+    return ModelSpec.model_validate({
+        "name": "trained", "source": f"run:{run_id}", "conditioning": "class_label",
+        "num_classes": 10, "sizes": [8], "default_width": 8, "default_height": 8, **extra})
+
+
+def load_step(spec: ModelSpec, s3: Any, uid: str, step: int | None = None) -> Any:
+    import torch
+
+    return load_run_pipeline(spec, "cpu", torch.float32, step=step, s3=s3, bucket=f"ts-{uid}")
+
+
+def test_a_trainer_checkpoint_loads_with_its_own_architecture_and_records_its_step(
+        trainer: TinyTrainer, s3: Any, uid: str) -> None:
+    bucket = f"ts-{uid}"
+    for steps in (1, 2):
+        mirror(s3, bucket, trainer.checkpoint(steps))
+    # The registry declares no architecture: the checkpoint's model_config.json decides
+    # (the registry default, a 3-level 16x16 UNet, would not even take these weights).
+    pipe = load_step(spec_for(trainer.run_id), s3, uid)
+    assert (pipe.checkpoint, pipe.checkpoint_step) == (f"{trainer.run_id}/step-3", 3)
+    assert pipe.cfg.block_out_channels == (16, 32) and pipe.cfg.sample_size == 8
+    png = pipe.generate([Item(seed=1, class_label=4)], Params(8, 8, 2, 1.0), lambda s, t: None)
+    assert png[0].startswith(b"\x89PNG")
+    assert load_step(spec_for(trainer.run_id), s3, uid, step=1).checkpoint_step == 1
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"config": {"block_out_channels": [32, 64, 64], "seed": 3}},
+     "declares another architecture than the checkpoint's model_config.json: "
+     "block_out_channels: declared [32, 64, 64], checkpoint has [16, 32]"),
+    ({"config": {"in_channels": 3}}, "in_channels: declared 3, checkpoint has 1"),
+    ({"num_classes": 12}, "declares num_classes=12; the checkpoint has 10 classes"),
+    ({"conditioning": "text", "num_classes": 0}, "is declared text-conditioned"),
+])
+def test_a_registry_entry_that_does_not_match_the_checkpoint_is_a_clear_error(
+        trainer: TinyTrainer, s3: Any, uid: str, extra: dict[str, Any], says: str) -> None:
+    mirror(s3, f"ts-{uid}", trainer.checkpoint(1))
+    spec = spec_for(trainer.run_id, **extra)
+    with pytest.raises(CheckpointError) as err:
+        load_step(spec, s3, uid)
+    assert str(err.value).startswith(f"checkpoint of run {trainer.run_id} step 1: ")
+    assert says in str(err.value)
+
+
+def test_a_run_without_a_committed_checkpoint_fails_to_build_naming_the_run(
+        s3_server: S3Server, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in {"S3_ENDPOINT": s3_server.url, "S3_BUCKET": f"none-{uid}",
+                 "S3_ACCESS_KEY": "tandem", "S3_SECRET_KEY": "tandem"}.items():
+        monkeypatch.setenv(f"TANDEM_{k}", v)
+    with pytest.raises(ModelLoadError, match=f"cannot load model trained: checkpoint of run "
+                       f"empty-{uid}: no committed checkpoint verifies"):
+        build(spec_for(f"empty-{uid}"), "cpu", "float32")
+
+
+async def until(cond: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
+    """Re-check ``cond`` until it is truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)  # re-checking a condition the swapper's loop changes
+    return value
+
+
+def swapper(spec: ModelSpec, s3: Any, uid: str, pipelines: dict[str, Pipeline],
+            poll: float) -> HotSwapper:
+    return HotSwapper([spec], pipelines, {}, device="cpu", dtype="float32", s3=s3,
+                      bucket=f"ts-{uid}", poll=poll)
+
+
+async def test_hot_swapper_finds_new_checkpoints_by_polling_when_no_event_comes(
+        trainer: TinyTrainer, s3: Any, uid: str, bus: Bus) -> None:
+    spec = spec_for(trainer.run_id)
+    pipelines: dict[str, Pipeline] = {}
+    hs = swapper(spec, s3, uid, pipelines, poll=0.1)
+    task = asyncio.create_task(hs.run(bus.nc))  # subscribed, but no event is ever sent
+    try:
+        await asyncio.to_thread(mirror, s3, f"ts-{uid}", trainer.checkpoint(1))
+        first = await until(lambda: pipelines.get("trained"), "the first checkpoint")
+        assert first.checkpoint_step == 1 and hs.swaps == 0
+        await asyncio.to_thread(mirror, s3, f"ts-{uid}", trainer.checkpoint(1))
+        await until(lambda: pipelines["trained"].checkpoint_step == 2, "the swap to step 2")
+        assert hs.swaps == 1 and hs.status()["trained"] == {
+            "run": trainer.run_id, "step": 2, "skipped": {}}
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_newer_checkpoints_that_fail_are_skipped_and_the_served_one_stays(
+        trainer: TinyTrainer, s3: Any, uid: str) -> None:
+    bucket = f"ts-{uid}"
+    spec = spec_for(trainer.run_id)
+    pipelines: dict[str, Pipeline] = {}
+    hs = swapper(spec, s3, uid, pipelines, poll=0)
+    assert await hs.check("trained") is None  # nothing committed yet: nothing served
+    mirror(s3, bucket, trainer.checkpoint(1))
+    assert await hs.check("trained") == 1
+    served = pipelines["trained"]
+    mirror(s3, bucket, trainer.checkpoint(1))
+    rot(s3, bucket, trainer.run_id, 2)  # bytes changed after the commit
+    mirror(s3, bucket, trainer.checkpoint(1, poison=True))  # checksums fine, NaN weights
+    assert await hs.check("trained") == 1
+    assert pipelines["trained"] is served
+    skipped = hs.status()["trained"]["skipped"]
+    assert "model.safetensors: sha256" in skipped["2"]
+    assert "non-finite values" in skipped["3"]
+    assert await hs.check("trained") == 1 and hs.swaps == 0  # not tried again
+    mirror(s3, bucket, trainer.checkpoint(1))
+    assert await hs.check("trained") == 4 and hs.swaps == 1
+    assert pipelines["trained"].checkpoint == f"{trainer.run_id}/step-4"
