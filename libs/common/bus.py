@@ -45,6 +45,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 from tandem.common import log, metrics, subjects, tracing
 from tandem.common.errors import EventDecodeError, Reject, Retry
 from tandem.common.events import DeadLetter, decode, encode
+from tandem.common.permissions import violation
 from tandem.common.settings import Settings
 from tandem.common.streams import ConsumerSpec, Spec, provision
 
@@ -90,6 +91,12 @@ class Bus:
         lg = log.get("tandem.bus", service=service)
 
         async def on_error(exc: Exception) -> None:
+            denied = violation(exc)
+            if denied is not None:  # least privilege at work, or a missing grant
+                lg.error("nats.permission_denied", operation=denied.operation,
+                         subject=denied.subject, user=settings.nats_user or "",
+                         hint="refused by the server: see tandem.common.permissions")
+                return
             lg.warning("nats.error", error=repr(exc))
 
         async def on_disconnect() -> None:
@@ -111,6 +118,8 @@ class Bus:
             import ssl
 
             auth["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
+            if settings.nats_tls_cert:  # mutual TLS: this client's certificate
+                auth["tls"].load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
         opts: dict[str, Any] = dict(
             servers=settings.nats_servers,
             name=f"tandem-{service}-{settings.cluster}-{settings.node}",

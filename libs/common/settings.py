@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     nats_password: SecretStr | None = Field(None, description="NATS password for nats_user.")
     nats_creds: str | None = Field(None, description="Path to a NATS .creds file (nkey/JWT).")
     nats_tls_ca: str | None = Field(None, description="CA bundle to verify the NATS server.")
+    nats_tls_cert: str | None = Field(
+        None, description="Client certificate (PEM) for mutual TLS; needs nats_tls_ca.")
+    nats_tls_key: str | None = Field(None, description="Private key (PEM) of nats_tls_cert.")
     nats_js_domain: str | None = Field(
         None, description="JetStream domain of the control plane, for a process connected "
         "through a GPU cluster's leaf-node server (e.g. 'hub'); unset: the server's own.")

@@ -22,10 +22,11 @@ from tandem.common.runner import Context, Service
 from tandem.common.storage import s3_client
 from tandem.common.streams import Spec, core_streams, gen_stream
 from tandem.gateway.api import create_app
+from tandem.gateway.auth import AuthSettings, Guard, document
 from tandem.gateway.generations import Gateway
 
 
-class GatewaySettings(RegistrySettings):
+class GatewaySettings(AuthSettings, RegistrySettings):
     """``TANDEM_*`` settings of the gateway (see README.md)."""
 
     http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
@@ -60,7 +61,8 @@ class GatewaySettings(RegistrySettings):
 class _Server:
     """uvicorn without its signal handlers: the runner owns SIGTERM."""
 
-    def __init__(self, app: Any, sock: socket.socket) -> None:
+    def __init__(self, app: Any, sock: socket.socket, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -69,7 +71,8 @@ class _Server:
                 yield
 
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, ssl_certfile=ssl_certfile,
+                                ssl_keyfile=ssl_keyfile)
         self.server = Server(config)
         self.sock = sock
 
@@ -113,6 +116,20 @@ class GatewayService(Service):
     def health(self) -> dict[str, Any]:
         return {"http_port": self.port, "clusters": self.s.cluster_list}
 
+    @staticmethod
+    def _run_state(ctx: Context) -> Any:
+        """A run's state from KV ``runs``, for the per-key training run limit."""
+
+        async def state(run_id: str) -> str | None:
+            from tandem.common.bus import TypedKV
+            from tandem.common.events import RunRecord
+            from tandem.common.streams import KV_RUNS
+
+            got = await TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord).get(run_id)
+            return None if got is None else got[0].state.value
+
+        return state
+
     async def run(self, ctx: Context) -> None:
         s = self.s
         presign = s.model_copy(update={"s3_endpoint": s.s3_public_endpoint or s.s3_endpoint})
@@ -120,13 +137,17 @@ class GatewayService(Service):
                      s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping)
         await gw.start()
-        asgi, _ = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
-                             max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
+        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
+                               max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
+        document(app)
+        asgi = Guard.wrap(asgi, s, run_state=self._run_state(ctx))
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
-        server = _Server(asgi, sock)
-        ctx.log.info("gateway.listening", url=f"http://{s.http_host}:{self.port}",
-                     docs=f"http://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
+        tls = (s.http_tls_cert, s.http_tls_key) if s.tls else (None, None)
+        server = _Server(asgi, sock, *tls)
+        scheme = "https" if s.tls else "http"
+        ctx.log.info("gateway.listening", url=f"{scheme}://{s.http_host}:{self.port}",
+                     docs=f"{scheme}://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
         async with asyncio.TaskGroup() as tg:
             serving = tg.create_task(server.serve())
             stopping = tg.create_task(ctx.stopping.wait())

@@ -1,0 +1,378 @@
+"""API keys at the edge: who may call what, how often, and how much at once.
+
+An ASGI middleware in front of the whole app, so a route added later is covered by the
+default rule (admin) until it is given its own in ``RULES``:
+
+- a key is presented as ``Authorization: Bearer <key>`` (or ``X-API-Key: <key>``) and
+  looked up by its SHA-256; keys are never stored in clear (``tandem security api-key``
+  prints a new one once, with the line to configure);
+- no key or an unknown one → ``401``; a key without the route's scope → ``403``
+  naming the scope; ``admin`` holds every scope;
+- per key: a token bucket of requests (``429`` + ``Retry-After``), concurrent SSE
+  streams, and training runs not yet finished (``429`` naming the limit).
+
+With no keys configured (``TANDEM_API_KEYS`` empty: the local stack, the demo) the
+middleware is not installed and the API is open; the request-shape limits (body size,
+prompt length, images) hold either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from tandem.common import log, metrics
+from tandem.common.settings import Settings
+from tandem.common.subjects import token
+
+_log = log.get("tandem.gateway.auth")
+AUTH = metrics.Counter("tandem_gateway_auth", "Gateway authentication outcomes", ["outcome"])
+
+KEY_PREFIX = "tdm_"
+
+
+class Scope(StrEnum):
+    generate = "generate"
+    train = "train"
+    admin = "admin"
+
+
+class ApiKey(BaseModel):
+    """One configured key: its name (for logs and limits), hash, scopes and limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Who holds it; shows in logs, never the key itself.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex.")
+    scopes: tuple[Scope, ...] = Field(min_length=1)
+    rate: float | None = Field(None, gt=0, description="Requests/s; default rate_limit.")
+    burst: int | None = Field(None, ge=1, description="Bucket size; default rate_burst.")
+    max_streams: int | None = Field(None, ge=1, description="Open SSE streams.")
+    max_runs: int | None = Field(None, ge=1, description="Training runs not finished.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return token(v, "key name")
+
+    def allows(self, scope: Scope) -> bool:
+        return scope in self.scopes or Scope.admin in self.scopes
+
+
+_KEYS = TypeAdapter(list[ApiKey])
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh key: 256 random bits. Its hash is all the gateway keeps."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def parse_keys(text: str) -> list[ApiKey]:
+    """Keys from a JSON list, or ``@path`` to a JSON file; ValueError naming what is wrong."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read API keys file {path}: {exc.strerror}") from None
+    try:
+        keys = _KEYS.validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"API keys: {where}: {first['msg']} ({exc.error_count()} problems)"
+                         ) from None
+    seen: set[str] = set()
+    for k in keys:
+        if k.name in seen or k.sha256 in seen:
+            raise ValueError(f"API keys: {k.name!r} is listed twice (or shares a hash)")
+        seen |= {k.name, k.sha256}
+    return keys
+
+
+class AuthSettings(Settings):
+    """``TANDEM_*`` settings of the gateway's authentication, limits and HTTPS."""
+
+    api_keys: str = Field(
+        "", description="API keys: a JSON list of {name, sha256, scopes[, rate, burst, "
+        "max_streams, max_runs]} or @path to a JSON file. Empty: no authentication "
+        "(local development only).")
+    rate_limit: float = Field(20.0, gt=0, description="Requests per second per key.")
+    rate_burst: int = Field(40, ge=1, description="Requests a key may make at once.")
+    max_streams_per_key: int = Field(
+        8, ge=1, description="Event streams (SSE) a key may hold open at once.")
+    max_runs_per_key: int = Field(
+        2, ge=1, description="Training runs of a key that may be unfinished at once.")
+    http_tls_cert: str | None = Field(
+        None, description="Certificate chain (PEM) for HTTPS; with http_tls_key.")
+    http_tls_key: str | None = Field(None, description="Private key (PEM) for HTTPS.")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: str) -> str:
+        parse_keys(v)  # a bad key list stops the gateway at start, naming the problem
+        return v
+
+    @field_validator("http_tls_cert", "http_tls_key")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"{v} is not a readable file")
+        return v
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.http_tls_cert and self.http_tls_key)
+
+
+# ------------------------------------------------------------------------------- the rules
+
+PUBLIC = "public"
+ANY_KEY = "any key"
+
+# (methods or None for all, path regex, what it needs), first match wins; else admin.
+RULES: list[tuple[frozenset[str] | None, re.Pattern[str], str]] = [
+    (frozenset({"GET", "HEAD"}),
+     re.compile(r"/healthz|/openapi\.json|/docs(/.*)?|/redoc"), PUBLIC),
+    (frozenset({"GET", "HEAD"}), re.compile(r"/v1/models"), ANY_KEY),
+    (None, re.compile(r"/v1/generations(/.*)?"), Scope.generate),
+    (None, re.compile(r"/v1/training-runs(/.*)?"), Scope.train),
+]
+SSE = re.compile(r"/v1/generations/[^/]+/events")
+RUN_SUBMIT = re.compile(r"/v1/training-runs/?")
+
+
+def needs(method: str, path: str) -> str:
+    for methods, pattern, need in RULES:
+        if (methods is None or method in methods) and pattern.fullmatch(path):
+            return need
+    return Scope.admin
+
+
+# ------------------------------------------------------------------------------ the limits
+
+
+@dataclass
+class Bucket:
+    """A token bucket: ``rate`` tokens/s up to ``burst``; a request takes one."""
+
+    rate: float
+    burst: int
+    tokens: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = float(self.burst)
+
+    def take(self, now: float | None = None) -> float:
+        """0 if a token was taken, else the seconds until one is available."""
+        now = time.monotonic() if now is None else now
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+RunState = Callable[[str], Awaitable[str | None]]  # run id -> state, None if unknown
+FINISHED = {"succeeded", "failed", "cancelled"}
+
+
+@dataclass
+class KeyState:
+    bucket: Bucket
+    streams: int = 0
+    runs: set[str] = field(default_factory=set)
+    run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Guard:
+    """The ASGI middleware. ``run_state`` looks up a run (KV ``runs``) for the run limit."""
+
+    def __init__(self, app: Any, keys: list[ApiKey], settings: AuthSettings,
+                 run_state: RunState | None = None) -> None:
+        self.app = app
+        self.keys = {k.sha256: k for k in keys}
+        self.s = settings
+        self.run_state = run_state
+        self.state: dict[str, KeyState] = {}
+
+    @classmethod
+    def wrap(cls, app: Any, settings: AuthSettings, run_state: RunState | None = None) -> Any:
+        """``app`` behind a Guard, or ``app`` itself when no keys are configured."""
+        keys = parse_keys(settings.api_keys)
+        if not keys:
+            _log.warning("auth.disabled", reason="TANDEM_API_KEYS is empty: the API is open")
+            return app
+        _log.info("auth.enabled", keys=len(keys))
+        return cls(app, keys, settings, run_state)
+
+    def _state(self, key: ApiKey) -> KeyState:
+        st = self.state.get(key.name)
+        if st is None:
+            st = self.state[key.name] = KeyState(Bucket(key.rate or self.s.rate_limit,
+                                                        key.burst or self.s.rate_burst))
+        return st
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        need = needs(method, path)
+        if need == PUBLIC:
+            await self.app(scope, receive, send)
+            return
+        presented = _presented(scope)
+        key = self.keys.get(hash_key(presented)) if presented else None
+        if key is None:
+            AUTH.labels("unauthenticated").inc()
+            why = "an unknown API key" if presented else "no API key"
+            _log.info("auth.refused", status=401, path=path, why=why)
+            await _reply(send, 401, f"{why}: send 'Authorization: Bearer <key>'",
+                         {"www-authenticate": 'Bearer realm="tandem"'})
+            return
+        if need != ANY_KEY and not key.allows(Scope(need)):
+            AUTH.labels("forbidden").inc()
+            _log.info("auth.refused", status=403, path=path, key=key.name, need=str(need))
+            await _reply(send, 403, f"key {key.name!r} lacks scope '{need}' for {method} "
+                         f"{path} (it has {', '.join(key.scopes)})")
+            return
+        st = self._state(key)
+        wait = st.bucket.take()
+        if wait > 0:
+            AUTH.labels("rate_limited").inc()
+            await _reply(send, 429, f"key {key.name!r} is over its rate limit of "
+                         f"{st.bucket.rate:g} requests/s (burst {st.bucket.burst})",
+                         {"retry-after": str(max(1, math.ceil(wait)))})
+            return
+        AUTH.labels("ok").inc()
+        scope.setdefault("state", {})["api_key"] = key.name
+        if method == "GET" and SSE.fullmatch(path):
+            await self._stream(key, st, scope, receive, send)
+        elif method == "POST" and RUN_SUBMIT.fullmatch(path):
+            await self._submit_run(key, st, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _stream(self, key: ApiKey, st: KeyState, scope: Any, receive: Any,
+                      send: Any) -> None:
+        limit = key.max_streams or self.s.max_streams_per_key
+        if st.streams >= limit:
+            AUTH.labels("stream_limited").inc()
+            await _reply(send, 429, f"key {key.name!r} has {st.streams} event streams open; "
+                         f"the limit is {limit}", {"retry-after": "1"})
+            return
+        st.streams += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            st.streams -= 1
+
+    async def _submit_run(self, key: ApiKey, st: KeyState, scope: Any, receive: Any,
+                          send: Any) -> None:
+        limit = key.max_runs or self.s.max_runs_per_key
+        async with st.run_lock:  # check and submit as one step per key
+            await self._forget_finished(st)
+            if len(st.runs) >= limit:
+                AUTH.labels("run_limited").inc()
+                await _reply(send, 429, f"key {key.name!r} has {len(st.runs)} training runs "
+                             f"not finished ({', '.join(sorted(st.runs))}); the limit is "
+                             f"{limit}", {"retry-after": "60"})
+                return
+            status, body = 0, bytearray()
+
+            async def capture(message: dict[str, Any]) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                elif message["type"] == "http.response.body" and len(body) < 1 << 16:
+                    body.extend(message.get("body", b""))
+                await send(message)
+
+            await self.app(scope, receive, capture)
+            if 200 <= status < 300:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    doc = json.loads(body)
+                    run = doc.get("run_id") or doc.get("id")
+                    if isinstance(run, str):
+                        st.runs.add(run)
+
+    async def _forget_finished(self, st: KeyState) -> None:
+        if self.run_state is None:
+            return
+        for run in list(st.runs):
+            try:
+                state = await self.run_state(run)
+            except Exception as exc:  # the bus is down: keep counting the run
+                _log.warning("auth.run_lookup_failed", run_id=run, error=repr(exc))
+                continue
+            if state is None or state in FINISHED:
+                st.runs.discard(run)
+
+
+def _presented(scope: dict[str, Any]) -> str:
+    headers = dict(scope.get("headers") or [])
+    auth = headers.get(b"authorization", b"").decode("latin-1").strip()
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+
+
+async def _reply(send: Any, status: int, detail: str, headers: dict[str, str] | None = None
+                 ) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    hdrs = [(b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+def document(app: Any) -> None:
+    """Declare the bearer key in the app's OpenAPI (docs, clients, the fuzzer)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})["ApiKey"] = {
+            "type": "http", "scheme": "bearer",
+            "description": "An API key (tandem security api-key); scopes generate, train, "
+            "admin. Not required when the gateway runs without keys."}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                if needs(method.upper(), path) == PUBLIC:
+                    continue
+                op["security"] = [{"ApiKey": []}]
+                responses = op.setdefault("responses", {})
+                for code, what in (("401", "No or an unknown API key"),
+                                   ("403", "The key lacks the scope"),
+                                   ("429", "Over the key's rate or concurrency limit")):
+                    responses.setdefault(code, {"description": what})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,255 @@
+"""Keys at the edge: a real gateway process over HTTPS with hashed API keys.
+
+401 without a known key, 403 without the scope, 429 with Retry-After over a key's rate,
+open event streams or unfinished training runs; the request-shape limits are settings
+and each answers a 4xx naming the limit. No worker runs: tasks stay queued.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem.cli.certs import dev_certs
+from tandem.common.bus import Bus, TypedKV, struct_replace
+from tandem.common.events import RunRecord, RunState
+from tandem.common.runs import submit_run
+from tandem.common.servers import NatsServer, S3Server, free_port
+from tandem.common.settings import Settings, load
+from tandem.common.streams import KV_RUNS, core_streams
+from tandem.gateway.auth import AuthSettings, Guard, hash_key, new_key
+from tests.conftest import PYTHON, service_env
+
+TIMEOUT = 30
+KEYS = {  # name -> (scopes, extra limits)
+    "gen": (["generate"], {}),
+    "trainer": (["train"], {}),
+    "ops": (["admin"], {}),
+    "slow": (["generate"], {"rate": 0.001, "burst": 2}),
+    "viewer": (["generate"], {"max_streams": 1}),
+}
+
+
+@dataclass
+class Gateway:
+    url: str
+    keys: dict[str, str]  # name -> the key itself
+    ca: ssl.SSLContext
+    log: Path
+
+    def client(self, key: str | None = None, **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.keys[key]}"} if key else {}
+        return httpx.Client(base_url=self.url, verify=self.ca, headers=headers,
+                            timeout=kw.pop("timeout", 10), **kw)
+
+
+def _wait_port(metrics: int, proc: subprocess.Popen[bytes], log: Path) -> int:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz", timeout=1) as r:
+                port = json.load(r).get("http_port")
+                if port:
+                    return int(port)
+        except OSError:
+            pass
+        time.sleep(0.1)  # polling the service's own readiness endpoint
+    raise AssertionError("gateway not ready: " + log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
+            ) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("gw")
+    nats = NatsServer(name="gw", log_path=root / "nats.log", store_dir=root / "js").start()
+    certs = dev_certs(root / "certs")
+    keys = {name: new_key() for name in KEYS}
+    entries = [{"name": n, "sha256": hash_key(keys[n]), "scopes": s, **extra}
+               for n, (s, extra) in KEYS.items()]
+    (root / "keys.json").write_text(json.dumps(entries))
+    metrics = free_port()
+    env = service_env(
+        nats_url=nats.url, s3_endpoint=s3_server.url, s3_access_key="tandem",
+        s3_secret_key="tandem", s3_bucket="secgw", cluster="east", clusters="east",
+        node="gw", http_port="0", metrics_port=str(metrics),
+        api_keys=f"@{root / 'keys.json'}", http_tls_cert=str(certs.server_cert),
+        http_tls_key=str(certs.server_key), sse_ping="0.2", max_body_bytes="2048",
+        max_prompt_chars="50", max_images="2", routing="static")
+    log = root / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        port = _wait_port(metrics, proc, log)
+        yield Gateway(f"https://127.0.0.1:{port}", keys,
+                      ssl.create_default_context(cafile=str(certs.ca)), log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        nats.stop()
+
+
+def test_no_key_or_an_unknown_one_is_401_and_public_paths_stay_open(gateway: Gateway) -> None:
+    with gateway.client() as http:
+        r = http.get("/v1/models")
+        assert r.status_code == 401 and "no API key" in r.json()["detail"]
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        r = http.post("/v1/generations", json={"model": "noop"},
+                      headers={"Authorization": "Bearer tdm_not-a-key"})
+        assert r.status_code == 401 and "unknown API key" in r.json()["detail"]
+        assert http.get("/healthz").status_code == 200
+        schema = http.get("/openapi.json").json()
+        assert schema["components"]["securitySchemes"]["ApiKey"]["scheme"] == "bearer"
+        assert "401" in schema["paths"]["/v1/generations"]["post"]["responses"]
+
+
+def test_a_key_without_the_scope_is_403_naming_the_scope(gateway: Gateway) -> None:
+    with gateway.client("trainer") as http:
+        r = http.post("/v1/generations", json={"model": "noop"})
+        assert r.status_code == 403
+        assert "lacks scope 'generate'" in r.json()["detail"] and "'trainer'" in r.json()["detail"]
+        assert http.get("/v1/models").status_code == 200  # any key may list models
+    with gateway.client("gen") as http:
+        assert http.post("/v1/generations", json={"model": "noop"}).status_code == 202
+        r = http.get("/metrics")  # unlisted routes need admin
+        assert r.status_code == 403 and "'admin'" in r.json()["detail"]
+    with gateway.client("ops") as http:  # admin holds every scope
+        assert http.get("/metrics").status_code == 200
+        assert http.post("/v1/generations", json={"model": "noop"}).status_code == 202
+    with gateway.client() as http:  # the other header form
+        r = http.get("/v1/models", headers={"X-API-Key": gateway.keys["gen"]})
+        assert r.status_code == 200
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after_and_others_are_unaffected(
+        gateway: Gateway) -> None:
+    with gateway.client("slow") as http:
+        assert [http.get("/v1/models").status_code for _ in range(2)] == [200, 200]
+        r = http.get("/v1/models")
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert "rate limit of 0.001 requests/s (burst 2)" in r.json()["detail"]
+    with gateway.client("gen") as http:
+        assert http.get("/v1/models").status_code == 200
+
+
+def test_open_event_streams_per_key_are_bounded_and_a_closed_one_frees_its_slot(
+        gateway: Gateway) -> None:
+    with gateway.client("viewer", timeout=TIMEOUT) as http:
+        tid = http.post("/v1/generations", json={"model": "noop"}).json()["id"]
+        path = f"/v1/generations/{tid}/events"
+        with http.stream("GET", path) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a collected iterator closes the stream
+            assert next(lines) == "event: state"
+            second = http.get(path)
+            assert second.status_code == 429 and second.headers["retry-after"] == "1"
+            assert "1 event streams open; the limit is 1" in second.json()["detail"]
+        deadline = time.monotonic() + TIMEOUT  # the server notices at its next ping
+        while True:
+            with http.stream("GET", path) as again:
+                if again.status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the closed stream's slot was never freed"
+            time.sleep(0.1)  # retrying as a client told Retry-After would
+
+
+def test_limits_are_settings_and_exceeding_one_is_a_clear_4xx(gateway: Gateway) -> None:
+    with gateway.client("gen") as http:
+        r = http.post("/v1/generations", content=b"{" + b" " * 4000 + b"}",
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "the limit is 2048 bytes" in r.json()["detail"]
+        r = http.post("/v1/generations", json={"model": "tiny-text", "prompt": "x" * 51})
+        assert r.status_code == 422 and "at most 50" in r.json()["detail"][0]["msg"]
+        r = http.post("/v1/generations", json={"model": "noop", "num_images": 3})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_images"]
+
+
+def test_keys_are_kept_hashed_never_logged_and_https_is_required(gateway: Gateway) -> None:
+    log = gateway.log.read_text()
+    assert '"auth.enabled"' in log
+    for key in gateway.keys.values():
+        assert key not in log
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port gets no answer
+        httpx.get(gateway.url.replace("https://", "http://") + "/healthz", timeout=5)
+
+
+def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: Path) -> None:
+    env = service_env(api_keys='[{"name": "x", "sha256": "not-hex", "scopes": ["generate"]}]')
+    res = subprocess.run([PYTHON, "-m", "tandem.gateway"], env=env, capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 2
+    assert "TANDEM_API_KEYS" in res.stderr and "sha256" in res.stderr
+
+
+# ------------------------------------------------------------------- training runs per key
+
+
+@pytest.fixture
+async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
+    """The Guard in front of a minimal training-run route that submits for real."""
+    await bus.provision(core_streams())
+    runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        rec = await submit_run(bus, json.loads(body or b"{}"))
+        out = json.dumps({"run_id": rec.run_id, "state": rec.state.value}).encode()
+        await send({"type": "http.response.start", "status": 202,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": out})
+
+    async def state(run_id: str) -> str | None:
+        got = await runs.get(run_id)
+        return None if got is None else got[0].state.value
+
+    keys = {"a": new_key(), "b": new_key()}
+    entries = [{"name": n, "sha256": hash_key(k), "scopes": ["train"]}
+               for n, k in keys.items()]
+    settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=2)
+    guard = Guard.wrap(app, settings, run_state=state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard),
+                                 base_url="http://gw") as client:
+        yield client, keys
+
+
+async def test_unfinished_training_runs_per_key_are_bounded_until_one_finishes(
+        runs_app: tuple[httpx.AsyncClient, dict[str, str]], bus: Bus,
+        settings: Settings) -> None:
+    http, keys = runs_app
+    a = {"Authorization": f"Bearer {keys['a']}"}
+    config = {"steps": 10, "cluster": settings.cluster}
+    first, second = [await http.post("/v1/training-runs", json=config, headers=a)
+                     for _ in range(2)]
+    assert first.status_code == second.status_code == 202
+    third = await http.post("/v1/training-runs", json=config, headers=a)
+    assert third.status_code == 429 and "the limit is 2" in third.json()["detail"]
+    assert first.json()["run_id"] in third.json()["detail"]
+    other = await http.post("/v1/training-runs", json=config,
+                            headers={"Authorization": f"Bearer {keys['b']}"})
+    assert other.status_code == 202  # the limit is per key
+    runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+    await runs.update(first.json()["run_id"],  # as its trainer would record it
+                      lambda r: None if r is None else struct_replace(r, state=RunState.failed))
+    fourth = await http.post("/v1/training-runs", json=config, headers=a)
+    assert fourth.status_code == 202, fourth.text

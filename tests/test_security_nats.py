@@ -1,0 +1,334 @@
+"""Least privilege on the bus: one declaration, the server enforcing it, TLS.
+
+A nats-server runs with the config ``tandem.common.permissions`` generates; clients
+connect as the service roles. Refusals come from the server itself and ``Bus`` logs
+them as ``nats.permission_denied`` naming the operation, subject and user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+import structlog
+from nats.errors import TimeoutError as NatsTimeout
+
+from tandem.cli.certs import dev_certs
+from tandem.cli.stack import Stack, StackConfig
+from tandem.common import permissions, streams, subjects
+from tandem.common.bus import Bus, Delivery
+from tandem.common.events import GenerationResult, GenerationTask
+from tandem.common.servers import NatsServer
+from tandem.common.settings import Settings, load
+from tests.conftest import PYTHON, ROOT, service_env
+
+CLUSTERS = ["east", "west"]
+TIMEOUT = 20
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def allowed(patterns: tuple[str, ...], subject: str) -> bool:
+    return any(matches(p, subject) for p in patterns)
+
+
+async def until(cond: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    """Wait for ``cond`` with a deadline (re-checked as the loop runs other tasks)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------- the declaration
+
+
+def test_deploy_auth_conf_is_the_generated_declaration_and_compose_uses_it() -> None:
+    """compose mounts deploy/nats/auth.conf: it must be exactly what the declaration makes."""
+    assert (ROOT / "deploy/nats/auth.conf").read_text() == permissions.compose_config()
+    assert "include ./auth.conf" in (ROOT / "deploy/nats/cluster.conf").read_text()
+    compose = (ROOT / "compose.yaml").read_text()
+    assert compose.count("./deploy/nats/auth.conf:/etc/nats/auth.conf:ro") == 3
+    for role in permissions.declaration(CLUSTERS):
+        assert f"{permissions.password_env(role)}:" in compose, role
+    for role in permissions.SERVICE_ROLES:
+        assert f"TANDEM_NATS_USER: {role}\n" in compose, role
+
+
+def test_each_role_may_do_only_what_its_service_does() -> None:
+    roles = permissions.declaration(CLUSTERS)
+    worker, agent = roles["inference-worker"], roles["cluster-agent"]
+    for subject in ("train.r1.status", "train.r1.checkpoint", "ckpt.r1.mirrored",
+                    "telemetry.east.n0", "health.east.n0", "gen.east.interactive",
+                    "$JS.API.STREAM.INFO.TELEMETRY", "$JS.API.CONSUMER.CREATE.TELEMETRY.x",
+                    "$JS.API.STREAM.MSG.GET.TELEMETRY", "$KV.runs.r1", "$KV.nodes.east.n0",
+                    "$JS.API.STREAM.DELETE.GEN_EAST", "$JS.API.STREAM.PURGE.GEN_EAST"):
+        assert not allowed(worker.publish, subject), f"worker may publish {subject}"
+    assert allowed(worker.publish, "gen.result.t1")
+    assert allowed(worker.publish, "$JS.API.CONSUMER.MSG.NEXT.GEN_WEST.workers-west-batch")
+    assert not allowed(worker.subscribe, "telemetry.east.n0")
+    for subject in ("gen.east.interactive", "gen.result.t1", "$JS.API.STREAM.INFO.GEN_EAST",
+                    "$JS.API.CONSUMER.MSG.NEXT.GEN_EAST.workers-east",
+                    "$JS.ACK.GEN_EAST.workers-east.1.2.3.4.5", "$KV.tasks.t1", "train.r.step"):
+        assert not allowed(agent.publish, subject), f"agent may publish {subject}"
+    assert not any("GEN_" in p or p.startswith("gen.") for p in agent.publish + agent.subscribe)
+    assert allowed(agent.publish, "telemetry.east.n0")
+    for name in permissions.SERVICE_ROLES:
+        role = roles[name]
+        assert ">" not in role.publish and ">" not in role.subscribe, name
+        # no role may delete, purge or reshape streams, whatever else it does
+        assert not any(re.search(r"\.(DELETE|PURGE|UPDATE)\.(?!KV_)", p)
+                       for p in role.publish), name
+    assert roles["admin"].publish == (">",)
+
+
+def test_every_declared_stream_and_bucket_is_some_roles_to_provision() -> None:
+    """Under auth each service provisions only its own: together they cover everything."""
+    roles = permissions.declaration(CLUSTERS)
+    specs = [*streams.core_streams(), *streams.cluster_streams(CLUSTERS),
+             streams.checkpointer_consumer(), streams.trainer_consumer("control")]
+    for spec in specs:
+        owners = [n for n in permissions.SERVICE_ROLES if roles[n].may_provision(spec)]
+        assert owners, f"no service role provisions {spec}"
+    assert not roles["cluster-agent"].may_provision(streams.gen_stream("east"))
+    assert not roles["inference-worker"].may_provision(streams.core_streams()[2])  # TELEMETRY
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture
+def auth_nats(tmp_path: Path) -> Iterator[tuple[NatsServer, dict[str, str]]]:
+    roles = permissions.declaration(CLUSTERS)
+    passwords = {r: f"pw-{r}" for r in roles}
+    conf = tmp_path / "nats.conf"
+    conf.write_text(permissions.server_config(str(tmp_path / "js"), roles, passwords))
+    srv = NatsServer(name="auth", log_path=tmp_path / "nats.log", config_path=conf).start()
+    yield srv, passwords
+    srv.stop()
+
+
+def as_role(srv: NatsServer, passwords: dict[str, str], role: str, **more: object) -> Settings:
+    return load(Settings, nats_url=srv.url, nats_user=role, nats_password=passwords[role],
+                cluster="east", node="n0", **more)
+
+
+@pytest.fixture
+async def admin(auth_nats: tuple[NatsServer, dict[str, str]]) -> AsyncIterator[Bus]:
+    srv, passwords = auth_nats
+    bus = await Bus.connect(as_role(srv, passwords, "admin"), "admin")
+    await bus.provision([*streams.core_streams(), *streams.cluster_streams(CLUSTERS)])
+    yield bus
+    await bus.drain()
+
+
+async def test_forbidden_publish_and_subscribe_are_refused_and_logged_clearly(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    srv, passwords = auth_nats
+    with structlog.testing.capture_logs() as logs:
+        worker = await Bus.connect(as_role(srv, passwords, "inference-worker"), "worker")
+        try:
+            def denied(op: str, subject: str) -> bool:
+                # nats-py lowercases the server's error text; the server log keeps the case
+                return any(e["event"] == "nats.permission_denied" and e["operation"] == op
+                           and e["subject"] == subject.lower() and e["user"] == "inference-worker"
+                           and e["log_level"] == "error" for e in logs)
+
+            seen: list[bytes] = []
+
+            async def on_train(msg: Any) -> None:
+                seen.append(msg.data)
+
+            watcher = await admin.nc.subscribe("train.>", cb=on_train)
+            await admin.nc.flush()
+            await worker.nc.subscribe("telemetry.>")
+            await until(lambda: denied("subscribe", "telemetry.>"))
+            await worker.emit("train.r1.status", b"{}")  # core NATS: refused, never delivered
+            await until(lambda: denied("publish", "train.r1.status"))
+            with pytest.raises(NatsTimeout):  # JetStream: no ack ever comes
+                await worker.publish(subjects.train("r1", "checkpoint"), b"{}", timeout=0.5)
+            await until(lambda: denied("publish", "train.r1.checkpoint"))
+            with pytest.raises(NatsTimeout):  # nor may it read TELEMETRY's API
+                await worker.nc.request("$JS.API.STREAM.INFO.TELEMETRY", b"", timeout=0.5)
+            await until(lambda: denied("publish", "$JS.API.STREAM.INFO.TELEMETRY"))
+            # what it may do still works on the same connection
+            ack = await worker.publish(subjects.gen_result("t1"),
+                                       GenerationResult(task_id="t1", images=[]), timeout=5)
+            assert ack.stream == streams.GEN_EVENTS
+            await admin.nc.flush()
+            assert seen == []
+            await watcher.unsubscribe()
+        finally:
+            await worker.drain()
+
+
+async def test_an_agent_cannot_touch_generation_queues(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    srv, passwords = auth_nats
+    with structlog.testing.capture_logs() as logs:
+        agent = await Bus.connect(as_role(srv, passwords, "cluster-agent"), "agent")
+        try:
+            with pytest.raises(NatsTimeout):
+                await agent.publish(subjects.gen("east", "interactive"),
+                                    GenerationTask(task_id="x", model="noop"), timeout=0.5)
+            queue = await agent.js.pull_subscribe_bind(durable="workers-east-interactive",
+                                                       stream="GEN_EAST")
+            with pytest.raises(NatsTimeout):
+                await queue.fetch(1, timeout=0.5)
+            await until(lambda: {e.get("subject") for e in logs} >= {
+                "gen.east.interactive",
+                "$JS.API.CONSUMER.MSG.NEXT.GEN_EAST.workers-east-interactive".lower()})
+        finally:
+            await agent.drain()
+    info = await admin.js.stream_info("GEN_EAST")
+    assert info.state.messages == 0
+
+
+async def test_wrong_or_missing_password_is_refused_at_connect(
+        auth_nats: tuple[NatsServer, dict[str, str]]) -> None:
+    srv, _ = auth_nats
+    for creds in ({}, {"user": "gateway", "password": "wrong"}):
+        with pytest.raises(Exception, match=r"[Aa]uthorization"):
+            await nats.connect(srv.url, allow_reconnect=False, connect_timeout=3, **creds)
+
+
+def test_a_service_with_another_roles_credentials_logs_each_refusal(
+        auth_nats: tuple[NatsServer, dict[str, str]], tmp_path: Path) -> None:
+    """A real cluster-agent given the worker's user: refused, and it says so in its log."""
+    srv, passwords = auth_nats
+    env = service_env(nats_url=srv.url, nats_user="inference-worker",
+                      nats_password=passwords["inference-worker"], cluster="east",
+                      node="n0", agent_interval="0.2", sim_gpus="1")
+    proc = subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    refusals: list[dict] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and not refusals:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            with_json = line.decode(errors="replace").strip()
+            if with_json.startswith("{") and '"nats.permission_denied"' in with_json:
+                refusals.append(json.loads(with_json))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert refusals, "the agent never logged a refusal"
+    first = refusals[0]
+    assert first["level"] == "error" and first["user"] == "inference-worker"
+    assert first["operation"] in ("publish", "subscribe") and first["subject"]
+    assert first["service"] == "cluster-agent"
+
+
+# --------------------------------------------------------------------------- the whole stack
+
+
+def test_every_service_runs_as_its_own_user_and_serves_without_a_refusal(
+        tmp_path: Path) -> None:
+    """``tandem dev up --auth``: each process is its own NATS user; a generation goes
+    through gateway, worker and agent heartbeats with no permission violation."""
+    sink = (tmp_path / "stack.log").open("w")
+    config = StackConfig.load().free_ports()
+    services = ["gateway", "cluster-agent", "inference-worker", "checkpointer", "trainer"]
+    try:
+        with Stack(config, tmp_path / "root", sink, grace=5, auth=True) as stack:
+            health = stack.start(services=services, health_timeout=120)
+            assert set(health.values()) == {"healthy"}, health
+            monitor = f"http://127.0.0.1:{stack.ports['nats_monitor']}/connz?auth=true"
+            with urllib.request.urlopen(monitor, timeout=5) as resp:
+                conns = json.load(resp)["connections"]
+            ours = [c for c in conns if c.get("name", "").startswith("tandem-")]
+            for c in ours:  # the connection name starts with its service: same as its user
+                assert c["name"].startswith(f"tandem-{c.get('authorized_user')}-"), c
+            assert {c["authorized_user"] for c in ours} == set(services)
+            url = stack.url("gateway")
+            with httpx.Client(base_url=str(url), timeout=10) as http:
+                tid = http.post("/v1/generations", json={"model": "noop"}).json()["id"]
+                with http.stream("GET", f"/v1/generations/{tid}/events",
+                                 timeout=60) as events:
+                    lines = [ln for ln in events.iter_lines() if ln.startswith("data:")]
+                final = json.loads(lines[-1].removeprefix("data:"))
+                assert final["state"] == "succeeded", final
+            # the stack's own admin settings reach the same server
+            assert stack.settings().nats_user == "admin"
+            assert os.stat(tmp_path / "root" / "nats.conf").st_mode & 0o077 == 0
+    finally:
+        sink.close()
+    nats_log = (tmp_path / "root" / "logs" / "nats.log").read_text()
+    assert "Violation" not in nats_log
+    for log in (tmp_path / "root" / "logs").glob("*.log"):
+        assert "permission_denied" not in log.read_text(), log.name
+
+
+# ---------------------------------------------------------------------------------- TLS
+
+
+async def test_bus_runs_over_mutual_tls_with_a_generated_ca(tmp_path: Path, uid: str) -> None:
+    certs = dev_certs(tmp_path / "certs")
+    roles = permissions.declaration(["east"])
+    passwords = {r: f"pw-{r}" for r in roles}
+    conf = tmp_path / "tls.conf"
+    conf.write_text(permissions.server_config(
+        str(tmp_path / "js"), roles, passwords, tls_cert=str(certs.server_cert),
+        tls_key=str(certs.server_key), tls_ca=str(certs.ca), verify_clients=True))
+    srv = NatsServer(name="tls", log_path=tmp_path / "nats.log", config_path=conf).start()
+    try:
+        url = f"tls://127.0.0.1:{srv.port}"
+        tls = dict(nats_url=url, nats_tls_ca=str(certs.ca), nats_tls_cert=str(certs.client_cert),
+                   nats_tls_key=str(certs.client_key), nats_user="admin",
+                   nats_password=passwords["admin"])
+        bus = await Bus.connect(load(Settings, **tls), "tls")
+        try:
+            stream = streams.StreamSpec(f"T_{uid}", (f"t.{uid}.*",))
+            consumer = streams.ConsumerSpec(stream.name, "c")
+            await bus.provision([*streams.core_streams(), stream, consumer])
+            await bus.publish(f"t.{uid}.a", GenerationTask(task_id="over-tls", model="m"))
+            got: list[str] = []
+            stop = asyncio.Event()
+
+            async def handle(d: Delivery[GenerationTask]) -> None:
+                got.append(d.event.task_id)
+                stop.set()
+
+            await asyncio.wait_for(bus.consumer(consumer, GenerationTask, handle,
+                                                fetch_timeout=0.2).run(stop), TIMEOUT)
+            assert got == ["over-tls"]
+            assert bus.nc.connected_url is not None and bus.nc.connected_url.scheme == "tls"
+        finally:
+            await bus.drain()
+        # without a client certificate, or trusting another CA, no connection is made
+        other = dev_certs(tmp_path / "other")
+        for bad in ({"nats_tls_cert": None, "nats_tls_key": None},
+                    {"nats_tls_ca": str(other.ca)}):
+            with pytest.raises(Exception):  # noqa: B017 - TLS or closed-connection error
+                await Bus.connect(load(Settings, **{**tls, **bad}), "tls",
+                                  allow_reconnect=False, connect_timeout=3)
+    finally:
+        srv.stop()
