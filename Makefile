@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-installed
 
-.PHONY: demo test lint unit setup clean
+.PHONY: demo test lint unit setup clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,16 @@ setup: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-unit: $(STAMP)
+# The dashboard test drives Debian's chromium (headless). Installed here when missing and
+# we are root with apt-get; otherwise that test fails saying how to install it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the dashboard test (apt-get install -y chromium)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "note: chromium is missing; run 'apt-get install -y chromium' as root"; fi; }
+
+unit: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint unit

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "tandem.cli.run",
     "tandem.cli.dev",
     "tandem.cli.demo",
+    "tandem.cli.report",
     "tandem.cli.fleet",
     "tandem.cli.generate",
     "tandem.cli.train",
@@ -48,6 +49,14 @@ def main(argv: list[str] | None = None) -> None:
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:
+        from tandem.cli.reach import unreachable_message
+
+        message = unreachable_message(exc)
+        if message is None:
+            raise
+        print(f"tandem: {message}", file=sys.stderr)
+        code = 1
     sys.exit(code or 0)
 
 

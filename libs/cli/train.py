@@ -83,7 +83,7 @@ async def _connect() -> Any:
     from tandem.common.settings import Settings, load
 
     return await Bus.connect(load(Settings, "tandem"), "cli", allow_reconnect=False,
-                             connect_timeout=3, max_reconnect_attempts=0)
+                             connect_timeout=3, max_reconnect_attempts=1)
 
 
 async def _submit(args: argparse.Namespace) -> int:

@@ -1,0 +1,32 @@
+"""What a CLI command says when the stack it needs is not there.
+
+``unreachable_message(exc)`` turns the errors of an unreachable NATS or gateway into one
+clear sentence naming what was tried and how to start the local stack; anything else
+gives None (the error is a real bug and keeps its traceback).
+"""
+
+from __future__ import annotations
+
+import os
+
+START = ("Is the stack running? Start the local one with `tandem dev up` (or `make demo` "
+         "for the whole tour), or point TANDEM_NATS_URL / --url at yours.")
+
+
+def unreachable_message(exc: BaseException) -> str | None:
+    """A user-facing message if ``exc`` means NATS or the gateway is unreachable."""
+    from nats.errors import NoServersError
+
+    nats_url = os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222")
+    if isinstance(exc, NoServersError):
+        return f"cannot reach NATS at {nats_url}. {START}"
+    try:
+        import httpx
+    except ImportError:
+        httpx = None  # type: ignore[assignment]
+    if httpx is not None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        where = getattr(getattr(exc, "request", None), "url", "the gateway")
+        return f"cannot reach the gateway at {where}. {START}"
+    if isinstance(exc, ConnectionRefusedError | TimeoutError):
+        return f"cannot connect ({exc}). {START}"
+    return None

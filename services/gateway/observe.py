@@ -1,0 +1,306 @@
+"""What the operator sees: one live picture of the system, for the dashboard and /metrics.
+
+The ``Observer`` runs beside the HTTP API in the gateway. Every ``interval`` seconds it
+reads the fleet (KV ``nodes`` and ``drains``), each cluster's queue per lane (the
+``GEN_<CLUSTER>`` work-queue streams: how many tasks wait and how old the oldest is) and
+the training runs (KV ``runs``); from core NATS it follows training steps, checkpoints
+and generation results as they are published. It keeps a bounded history (a loss curve
+per run, the last generations) and sets the Prometheus gauges below, so a scrape of the
+gateway's ``/metrics`` shows the whole system's state alongside the gateway's own
+counters (the way kube-state-metrics does for Kubernetes).
+
+Nothing here is authoritative: it is a view, rebuilt from the bus after a restart
+(the loss history of a run is refilled from the ``TRAIN`` stream the first time the run
+is seen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tandem.common import log, metrics, subjects
+from tandem.common.events import (
+    CheckpointWritten,
+    GenerationResult,
+    GenerationTask,
+    RunRecord,
+    TrainEvent,
+    TrainStep,
+    decode,
+)
+from tandem.common.streams import KV_RUNS
+
+_log = log.get("tandem.gateway.observe")
+
+QUEUE_DEPTH = metrics.Gauge("tandem_queue_depth", "Generation tasks in a cluster's queue "
+                            "(waiting or running, not yet acked)", ["cluster", "lane"])
+QUEUE_AGE = metrics.Gauge("tandem_queue_oldest_age_seconds", "Age of the oldest task in a "
+                          "cluster's queue, seconds (0 when empty)", ["cluster", "lane"])
+CLUSTER_HEALTHY = metrics.Gauge("tandem_cluster_healthy", "1 while a cluster has a serving "
+                                "node", ["cluster"])
+NODE_UP = metrics.Gauge("tandem_node_up", "1 while a node's heartbeat is fresh",
+                        ["cluster", "node"])
+NODE_SERVING = metrics.Gauge("tandem_node_serving", "1 while a node is up, healthy enough "
+                             "and not drained", ["cluster", "node"])
+GPU_UTIL = metrics.Gauge("tandem_gpu_utilization_percent", "GPU utilization, percent",
+                         ["cluster", "node", "gpu"])
+GPU_TEMP = metrics.Gauge("tandem_gpu_temperature_celsius", "GPU temperature, degrees C",
+                         ["cluster", "node", "gpu"])
+GPU_POWER = metrics.Gauge("tandem_gpu_power_watts", "GPU power draw, watts",
+                          ["cluster", "node", "gpu"])
+GPU_MEM = metrics.Gauge("tandem_gpu_memory_used_bytes", "GPU memory in use, bytes",
+                        ["cluster", "node", "gpu"])
+TRAIN_LOSS = metrics.Gauge("tandem_train_loss", "Latest training loss", ["run"])
+TRAIN_STEP = metrics.Gauge("tandem_train_step", "Latest optimizer step", ["run"])
+TRAIN_STEP_SECONDS = metrics.Histogram(
+    "tandem_train_step_seconds", "Training step time (slowest rank), seconds", ["run"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+TRAIN_SAMPLES = metrics.Gauge("tandem_train_samples_per_second", "Training throughput, "
+                              "samples per second", ["run"])
+CKPT_BLOCKED = metrics.Histogram(
+    "tandem_checkpoint_blocked_seconds", "Time a checkpoint blocked training, seconds",
+    ["run"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+GOODPUT = metrics.Gauge("tandem_train_goodput_ratio", "Productive share of a run's "
+                        "wall-clock time (0..1)", ["run"])
+RESTARTS = metrics.Gauge("tandem_train_restarts", "Restarts of a run so far", ["run"])
+
+MAX_POINTS = 600  # loss points kept per run (thinned evenly beyond this)
+MAX_RUNS = 12
+MAX_GENERATIONS = 24
+
+
+@dataclass
+class RunView:
+    run_id: str
+    loss: list[tuple[int, float]] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    record: RunRecord | None = None
+    backfilled: bool = False
+    _every: int = 1
+    _seen: int = 0
+
+    def add_step(self, step: int, loss: float) -> None:
+        self._seen += 1
+        if self._seen % self._every:
+            return
+        if self.loss and step <= self.loss[-1][0]:  # a restart replays steps: keep the new
+            self.loss = [p for p in self.loss if p[0] < step]
+        self.loss.append((step, loss))
+        if len(self.loss) > MAX_POINTS:
+            self.loss = self.loss[::2]
+            self._every *= 2
+
+
+class Observer:
+    """The live picture; ``run(stop)`` keeps it fresh until ``stop`` is set."""
+
+    def __init__(self, bus: Any, clusters: list[str], *, s3: Any = None, bucket: str = "",
+                 url_ttl: float = 3600.0, interval: float = 1.0) -> None:
+        self.bus = bus
+        self.clusters = clusters
+        self.s3 = s3
+        self.bucket = bucket
+        self.url_ttl = url_ttl
+        self.interval = interval
+        self.runs: dict[str, RunView] = {}
+        self.generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
+        self.fleet: dict[str, Any] = {"clusters": [], "at": 0.0, "heartbeat_ttl": 0.0}
+        self.queues: list[dict[str, Any]] = []
+        self.refreshed_at = 0.0
+        self.ready = asyncio.Event()
+        self._subs: list[Any] = []
+        self._urls: dict[str, tuple[str, float]] = {}  # key -> (presigned URL, made at)
+
+    # ------------------------------------------------------------------------- life
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = self.bus.nc
+        self._subs = [
+            await nc.subscribe(subjects.train_kind_filter("step"), cb=self._on_train),
+            await nc.subscribe(subjects.train_kind_filter("checkpoint"), cb=self._on_train),
+            await nc.subscribe(subjects.GEN_RESULT.wildcard, cb=self._on_result),
+        ]
+        try:
+            while not stop.is_set():
+                try:
+                    await self.refresh()
+                except Exception as exc:  # NATS restarting, a bucket not there yet
+                    _log.warning("observe.refresh_failed", error=repr(exc))
+                self.ready.set()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval)
+        finally:
+            for sub in self._subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def refresh(self) -> None:
+        from tandem.common.fleet import read_fleet
+
+        view = await read_fleet(self.bus)
+        self.fleet = view.to_dict()
+        self._fleet_gauges(view)
+        self.queues = [q for c in self.clusters for q in await self._queues(c)]
+        await self._runs()
+        self.refreshed_at = time.time()
+
+    # ---------------------------------------------------------------------- readers
+
+    def _fleet_gauges(self, view: Any) -> None:
+        for c in view.clusters:
+            CLUSTER_HEALTHY.labels(c.name).set(1 if c.healthy else 0)
+            for n in c.nodes:
+                NODE_UP.labels(c.name, n.node).set(1 if n.up else 0)
+                NODE_SERVING.labels(c.name, n.node).set(1 if n.serving else 0)
+                for g in n.gpus if n.up else []:
+                    labels = (c.name, n.node, str(g.index))
+                    for gauge, value in ((GPU_UTIL, g.util), (GPU_TEMP, g.temp),
+                                         (GPU_POWER, g.power), (GPU_MEM, g.mem_used)):
+                        if value is not None:
+                            gauge.labels(*labels).set(value)
+
+    async def _queues(self, cluster: str) -> list[dict[str, Any]]:
+        stream = subjects.gen_stream_name(cluster)
+        try:
+            info = await self.bus.js.stream_info(stream,
+                                                 subjects_filter=subjects.gen_cluster_filter(
+                                                     cluster))
+        except Exception:
+            return []
+        counts = info.state.subjects or {}
+        out = []
+        now = time.time()
+        for lane in subjects.LANES:
+            subject = subjects.gen(cluster, lane)
+            depth = int(counts.get(subject, 0))
+            age = 0.0
+            if depth:
+                with contextlib.suppress(Exception):
+                    msg = await self.bus.js.get_msg(stream, seq=1, subject=subject, next=True)
+                    task = msgspec.json.decode(msg.data, type=GenerationTask)
+                    age = max(0.0, now - task.submitted_at)
+            QUEUE_DEPTH.labels(cluster, lane).set(depth)
+            QUEUE_AGE.labels(cluster, lane).set(age)
+            out.append({"cluster": cluster, "lane": lane, "depth": depth,
+                        "oldest_age_s": round(age, 2)})
+        return out
+
+    async def _runs(self) -> None:
+        from tandem.common.bus import TypedKV
+
+        kv = TypedKV(await self.bus.kv(KV_RUNS), RunRecord)
+        records = await kv.items()
+        newest = sorted(records.values(), key=lambda r: r.created_at)[-MAX_RUNS:]
+        for rec in newest:
+            view = self.runs.setdefault(rec.run_id, RunView(rec.run_id))
+            view.record = rec
+            if not view.backfilled:
+                view.backfilled = True
+                await self._backfill(view)
+            RESTARTS.labels(rec.run_id).set(rec.restarts)
+            if rec.goodput.get("goodput") is not None:
+                GOODPUT.labels(rec.run_id).set(rec.goodput["goodput"])
+        keep = {r.run_id for r in newest}
+        for run_id in [r for r in self.runs if r not in keep]:
+            del self.runs[run_id]
+
+    async def _backfill(self, view: RunView) -> None:
+        """A run's earlier steps from the TRAIN stream (this gateway may be newer)."""
+        from nats.js.api import DeliverPolicy
+
+        if view.loss:
+            return
+        with contextlib.suppress(Exception):
+            sub = await self.bus.js.subscribe(
+                subjects.train(view.run_id, "step"), ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL)
+            try:
+                info = await sub.consumer_info()
+                for _ in range(int(info.num_pending or 0) + 1):
+                    msg = await sub.next_msg(timeout=2.0)
+                    ev = decode(msg.data, TrainStep)
+                    view.add_step(ev.step, ev.loss)
+                    meta = msg.metadata
+                    if meta and not meta.num_pending:
+                        break
+            finally:
+                await sub.unsubscribe()
+
+    # --------------------------------------------------------------------- followers
+
+    async def _on_train(self, msg: Any) -> None:
+        try:
+            ev = decode(msg.data, TrainEvent)  # type: ignore[arg-type]
+        except Exception:
+            return
+        view = self.runs.get(ev.run_id)
+        if view is None:
+            if len(self.runs) >= 4 * MAX_RUNS:
+                return
+            view = self.runs.setdefault(ev.run_id, RunView(ev.run_id))
+            view.backfilled = True  # followed live from here
+        if isinstance(ev, TrainStep):
+            view.add_step(ev.step, ev.loss)
+            TRAIN_LOSS.labels(ev.run_id).set(ev.loss)
+            TRAIN_STEP.labels(ev.run_id).set(ev.step)
+            TRAIN_SAMPLES.labels(ev.run_id).set(ev.samples_per_s)
+            if ev.step_time > 0:
+                TRAIN_STEP_SECONDS.labels(ev.run_id).observe(ev.step_time)
+        elif isinstance(ev, CheckpointWritten):
+            view.checkpoints.append(ev.step)
+            CKPT_BLOCKED.labels(ev.run_id).observe(ev.blocked_s)
+
+    async def _on_result(self, msg: Any) -> None:
+        try:
+            ev = decode(msg.data, GenerationResult)
+        except Exception:
+            return
+        self.generations.appendleft({
+            "id": ev.task_id, "cluster": ev.cluster, "worker": ev.worker,
+            "checkpoint": ev.checkpoint, "checkpoint_step": ev.checkpoint_step,
+            "images": list(ev.images), "at": ev.at})
+
+    # -------------------------------------------------------------------------- view
+
+    def _url(self, key: str) -> str:
+        # The same URL for a while, so a polling page does not reload every image.
+        if self.s3 is None:
+            return ""
+        url, made = self._urls.get(key, ("", 0.0))
+        if time.time() - made > self.url_ttl / 2:
+            url = self.s3.generate_presigned_url("get_object", Params={
+                "Bucket": self.bucket, "Key": key}, ExpiresIn=int(self.url_ttl))
+            if len(self._urls) > 4 * MAX_GENERATIONS * 4:
+                self._urls.clear()
+            self._urls[key] = (url, time.time())
+        return url
+
+    def snapshot(self) -> dict[str, Any]:
+        """The dashboard's JSON: fleet, queues, runs with loss curves, generations."""
+        runs = []
+        for view in sorted(self.runs.values(), key=lambda v: (
+                v.record.created_at if v.record else 0.0), reverse=True):
+            rec = view.record
+            runs.append({
+                "run_id": view.run_id,
+                "state": rec.state.value if rec else "unknown",
+                "steps": int(rec.config.get("steps", 0)) if rec else 0,
+                # Step events arrive before the trainer's periodic KV update: newest wins.
+                "latest_step": max(rec.latest_step if rec else 0,
+                                   view.loss[-1][0] if view.loss else 0),
+                "restarts": rec.restarts if rec else 0,
+                "latest_checkpoint_step": rec.latest_checkpoint_step if rec else None,
+                "goodput": rec.goodput.get("goodput") if rec else None,
+                "incidents": len(rec.incidents) if rec else 0,
+                "loss": view.loss, "checkpoints": view.checkpoints})
+        gens = [{**g, "image_urls": [self._url(k) for k in g["images"][:4]]}
+                for g in self.generations]
+        return {"at": time.time(), "refreshed_at": self.refreshed_at, "fleet": self.fleet,
+                "queues": self.queues, "runs": runs, "generations": gens}
