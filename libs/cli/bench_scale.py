@@ -55,10 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-rate", type=float, default=100.0,
                    help="no-op tasks/s offered in the steady window")
     p.add_argument("--burst-seconds", type=float, default=10.0, help="burst window, s")
-    p.add_argument("--burst-conns", type=int, default=32, help="connections in the burst")
+    p.add_argument("--burst-conns", type=int, default=64, help="connections in the burst")
     p.add_argument("--hub-size", type=int, default=3, help="control-plane nats-servers")
     p.add_argument("--nodes-per-proc", type=int, default=250,
                    help="most simulated nodes per agent process")
+    p.add_argument("--root", type=Path, default=None,
+                   help="keep servers' and processes' logs here (default: a temp folder)")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -466,10 +468,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     log.configure("console", "error")
     sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:
+        root = args.root or Path(tmp)
         for n in sizes:
-            rows.append(await _one(n, args, Path(tmp) / f"n{n}"))
+            try:
+                rows.append(await _one(n, args, root / f"n{n}"))
+            except Exception as exc:  # report it and go on with the next size
+                logs = sorted((root / f"n{n}").glob("*.log"))
+                tails = {p.name: p.read_text(errors="replace")[-1500:] for p in logs
+                         if "Traceback" in p.read_text(errors="replace")}
+                failed.append({"nodes": n, "error": repr(exc), "logs": tails})
     marginal = None
     if len(rows) >= 2 and rows[-1]["nodes"] > rows[0]["nodes"]:
         lo, hi = rows[0], rows[-1]
@@ -486,13 +495,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(), "clusters": args.clusters, "gpus_per_node": args.gpus,
         "interval_s": args.interval, "hub_size": args.hub_size, "sizes": rows,
-        "marginal_per_node": marginal,
+        "marginal_per_node": marginal, "failed": failed,
         "goals": {
             "no_backlog_at_largest": bool(largest and largest["no_backlog_growth"]),
             "tasks_per_s_goal": GOAL_TASKS_PER_S,
             "tasks_per_s_best": max((r["burst"]["accepted_per_s"] for r in rows), default=0),
         },
-        "ok": True,  # goals are reported, not enforced
+        "ok": not failed,  # goals are reported, not enforced; a failed size is not
     }
 
 
@@ -529,6 +538,10 @@ def render(r: dict[str, Any]) -> str:
             f"{pn['agent_cpu_ms_per_s']} ms CPU/s, {pn['leaf_in_bytes_per_s']} B/s in, "
             f"{pn['js_api_per_s']} JS API req/s, agent RSS {pn['agent_rss_kib']} KiB",
         ]
+    for fail in r.get("failed", []):
+        lines.append(f"{fail['nodes']:>5} nodes FAILED: {fail['error']}")
+        for name, tail in fail["logs"].items():
+            lines.append(f"   {name}: ...{tail[-600:]}")
     if r.get("marginal_per_node"):
         m = r["marginal_per_node"]
         lines.append(f"marginal per node (largest - smallest): NATS {m['nats_cpu_ms_per_node_s']} "

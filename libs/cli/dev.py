@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--auth", action="store_true",
                     help="NATS with one user per service (least-privilege permissions from "
                     "tandem.common.permissions, fresh passwords in <root>/nats.conf)")
+    up.add_argument("--topology", choices=("single", "leaf"), default="single",
+                    help="single: one nats-server (default); leaf: the production shape, a "
+                    "3-server control-plane cluster holding the streams and one leaf-node "
+                    "server per GPU cluster that its agents and workers connect through")
     up.add_argument("--health-timeout", type=float, default=90.0,
                     help="seconds to wait for services' /healthz before 'ready' (default 90)")
     up.set_defaults(func=_up)
@@ -95,7 +99,8 @@ def _up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stack = Stack(config, args.root, fresh=args.fresh, grace=args.grace, auth=args.auth)
+    stack = Stack(config, args.root, fresh=args.fresh, grace=args.grace, auth=args.auth,
+                  topology=args.topology)
 
     def say(msg: str) -> None:
         stack.out.line("stack", msg)
@@ -128,6 +133,10 @@ def summary(stack: Stack, health: dict[str, str]) -> list[str]:
     lines = [f"NATS      {stack.nats_url}  (monitor http://127.0.0.1:"
              f"{stack.ports['nats_monitor']}, store {stack.root / 'nats'})",
              f"S3        {stack.s3_endpoint}  (bucket {stack.config.bucket}, in memory)"]
+    if stack.topology is not None:
+        for cluster, leaf in stack.topology.leaves.items():
+            lines.append(f"leaf      {leaf.url}  ({cluster}'s services; JetStream domain "
+                         f"{stack.topology.domain} in the hub)")
     for name, child in stack.children.items():
         where = f"  {child.spec.url}" if child.spec.url else ""
         lines.append(f"{name:<22} pid {child.pid:<7} {health.get(name, '?')}{where}")

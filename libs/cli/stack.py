@@ -37,7 +37,14 @@ from typing import IO, Any, Literal
 from tandem.common import subjects
 from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
 from tandem.common.permissions import ADMIN
-from tandem.common.servers import NatsServer, Process, S3Server, free_port, port_in_use
+from tandem.common.servers import (
+    NatsServer,
+    Process,
+    S3Server,
+    Topology,
+    free_port,
+    port_in_use,
+)
 from tandem.common.settings import Settings, load
 from tandem.common.streams import ConsumerSpec, cluster_streams, core_streams
 
@@ -309,8 +316,13 @@ class Stack:
 
     def __init__(self, config: StackConfig, root: Path, sink: IO[str] | None = None, *,
                  fresh: bool = False, log_format: str | None = None, grace: float = 15.0,
-                 tail_servers: tuple[str, ...] = ("nats",), auth: bool = False) -> None:
+                 tail_servers: tuple[str, ...] = ("nats",), auth: bool = False,
+                 topology: Literal["single", "leaf"] = "single") -> None:
         self.config = config
+        # topology "leaf": a 3-server control-plane cluster holds the streams; each GPU
+        # cluster's processes connect through its own leaf-node server (servers.Topology).
+        self.topology_kind = topology
+        self.topology: Topology | None = None
         # auth: nats-server runs with tandem.common.permissions' users, each service
         # connects as its own role, provisioning and settings() as admin.
         self.auth = auth
@@ -341,6 +353,8 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        if self.topology is not None and self.topology.hub is not None:
+            return self.topology.hub_url
         return f"nats://{HOST}:{self.ports['nats']}"
 
     @property
@@ -363,10 +377,16 @@ class Stack:
 
     def pids(self) -> dict[str, int]:
         out = {n: c.pid for n, c in self.children.items() if c.running and c.pid}
-        for srv in (self.nats, self.s3):
+        for srv in (*self._nats_servers(), self.s3):
             if srv is not None and srv.running and srv.pid:
                 out[srv.name] = srv.pid
         return out
+
+    def _nats_servers(self) -> list[NatsServer | None]:
+        """Every nats-server, in stopping order (leaves before the hub they relay to)."""
+        if self.topology is not None:
+            return list(reversed(self.topology.servers))
+        return [self.nats]
 
     def select(self, target: str) -> list[Child]:
         """Children named ``target``: a process name, a cluster, a service, or ``all``."""
@@ -432,6 +452,9 @@ class Stack:
         if self.auth:
             env.update(TANDEM_NATS_USER=kind.service,
                        TANDEM_NATS_PASSWORD=self.passwords.get(kind.service, ""))
+        if self.topology is not None and cluster in self.topology.leaves:
+            leaf = self.topology.env_for(cluster)  # its leaf's URL and the hub's domain
+            env.update({f"TANDEM_{k.upper()}": v for k, v in leaf.items()})
         env.update({f"TANDEM_{k.upper()}": fmt(str(v), f"env.{k}") for k, v in kind.env.items()})
         return ProcessSpec(
             name=name, argv=(sys.executable, "-m", module_of(kind.service)), env=env,
@@ -470,12 +493,23 @@ class Stack:
             import shutil
 
             shutil.rmtree(self.root / "nats", ignore_errors=True)
-        self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
-                               port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
-                               store_dir=self.root / "nats", host=HOST,
-                               config_path=self._auth_config() if self.auth else None)
-        self._tail(self.nats.log_path, "nats")
-        self.nats.start()
+        if self.topology_kind == "leaf":
+            if self.auth:
+                raise SettingsError("local stack", {"--auth": "not with --topology leaf yet: "
+                                                    "the leaf servers would need the users too"})
+            self.topology = Topology(self.root / "nats", [c.name for c in self.config.clusters],
+                                     hub_ports=[(self.ports["nats"], self.ports["nats_monitor"])])
+            self._tail(self.root / "nats" / "hub" / "n0.log", "nats")
+            self.topology.start()
+            assert self.topology.hub is not None
+            self.nats = self.topology.hub.servers[0]
+        else:
+            self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
+                                   port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
+                                   store_dir=self.root / "nats", host=HOST,
+                                   config_path=self._auth_config() if self.auth else None)
+            self._tail(self.nats.log_path, "nats")
+            self.nats.start()
         self._check(cancel)
         self.s3 = S3Server(name="s3", log_path=self.log_dir / "s3.log", port=self.ports["s3"],
                            host=HOST)
@@ -524,7 +558,8 @@ class Stack:
         specs = [s for s in core_streams(1) + cluster_streams(
             [c.name for c in self.config.clusters], 1) if not isinstance(s, ConsumerSpec)]
         auth = {"user": ADMIN, "password": self.passwords[ADMIN]} if self.auth else {}
-        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=3,
+        nc = await nats.connect(self.nats_url.split(","), connect_timeout=5,
+                                max_reconnect_attempts=3,
                                 **auth)
         try:
             return await provision(nc.jetstream(), specs)
@@ -633,7 +668,7 @@ class Stack:
             return []
         self._stopped = True
         killed = stop_children(list(self.children.values()), self.grace)
-        for srv in (self.s3, self.nats):
+        for srv in (self.s3, *self._nats_servers()):
             if srv is not None:
                 srv.stop()
                 if srv.proc is not None:  # and anything it left in its group

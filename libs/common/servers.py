@@ -182,6 +182,7 @@ class NatsCluster:
     leafnodes: bool = False
     ports: list[tuple[int, int]] = field(default_factory=list)
     leaf_ports: list[int] = field(default_factory=list)
+    max_consumers: int = 0  # per stream; 0 keeps nats-server's default (1,000 since 2.15)
 
     def start(self, timeout: float = 30) -> NatsCluster:
         host = "127.0.0.1"
@@ -195,6 +196,8 @@ class NatsCluster:
             store = self.root / name / "js"
             conf.parent.mkdir(parents=True, exist_ok=True)
             domain = f", domain: {self.domain}" if self.domain else ""
+            if self.max_consumers:
+                domain += f", limits: {{ default_max_consumers: {self.max_consumers} }}"
             text = (f"server_name: {name}\n"
                     f"jetstream {{ store_dir: \"{store}\"{domain} }}\n")
             if self.size > 1:
@@ -303,6 +306,9 @@ class Topology:
     hub_size: int = 3
     domain: str = "hub"
     hub_ports: list[tuple[int, int]] = field(default_factory=list)
+    # NOTE: every node's agent watches its drain key (one ordered consumer on KV_drains
+    # each), so a fleet over 1,000 nodes needs more than nats-server's per-stream default.
+    max_consumers: int = 10_000
     hub: NatsCluster | None = None
     leaves: dict[str, LeafNode] = field(default_factory=dict)
 
@@ -310,7 +316,8 @@ class Topology:
         try:
             self.hub = NatsCluster(root=self.root / "hub", size=self.hub_size,
                                    domain=self.domain, leafnodes=True,
-                                   ports=self.hub_ports).start(timeout)
+                                   ports=self.hub_ports,
+                                   max_consumers=self.max_consumers).start(timeout)
             for c in self.clusters:
                 leaf = LeafNode(name=f"leaf-{c}", log_path=self.root / f"leaf-{c}.log",
                                 remotes=self.hub.leaf_urls)
