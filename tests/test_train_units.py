@@ -128,7 +128,7 @@ def test_straggler_is_flagged_only_when_slowness_persists() -> None:
     for _ in range(4):
         flagged += d.observe([1.0, 1.0, 2.0], nodes)
     assert [(s.rank, s.node) for s in flagged] == [(2, "c")]
-    assert flagged[0].score == pytest.approx(2.0)
+    assert flagged[0].score >= 1.5 and flagged[0].median_time == 1.0
     assert d.observe([1.0, 1.0, 2.0], nodes) == []  # reported once
 
 

@@ -99,17 +99,20 @@ class HangWatch:
 class Straggler:
     rank: int
     node: str
-    score: float  # the rank's step time over the median of all ranks, averaged
+    score: float  # median over the window of (rank's step time / the others' median)
     rank_time: float
-    median_time: float
+    median_time: float  # the other ranks' median step time, at the flagging step
     steps: int
 
 
 class StragglerDetector:
-    """Flags a rank whose step time stays above ``ratio`` x the ranks' median.
+    """Flags a rank whose step time stays well above the other ranks'.
 
-    "Stays" means every one of the last ``window`` steps; a rank is reported once until
-    it recovers (or the detector is reset at a restart).
+    A rank's score at a step is its time over the median time of the *other* ranks (so
+    two ranks compare with each other, not with their own mean). It is flagged when the
+    median of its last ``window`` scores reaches ``ratio``: persistent, robust to a few
+    noisy steps. A flagged rank is reported once, until that median drops below
+    ``ratio`` again (or the detector is reset at a restart).
     """
 
     def __init__(self, ratio: float = 1.5, window: int = 20) -> None:
@@ -125,20 +128,22 @@ class StragglerDetector:
     def observe(self, rank_times: Sequence[float], rank_nodes: Sequence[str]) -> list[Straggler]:
         if len(rank_times) < 2:
             return []
-        med = statistics.median(rank_times)
-        if med <= 0:
-            return []
         flagged = []
-        for rank, t in enumerate(rank_times):
+        times = list(rank_times)
+        for rank, t in enumerate(times):
+            others = statistics.median(times[:rank] + times[rank + 1:])
+            if others <= 0:
+                continue
             q = self._scores.setdefault(rank, deque(maxlen=self.window))
-            q.append(t / med)
-            slow = len(q) == self.window and min(q) >= self.ratio
+            q.append(t / others)
+            score = statistics.median(q)
+            slow = len(q) == self.window and score >= self.ratio
             if slow and rank not in self._flagged:
                 self._flagged.add(rank)
                 node = rank_nodes[rank] if rank < len(rank_nodes) else ""
-                flagged.append(Straggler(rank=rank, node=node, score=sum(q) / len(q),
-                                         rank_time=t, median_time=med, steps=len(q)))
-            elif not slow and rank in self._flagged and q[-1] < self.ratio:
+                flagged.append(Straggler(rank=rank, node=node, score=score, rank_time=t,
+                                         median_time=others, steps=len(q)))
+            elif rank in self._flagged and score < self.ratio:
                 self._flagged.discard(rank)
         return flagged
 

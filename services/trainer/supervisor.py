@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.common import subjects
+from tandem.common import subjects, tracing
 from tandem.common.bus import Bus, TypedKV, struct_replace
 from tandem.common.events import (
     CheckpointManifest,
@@ -237,7 +237,13 @@ class RunSupervisor:
     async def _supervise(self, stopping: asyncio.Event) -> RunState:
         wd = self.config.watchdog
         while True:
-            outcome = await self._attempt(stopping)
+            # One trace per restart cycle: placement, restore, launch, training, outcome.
+            with tracing.new_trace("train attempt", {"tandem.run_id": self.run_id,
+                                                     "tandem.restarts": self.restarts}) as span:
+                outcome = await self._attempt(stopping)
+                span.set_attributes({"tandem.attempt": self.attempt_no,
+                                     "tandem.outcome": outcome.kind,
+                                     "tandem.step": self.latest_step})
             if outcome.kind == "succeeded":
                 self.goodput.finished()
                 await self._status(RunState.succeeded, f"trained {self.latest_step} steps")
@@ -380,8 +386,8 @@ class RunSupervisor:
                 tag = item[0]
                 if tag == "stop":
                     return Outcome("stopping")
-                if item[1] not in (self.attempt_no, -1) and tag != "exit":
-                    continue  # a message from an earlier attempt's dying ranks
+                if item[1] != self.attempt_no:
+                    continue  # from an earlier attempt: its dying ranks or agents
                 if tag == "exit":
                     node, code = item[2], item[3]
                     exits[node] = code
