@@ -8,29 +8,25 @@ and each answers a 4xx naming the limit. No worker runs: tasks stay queued.
 from __future__ import annotations
 
 import json
-import ssl
 import subprocess
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tandem.cli.certs import dev_certs
 from tandem.common.bus import Bus, TypedKV, struct_replace
 from tandem.common.events import RunRecord, RunState
 from tandem.common.runs import submit_run
-from tandem.common.servers import NatsServer, S3Server, free_port
+from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS, core_streams
 from tandem.gateway.auth import AuthSettings, Guard, hash_key, new_key
 from tests.conftest import PYTHON, service_env
+from tests.security_support import TIMEOUT, Gateway, https_gateway
 
-TIMEOUT = 30
 KEYS = {  # name -> (scopes, extra limits)
     "gen": (["generate"], {}),
     "trainer": (["train"], {}),
@@ -40,68 +36,12 @@ KEYS = {  # name -> (scopes, extra limits)
 }
 
 
-@dataclass
-class Gateway:
-    url: str
-    keys: dict[str, str]  # name -> the key itself
-    ca: ssl.SSLContext
-    log: Path
-
-    def client(self, key: str | None = None, **kw: Any) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.keys[key]}"} if key else {}
-        return httpx.Client(base_url=self.url, verify=self.ca, headers=headers,
-                            timeout=kw.pop("timeout", 10), **kw)
-
-
-def _wait_port(metrics: int, proc: subprocess.Popen[bytes], log: Path) -> int:
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz", timeout=1) as r:
-                port = json.load(r).get("http_port")
-                if port:
-                    return int(port)
-        except OSError:
-            pass
-        time.sleep(0.1)  # polling the service's own readiness endpoint
-    raise AssertionError("gateway not ready: " + log.read_text()[-3000:])
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
             ) -> Iterator[Gateway]:
-    root = tmp_path_factory.mktemp("gw")
-    nats = NatsServer(name="gw", log_path=root / "nats.log", store_dir=root / "js").start()
-    certs = dev_certs(root / "certs")
-    keys = {name: new_key() for name in KEYS}
-    entries = [{"name": n, "sha256": hash_key(keys[n]), "scopes": s, **extra}
-               for n, (s, extra) in KEYS.items()]
-    (root / "keys.json").write_text(json.dumps(entries))
-    metrics = free_port()
-    env = service_env(
-        nats_url=nats.url, s3_endpoint=s3_server.url, s3_access_key="tandem",
-        s3_secret_key="tandem", s3_bucket="secgw", cluster="east", clusters="east",
-        node="gw", http_port="0", metrics_port=str(metrics),
-        api_keys=f"@{root / 'keys.json'}", http_tls_cert=str(certs.server_cert),
-        http_tls_key=str(certs.server_key), sse_ping="0.2", max_body_bytes="2048",
-        max_prompt_chars="50", max_images="2", routing="static")
-    log = root / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
-        port = _wait_port(metrics, proc, log)
-        yield Gateway(f"https://127.0.0.1:{port}", keys,
-                      ssl.create_default_context(cafile=str(certs.ca)), log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        nats.stop()
+    with https_gateway(tmp_path_factory.mktemp("gw"), s3_server, KEYS, sse_ping="0.2",
+                       max_body_bytes="2048", max_prompt_chars="50", max_images="2") as gw:
+        yield gw
 
 
 def test_no_key_or_an_unknown_one_is_401_and_public_paths_stay_open(gateway: Gateway) -> None:
@@ -178,6 +118,16 @@ def test_limits_are_settings_and_exceeding_one_is_a_clear_4xx(gateway: Gateway) 
         assert r.status_code == 422 and "at most 50" in r.json()["detail"][0]["msg"]
         r = http.post("/v1/generations", json={"model": "noop", "num_images": 3})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_images"]
+
+
+def test_ids_that_are_not_safe_tokens_never_reach_a_subject_or_key(gateway: Gateway) -> None:
+    with gateway.client("gen") as http:
+        for raw in ("a.b", "%2A", "%3E", "a%20b", "..%2Fx", "x" * 65):
+            for method, path in (("GET", f"/v1/generations/{raw}"),
+                                 ("GET", f"/v1/generations/{raw}/events"),
+                                 ("DELETE", f"/v1/generations/{raw}")):
+                r = http.request(method, path)
+                assert r.status_code in (404, 422), (method, path, r.status_code, r.text)
 
 
 def test_keys_are_kept_hashed_never_logged_and_https_is_required(gateway: Gateway) -> None:

@@ -200,6 +200,23 @@ class RegistrySettings(Settings):
         Registry.parse(v)  # a bad registry stops the service at start, naming the field
         return v
 
+    model_root: str | None = Field(
+        None, description="Folder every dir:<path> model must be inside (symlinks "
+        "resolved); a path outside it stops the service at start. Unset: any folder.")
+
+    @field_validator("model_root")
+    @classmethod
+    def _inside_root(cls, v: str | None, info: Any) -> str | None:
+        if v is None or "models" not in info.data:
+            return v
+        root = Path(v).resolve()
+        for spec in Registry.parse(info.data["models"]):
+            if spec.source_kind == "dir" and not Path(spec.source_arg).resolve(
+                    ).is_relative_to(root):
+                raise ValueError(f"model {spec.name!r}: {spec.source_arg} is outside the "
+                                 f"model root {root}")
+        return v
+
     @property
     def registry(self) -> Registry:
         return Registry.parse(self.models)

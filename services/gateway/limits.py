@@ -1,8 +1,13 @@
 """Request body limit as plain ASGI middleware (no buffering framework in the way).
 
-A declared ``Content-Length`` over the limit is refused before the body is read; a body
-without one (chunked) is read up to the limit and refused as soon as it passes it. Either
-way the client gets ``413`` with the sizes, and the app never sees the body.
+A declared ``Content-Length`` over the limit is refused without the app reading the body;
+a body without one (chunked) is read up to the limit and refused as soon as it passes it.
+Either way the client gets ``413`` with the sizes, and the app never sees the body.
+
+Before answering, up to ``DRAIN_BYTES`` of the refused body are read and thrown away:
+a client that writes its whole body before reading (python-requests, curl) would
+otherwise have the connection closed under it mid-send and never see the 413 (over
+TLS, an "EOF in violation of protocol"; the fuzzer found it). Larger bodies are cut off.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 from typing import Any
 
 Scope = dict[str, Any]
+DRAIN_BYTES = 8 << 20  # read and discard at most this much of a refused body
 
 
 class BodyLimit:
@@ -29,6 +35,8 @@ class BodyLimit:
             except ValueError:
                 size = -1
             if size > self.max_bytes:
+                if size <= DRAIN_BYTES:
+                    await _drain(receive)
                 await self._refuse(send, f"request body is {size} bytes")
                 return
             await self.app(scope, receive, send)
@@ -42,11 +50,13 @@ class BodyLimit:
                 break
             body = message.get("body", b"")
             total += len(body)
+            more = message.get("more_body", False)
             if total > self.max_bytes:
+                if more:
+                    await _drain(receive, DRAIN_BYTES - total)
                 await self._refuse(send, f"request body is over {total} bytes")
                 return
             chunks.append(body)
-            more = message.get("more_body", False)
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed() -> dict[str, Any]:
@@ -61,3 +71,15 @@ class BodyLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive: Any, limit: int = DRAIN_BYTES) -> None:
+    """Read and discard the rest of a request body, at most ``limit`` bytes."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return

@@ -264,7 +264,9 @@ def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
             path = spec.source_arg
             if not os.path.isdir(path):
                 raise ModelLoadError(spec.name, f"{path} is not a directory")
-            pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dt, local_files_only=True)
+            # safetensors only: a folder's pickled .bin weights are refused, not unpickled
+            pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dt, local_files_only=True,
+                                                     use_safetensors=True)
             return DiffusersPipeline(spec, pipe.to(dev), dev)
         if kind == "run":
             return load_run_checkpoint(spec, dev, dt)

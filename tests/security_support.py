@@ -1,0 +1,88 @@
+"""Security tests' helpers: a real gateway process over HTTPS with hashed API keys."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tandem.cli.certs import CertFiles, dev_certs
+from tandem.common.servers import NatsServer, S3Server, free_port
+from tandem.gateway.auth import hash_key, new_key
+from tests.conftest import PYTHON, service_env
+
+TIMEOUT = 30
+
+
+@dataclass
+class Gateway:
+    url: str
+    keys: dict[str, str]  # name -> the key itself
+    certs: CertFiles
+    log: Path
+
+    @property
+    def ca(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.certs.ca))
+
+    def client(self, key: str | None = None, **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.keys[key]}"} if key else {}
+        return httpx.Client(base_url=self.url, verify=self.ca, headers=headers,
+                            timeout=kw.pop("timeout", 10), **kw)
+
+
+def _wait_port(metrics: int, proc: subprocess.Popen[bytes], log: Path) -> int:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz", timeout=1) as r:
+                port = json.load(r).get("http_port")
+                if port:
+                    return int(port)
+        time.sleep(0.1)  # polling the service's own readiness endpoint
+    raise AssertionError("gateway not ready: " + log.read_text()[-3000:])
+
+
+@contextlib.contextmanager
+def https_gateway(root: Path, s3: S3Server, keys: dict[str, tuple[list[str], dict[str, Any]]],
+                  **settings: str) -> Iterator[Gateway]:
+    """A NATS server and a gateway process (HTTPS, ``keys`` as a hashed keys file, static
+    routing, no workers) until the block ends. ``keys``: name -> (scopes, limits)."""
+    nats = NatsServer(name="gw", log_path=root / "nats.log", store_dir=root / "js").start()
+    certs = dev_certs(root / "certs")
+    secret = {name: new_key() for name in keys}
+    entries = [{"name": n, "sha256": hash_key(secret[n]), "scopes": s, **extra}
+               for n, (s, extra) in keys.items()]
+    (root / "keys.json").write_text(json.dumps(entries))
+    metrics = free_port()
+    env = service_env(**{
+        "nats_url": nats.url, "s3_endpoint": s3.url, "s3_access_key": "tandem",
+        "s3_secret_key": "tandem", "s3_bucket": "secgw", "cluster": "east",
+        "clusters": "east", "node": "gw", "http_port": "0", "metrics_port": str(metrics),
+        "api_keys": f"@{root / 'keys.json'}", "http_tls_cert": str(certs.server_cert),
+        "http_tls_key": str(certs.server_key), "routing": "static", **settings})
+    log = root / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        port = _wait_port(metrics, proc, log)
+        yield Gateway(f"https://127.0.0.1:{port}", secret, certs, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        nats.stop()

@@ -1,0 +1,185 @@
+"""Storage safety: ids are validated before they become subjects or S3 keys, nothing from
+storage is unpickled, and checkpoint and model paths must stay inside their roots."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.common import checkpoints as ck
+from tandem.common import subjects
+from tandem.common.bus import Bus, TypedKV
+from tandem.common.errors import InvalidToken, SettingsError
+from tandem.common.events import DeadLetter, RunRecord, decode
+from tandem.common.models import RegistrySettings
+from tandem.common.servers import S3Server
+from tandem.common.settings import Settings, load
+from tandem.common.storage import s3_client
+from tandem.common.streams import DLQ, KV_RUNS
+from tests.checkpoint_support import write_checkpoint, written
+from tests.conftest import ROOT
+from tests.test_checkpointer import running, until
+
+UNSAFE = ["", "a.b", "*", ">", "a b", "../x", "a/b", "x" * 65, "é", "a\nb", "a\x00"]
+CODE = sorted(p for d in ("libs", "services") for p in (ROOT / d).rglob("*.py"))
+
+
+# ------------------------------------------------------------------------------ ids and keys
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.text(max_size=80))
+def test_a_token_that_passes_can_never_widen_a_subject_or_escape_a_key(value: str) -> None:
+    try:
+        subjects.token(value)
+    except InvalidToken:
+        return
+    assert 1 <= len(value) <= subjects.MAX_TOKEN
+    assert not set(value) & set(". *>/\\\t\n\r\x00") and value.isascii()
+
+
+VALID = {"lane_": "batch", "kind": "status", "step": 3, "bucket": "b"}
+
+
+def _builders() -> list[tuple[str, Any]]:
+    """Every builder of a subject or S3 key that takes an id."""
+    fns = [(n, f) for n, f in vars(subjects).items()
+           if inspect.isfunction(f) and f.__module__ == subjects.__name__
+           and n not in ("token", "token_list", "lane")]
+    fns += [("ck.run_prefix", ck.run_prefix), ("ck.step_prefix", ck.step_prefix),
+            ("ck.checkpoint_uri", ck.checkpoint_uri)]
+    return [(n, f) for n, f in fns if set(inspect.signature(f).parameters) - set(VALID)]
+
+
+@pytest.mark.parametrize(("name", "fn"), _builders(), ids=[n for n, _ in _builders()])
+def test_every_subject_and_key_builder_refuses_unsafe_ids(name: str, fn: Any) -> None:
+    params = list(inspect.signature(fn).parameters)
+    for target in [p for p in params if p not in VALID]:
+        for bad in UNSAFE:
+            args = {p: VALID.get(p, "ok") for p in params}
+            if name == "ckpt":
+                args["kind"] = "mirrored"
+            args[target] = bad
+            with pytest.raises(InvalidToken):
+                fn(**args)
+
+
+# ------------------------------------------------------------------------ nothing unpickled
+
+
+def _calls(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _kw(call: ast.Call, name: str) -> Any:
+    for kw in call.keywords:
+        if kw.arg == name and isinstance(kw.value, ast.Constant):
+            return kw.value.value
+    return None
+
+
+def test_nothing_loaded_from_storage_is_unpickled() -> None:
+    """torch.load only with weights_only=True, diffusers only from safetensors, no
+    pickle-family module anywhere in the services and libraries."""
+    problems = []
+    for path in CODE:
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                for n in names:
+                    if n.split(".")[0] in {"pickle", "cPickle", "dill", "shelve", "marshal",
+                                           "joblib", "cloudpickle"}:
+                        problems.append(f"{where}:{node.lineno} imports {n}")
+        for call in _calls(tree):
+            fn = _dotted(call.func)
+            line = f"{where}:{call.lineno} {fn}"
+            if fn == "torch.load" and _kw(call, "weights_only") is not True:
+                problems.append(f"{line} without weights_only=True")
+            if fn.endswith("from_pretrained") and _kw(call, "use_safetensors") is not True:
+                problems.append(f"{line} without use_safetensors=True")
+            if fn in ("np.load", "numpy.load") and _kw(call, "allow_pickle"):
+                problems.append(f"{line} with allow_pickle")
+            if fn == "yaml.load":
+                problems.append(f"{line}: use yaml.safe_load")
+    assert not problems, "\n".join(problems)
+    assert any("weights_only" in p.read_text() for p in CODE)  # the scan does see code
+
+
+# ---------------------------------------------------------------------- paths inside roots
+
+
+def test_a_model_folder_outside_the_model_root_stops_the_service_at_start(
+        tmp_path: Path) -> None:
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    (root / "ok").mkdir(parents=True)
+    outside.mkdir()
+    (root / "sneaky").symlink_to(outside)
+
+    def registry(path: Path) -> str:
+        return f'[{{"name": "m", "source": "dir:{path}"}}]'
+
+    ok = load(RegistrySettings, models=registry(root / "ok"), model_root=str(root))
+    assert ok.registry.get("m") is not None
+    for bad in (outside, root / "sneaky", root / ".." / "elsewhere", Path("/etc")):
+        with pytest.raises(SettingsError) as err:
+            load(RegistrySettings, "inference-worker", models=registry(bad),
+                 model_root=str(root))
+        assert "TANDEM_MODEL_ROOT" in str(err.value) and "outside the model root" in str(
+            err.value)
+
+
+async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
+        bus: Bus, settings: Settings, uid: str, tmp_path: Path, s3_server: S3Server) -> None:
+    """A forged event naming files elsewhere (or a symlink out of the root) is never read,
+    uploaded or deleted; the checkpointer goes on with the next, valid one."""
+    root, outside = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    bad_run, good_run = f"bad-{uid}", f"good-{uid}"
+    out_dir, out_manifest = write_checkpoint(outside / bad_run, bad_run, 1)
+    (root / bad_run).mkdir(parents=True)
+    (root / bad_run / "step-2").symlink_to(out_dir, target_is_directory=True)
+    link_manifest = ck.scan(out_dir, bad_run, 1)
+    link_manifest = msgspec.structs.replace(link_manifest, step=2)
+    good_dir, good_manifest = write_checkpoint(root / good_run, good_run, 3)
+    bucket = f"b{uid}"
+    config = dict(nats_url=settings.nats_url, s3_endpoint=s3_server.url, s3_bucket=bucket,
+                  s3_access_key="tandem", s3_secret_key="tandem", retry_backoff=0.1,
+                  ack_wait=3.0, checkpoint_root=str(root), local_keep=5)
+    async with running(bus, **config):
+        await bus.publish(subjects.train(bad_run, "checkpoint"),
+                          written(out_dir, out_manifest))
+        await bus.publish(subjects.train(bad_run, "checkpoint"),
+                          written(root / bad_run / "step-2", link_manifest))
+        await bus.publish(subjects.train(good_run, "checkpoint"),
+                          written(good_dir, good_manifest))
+        runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+
+        async def committed() -> bool:
+            got = await runs.get(good_run)
+            return got is not None and got[0].latest_checkpoint_step == 3
+
+        await until(committed, what="the valid checkpoint committed")
+        sub = await bus.js.pull_subscribe(subjects.dlq("TRAIN"), stream=DLQ)
+        letters = [decode(m.data, DeadLetter) for m in await sub.fetch(2, timeout=10)]
+    assert len(letters) == 2
+    assert all("outside the checkpoint root" in d.reason for d in letters), letters
+    assert sorted(os.listdir(out_dir)) == sorted(f.name for f in out_manifest.files)
+    s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                        s3_secret_key="tandem"))
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=ck.run_prefix(bad_run))
+    assert listed.get("KeyCount", 0) == 0
