@@ -154,6 +154,8 @@ ANY_KEY = "any key"
 RULES: list[tuple[frozenset[str] | None, re.Pattern[str], str]] = [
     (frozenset({"GET", "HEAD"}),
      re.compile(r"/healthz|/openapi\.json|/docs(/.*)?|/redoc"), PUBLIC),
+    # the dashboard's page and assets hold no data; what it shows (/v1/dashboard) is admin's
+    (frozenset({"GET", "HEAD"}), re.compile(r"/|/dashboard/static/.*"), PUBLIC),
     (frozenset({"GET", "HEAD"}), re.compile(r"/v1/models"), ANY_KEY),
     (None, re.compile(r"/v1/generations(/.*)?"), Scope.generate),
     (None, re.compile(r"/v1/training-runs(/.*)?"), Scope.train),
