@@ -68,6 +68,22 @@ def wait_for(what: str, cond: Callable[[], Any], timeout: float = 90.0) -> Any:
         time.sleep(0.3)  # polling a live HTTP endpoint, as the page itself does
 
 
+def gateway_listening(stack: Stack) -> None:
+    """The runner answers /healthz before the gateway's HTTP API binds: wait for it."""
+
+    def up() -> bool:
+        try:
+            return http_json("GET", f"{stack.url('gateway')}/healthz")["status"] == "ok"
+        except OSError:
+            return False
+
+    wait_for("the gateway's HTTP API", up, timeout=60)
+    clusters = {c.name for c in stack.config.clusters}
+    wait_for("every cluster healthy (the gateway routes only to those)", lambda: clusters == {
+        c["name"] for c in http_json("GET", f"{stack.url('gateway')}/v1/dashboard")["fleet"][
+            "clusters"] if c["healthy"]}, timeout=60)
+
+
 @pytest.fixture
 def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     monkeypatch.setenv("TANDEM_MODELS", json.dumps(REGISTRY))
@@ -77,6 +93,7 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
         health = s.start(health_timeout=120,
                          services=["gateway", "cluster-agent", "inference-worker"])
         assert set(health.values()) == {"healthy"}, health
+        gateway_listening(s)
         yield s
 
 

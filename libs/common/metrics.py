@@ -17,9 +17,15 @@ DEAD_LETTERS = Counter(
 )
 UP = Gauge("tandem_service_up", "1 while the service runs", ["service"])
 INFLIGHT = Gauge("tandem_service_inflight", "Work items being processed", ["service"])
+# One generation's time by phase: admission (gateway), queue_wait, batching, model_load,
+# denoising, upload (worker). Each service observes the phases it sees.
+PHASE_SECONDS = Histogram(
+    "tandem_generation_phase_seconds", "Generation task time by phase, seconds", ["phase"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
 __all__ = [
-    "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "INFLIGHT", "PUBLISHED", "UP",
+    "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "INFLIGHT", "PHASE_SECONDS", "PUBLISHED",
+    "UP",
     "Counter", "Gauge", "Histogram", "exposition",
 ]
 

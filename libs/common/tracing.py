@@ -96,3 +96,22 @@ def recording() -> bool:
     provider = trace.get_tracer_provider()
     processor = getattr(provider, "_active_span_processor", None)
     return bool(getattr(processor, "_span_processors", ()))
+
+
+def span_between(name: str, start: float, end: float, attributes: dict[str, Any] | None = None,
+                 kind: trace.SpanKind = trace.SpanKind.INTERNAL) -> None:
+    """Record a finished span from wall-clock times (``time.time()`` seconds), as a child
+    of the current span: for phases measured first and reported after (queue wait,
+    batching). Costs nothing unless spans are exported."""
+    if not recording():
+        return
+    span = tracer().start_span(name, kind=kind, attributes=attributes or {},
+                               start_time=int(start * 1e9))
+    span.end(end_time=int(max(end, start) * 1e9))
+
+
+def new_trace(name: str, attributes: dict[str, Any] | None = None) -> Any:
+    """A root span in a fresh trace (a context manager), whatever the current context:
+    one trace per unit of work that has no caller, such as a training restart cycle."""
+    return tracer().start_as_current_span(name, context=otel_context.Context(),
+                                          attributes=attributes or {})

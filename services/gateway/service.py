@@ -21,9 +21,12 @@ from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import s3_client
 from tandem.common.streams import Spec, core_streams, gen_stream
+from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
 from tandem.gateway.auth import AuthSettings, Guard, document
 from tandem.gateway.generations import Gateway
+from tandem.gateway.observe import Observer
+from tandem.gateway.traces import AdmissionTracing
 
 
 class GatewaySettings(AuthSettings, RegistrySettings):
@@ -140,6 +143,10 @@ class GatewayService(Service):
         asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
                                max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
         document(app)
+        observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
+                            url_ttl=s.result_url_ttl)
+        dashboard.install(app, observer)  # the live dashboard at /
+        app.add_middleware(AdmissionTracing)  # a generation's trace starts here
         asgi = Guard.wrap(asgi, s, run_state=self._run_state(ctx))
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
@@ -150,6 +157,7 @@ class GatewayService(Service):
                      docs=f"{scheme}://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
         async with asyncio.TaskGroup() as tg:
             serving = tg.create_task(server.serve())
+            tg.create_task(observer.run(ctx.stopping))
             stopping = tg.create_task(ctx.stopping.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             server.stop()

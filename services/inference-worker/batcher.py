@@ -41,6 +41,7 @@ class Job:
     cancelled: bool = False
     running: bool = False
     pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
+    marks: dict[str, float] = field(default_factory=dict)  # wall-clock phases (phases.py)
 
     @property
     def rank(self) -> tuple[int, float]:
@@ -145,6 +146,7 @@ class Batcher:
                 await self._changed.wait()
                 continue
             head = min(self.pending, key=lambda j: j.rank)
+            load_start = time.time()
             try:
                 pipeline = await self.get_pipeline(head.task.model)
             except Exception as exc:
@@ -153,9 +155,12 @@ class Batcher:
                     self.pending.remove(job)
                     job.resolve(exc)
                 continue
+            load_end = time.time()
             if not pipeline.trivial:
                 await self._linger(head)
             group = self._take(head)
+            for job in group:
+                job.marks.update(load_start=load_start, load_end=load_end)
             if group:
                 await self._run(pipeline, group)
 
@@ -201,6 +206,9 @@ class Batcher:
         for job in group:
             job.pipeline = pipeline
         items = [it for job in group for it in job.items()]
+        started = time.time()
+        for job in group:
+            job.marks.update(run_start=started, batch_images=len(items))
         t = group[0].task
         params = Params(width=t.width, height=t.height, steps=t.steps, guidance=t.guidance)
         loop = asyncio.get_running_loop()
@@ -231,7 +239,9 @@ class Batcher:
                 job.resolve(exc)
         else:
             at = 0
+            finished = time.time()
             for job in group:
+                job.marks["run_end"] = finished
                 n = job.task.num_images if images else 0
                 job.resolve(images[at:at + n])
                 at += n

@@ -46,6 +46,7 @@ from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import KV_TASKS, Spec, core_streams, gen_consumers, gen_stream
+from tandem.inference_worker import phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
@@ -323,6 +324,7 @@ class InferenceWorker(Service):
         await self._publish_status(task.task_id, TaskState.running, cluster,
                                    msg_id=f"{task.task_id}-running-{d.num_delivered}")
         t0 = time.monotonic()
+        taken = time.time()
         try:
             job = await self.batcher.submit_job(task)
         except JobCancelled:
@@ -337,7 +339,10 @@ class InferenceWorker(Service):
         GEN_SECONDS.observe(gen_s)
         BATCH_IMAGES.observe(max(len(images), 1))
         pipe = job.pipeline  # the one that made the images, even if swapped out since
+        upload_start = time.time()
         keys = await self._upload(task.task_id, images)
+        phases.record(task, {**job.marks, "taken": taken, "upload_start": upload_start,
+                             "upload_end": time.time()}, **{"tandem.worker": self.worker_id})
         rec = await self.tasks.update(task.task_id, records.to_succeeded(
             keys, pipe.checkpoint if pipe else "", pipe.checkpoint_step if pipe else None))
         if rec is None or rec.state != TaskState.succeeded:

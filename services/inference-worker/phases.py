@@ -1,0 +1,44 @@
+"""A generation's phases on the worker: spans in the task's trace, and a histogram.
+
+The gateway publishes each task inside its ``admission`` span, so the task's
+``traceparent`` header names the trace; the bus's consumer opens ``gen process`` in it
+while the handler runs. ``record`` adds one child span per phase, from wall-clock marks
+taken as the task went through the worker (the batcher sets ``load_*`` and ``run_*`` on
+its job)::
+
+    queue wait   task submitted at the gateway  -> a worker took it
+    batching     taken                          -> its pipeline call started (linger,
+                                                   a running batch ahead of it)
+    model load   fetching the pipeline for the batch (a hit on a loaded model is ~0)
+    denoising    the pipeline call (its batch: ``tandem.batch.images``)
+    upload       its PNGs to S3
+
+Each phase's length also goes to ``tandem_generation_phase_seconds{phase}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.common import metrics, tracing
+from tandem.common.events import GenerationTask
+
+
+def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> None:
+    """Report the phases ``marks`` allow (missing marks skip their phase)."""
+    attrs = {"tandem.task_id": task.task_id, "tandem.model": task.model,
+             "tandem.lane": task.lane, **attributes}
+    if "batch_images" in marks:
+        attrs["tandem.batch.images"] = int(marks["batch_images"])
+    phases = (
+        ("queue wait", "queue_wait", task.submitted_at, marks.get("taken")),
+        ("batching", "batching", marks.get("taken"), marks.get("run_start")),
+        ("model load", "model_load", marks.get("load_start"), marks.get("load_end")),
+        ("denoising", "denoising", marks.get("run_start"), marks.get("run_end")),
+        ("upload", "upload", marks.get("upload_start"), marks.get("upload_end")),
+    )
+    for name, label, start, end in phases:
+        if start is None or end is None:
+            continue
+        metrics.PHASE_SECONDS.labels(label).observe(max(end - start, 0.0))
+        tracing.span_between(name, start, end, attrs)
