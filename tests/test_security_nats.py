@@ -97,9 +97,12 @@ def test_each_role_may_do_only_what_its_service_does() -> None:
     for name in permissions.SERVICE_ROLES:
         role = roles[name]
         assert ">" not in role.publish and ">" not in role.subscribe, name
-        # no role may delete, purge or reshape streams, whatever else it does
-        assert not any(re.search(r"\.(DELETE|PURGE|UPDATE)\.(?!KV_)", p)
-                       for p in role.publish), name
+        # no role may delete, purge or reshape a stream or delete a consumer
+        assert not any(re.search(r"\.(DELETE|PURGE|UPDATE)\.", p) for p in role.publish), name
+        # nor name a consumer into being on a stream other than its own durables'
+        named = [p for p in role.publish if re.match(r"\$JS\.API\.CONSUMER\.CREATE\.\w+\.", p)]
+        assert all(p.split(".")[5].startswith(("workers-", "trainer-", "checkpointer"))
+                   for p in named), (name, named)
     assert roles["admin"].publish == (">",)
 
 
@@ -203,6 +206,34 @@ async def test_an_agent_cannot_touch_generation_queues(
             await agent.drain()
     info = await admin.js.stream_info("GEN_EAST")
     assert info.state.messages == 0
+
+
+async def test_what_the_dashboard_and_failover_read_is_allowed(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    """Reads the end-to-end test does not reach: a run's step history replayed by the
+    gateway's dashboard, the worker's discovery of every cluster's queue."""
+    from nats.js.api import DeliverPolicy
+
+    from tandem.common.events import TrainStep
+
+    srv, passwords = auth_nats
+    await admin.publish(subjects.train("r1", "step"), TrainStep(run_id="r1", step=1, loss=0.5))
+    with structlog.testing.capture_logs() as logs:
+        gateway = await Bus.connect(as_role(srv, passwords, "gateway"), "gateway")
+        worker = await Bus.connect(as_role(srv, passwords, "inference-worker"), "worker")
+        try:
+            sub = await gateway.js.subscribe(subjects.train("r1", "step"), ordered_consumer=True,
+                                             deliver_policy=DeliverPolicy.ALL)
+            assert (await sub.next_msg(timeout=5)).subject == "train.r1.step"
+            await sub.unsubscribe()
+            names = {i.config.name for i in await worker.js.streams_info()}
+            assert {"GEN_EAST", "GEN_WEST"} <= names
+            await worker.nc.subscribe(subjects.ckpt_kind_filter("mirrored"))
+            await worker.nc.flush()
+        finally:
+            await gateway.drain()
+            await worker.drain()
+    assert not [e for e in logs if e["event"] == "nats.permission_denied"]
 
 
 async def test_wrong_or_missing_password_is_refused_at_connect(

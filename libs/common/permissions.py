@@ -103,15 +103,26 @@ class _Grants:
         self.stream(s, pattern and pattern.partition("/")[0])
         return self.publishes(subjects.dlq(s), streams.DLQ)
 
+    def follows(self, stream: str) -> _Grants:
+        """Ordered push consumers on ``stream`` (KV watches, replaying a stream).
+
+        Only the unnamed (ephemeral) create form: a named one could redefine another
+        role's durable. nats-py never deletes an ordered consumer (the server drops it
+        when its subscription goes), so no delete either.
+        """
+        self.pub |= {
+            f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.INFO.{stream}.*",
+            f"$JS.FC.{stream}.>",
+            f"{API}.STREAM.NAMES",  # js.subscribe finds the stream by subject
+        }
+        return self
+
     def kv(self, bucket: str, write: bool = False) -> _Grants:
         s = f"KV_{bucket}"
         self.stream(s)
+        self.follows(s)  # watch, keys
         self.pub |= {
-            f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>", f"{API}.STREAM.MSG.GET.{s}",
-            # watch / keys: an ordered push consumer with flow control
-            f"{API}.CONSUMER.CREATE.{s}", f"{API}.CONSUMER.CREATE.{s}.>",
-            f"{API}.CONSUMER.INFO.{s}.*", f"{API}.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>",
-        }
+            f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>", f"{API}.STREAM.MSG.GET.{s}"}
         if write:
             self.pub.add(f"$KV.{bucket}.>")
         return self
@@ -158,9 +169,14 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS, write=True)
         .publishes(subjects.train_kind_filter("status"), streams.TRAIN)  # a run submitted
+        # the dashboard (observe.py): live steps, checkpoints and results, a run's history
+        .listens(subjects.train_kind_filter("step"), subjects.train_kind_filter("checkpoint"),
+                 subjects.GEN_RESULT.wildcard)
+        .follows(streams.TRAIN)
     )
     for c in clusters:
         gateway.publishes(subjects.gen_cluster_filter(c), subjects.gen_stream_name(c), GEN)
+        gateway.reads_last(subjects.gen_stream_name(c))  # the age of a queue's oldest task
 
     worker = (
         _Grants("inference-worker", "pulls generation tasks, publishes results and progress")
@@ -168,6 +184,11 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
         .emits(subjects.GEN_PROGRESS.wildcard, subjects.MODELS.wildcard)
         .listens(subjects.gen_cancel_all())
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+        # Failover discovers the clusters' queues with js.streams_info(): the config and
+        # counters of every stream, never a message. STREAM.NAMES filtered on gen.> would
+        # reveal less; failover.work_queues would have to ask that way first.
+        .emits(f"{API}.STREAM.LIST")
+        .listens(subjects.ckpt_kind_filter("mirrored"))  # hot-swap wake-ups
     )
     for c in clusters:  # every cluster's queue: healthy clusters drain a dead one's backlog
         worker.stream(subjects.gen_stream_name(c), GEN)

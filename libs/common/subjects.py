@@ -135,6 +135,13 @@ def ckpt(run: str, kind: str) -> str:
     return f"ckpt.{token(run, 'run id')}.{kind}"
 
 
+def ckpt_kind_filter(kind: str) -> str:
+    """``ckpt.*.<kind>``: one kind of checkpoint event, every run (e.g. mirrored)."""
+    if kind not in CKPT_KINDS:
+        raise InvalidToken("checkpoint event kind", kind, f"must be one of {', '.join(CKPT_KINDS)}")
+    return f"ckpt.*.{kind}"
+
+
 def dlq(stream: str) -> str:
     return f"dlq.{token(stream, 'stream')}"
 
