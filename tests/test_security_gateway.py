@@ -203,3 +203,30 @@ async def test_unfinished_training_runs_per_key_are_bounded_until_one_finishes(
                       lambda r: None if r is None else struct_replace(r, state=RunState.failed))
     fourth = await http.post("/v1/training-runs", json=config, headers=a)
     assert fourth.status_code == 202, fourth.text
+
+
+def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Server,
+                                                               uid: str) -> None:
+    from urllib.parse import parse_qs, urlparse
+
+    from tandem.common.events import GenerationTask, TaskRecord, TaskState
+    from tandem.common.models import Registry
+    from tandem.common.storage import ensure_bucket, s3_client
+    from tandem.gateway.generations import Gateway as Edge
+
+    s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                        s3_secret_key="tandem"))
+    bucket = f"b{uid}"
+    ensure_bucket(s3, bucket)
+    s3.put_object(Bucket=bucket, Key=f"images/{uid}/0.png", Body=b"png")
+    edge = Edge(None, Registry.parse(""), ["east"], s3=s3, bucket=bucket, url_ttl=90,  # type: ignore[arg-type]
+                publish_retry_for=1.0)
+    rec = TaskRecord(task=GenerationTask(task_id=uid, model="noop"), state=TaskState.succeeded,
+                     images=[f"images/{uid}/0.png"])
+    before = time.time()
+    image = edge.view(rec)["images"][0]
+    query = parse_qs(urlparse(image["url"]).query)
+    expires = int(query.get("Expires", query.get("X-Amz-Expires", ["0"]))[0])
+    assert before + 89 <= expires <= time.time() + 91  # now + the TTL, not longer
+    assert "Signature" in query or "X-Amz-Signature" in query
+    assert httpx.get(image["url"]).content == b"png"
