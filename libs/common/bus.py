@@ -56,6 +56,33 @@ MSG_ID = "Nats-Msg-Id"
 TRACEPARENT = "traceparent"
 _RETRYABLE = (NatsTimeout, asyncio.TimeoutError, NoRespondersError, NoStreamResponseError,
               ConnectionClosedError)
+T = TypeVar("T")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a bus error that passes: a timeout, no responders or a 503 while
+    a stream elects a leader, a reconnect."""
+    if isinstance(exc, APIError):
+        return (exc.code or 0) in (503, 0)
+    return isinstance(exc, _RETRYABLE)
+
+
+async def retry_transient(op: Callable[[], Awaitable[T]], retry_for: float,
+                          what: str = "") -> T:
+    """``await op()``, again after each ``transient`` error until ``retry_for`` seconds
+    have passed (then the last error is raised). ``op`` must be safe to repeat: a KV
+    create, a publish with ``Nats-Msg-Id``."""
+    deadline = time.monotonic() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + delay > deadline:
+                raise
+            _log.warning("bus.retry", what=what, error=repr(exc))
+            await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+            delay = min(delay * 2, 1.0)
 
 
 class DomainJetStream(JetStreamContext):
@@ -350,7 +377,9 @@ class Consumer(Generic[E]):
         sub = await self._subscribe()
         try:
             return await sub.fetch(batch, timeout=timeout)
-        except NatsTimeout:
+        except (TimeoutError, NatsTimeout):
+            # nats-py also lets a plain asyncio timeout out of fetch (its own wait_for
+            # on the next message): nothing came, the same as its TimeoutError.
             return []
 
     async def run(self, stop: asyncio.Event) -> None:
