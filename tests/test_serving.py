@@ -63,7 +63,8 @@ class Stack:
     def start_gateway(self) -> Child:
         clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
-                     **self.env(clusters=clusters, cluster=MAIN, sse_ping="1"))
+                     **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
+                                routing="static"))  # no cluster agents in this stack
         self.children.append(gw.start())
         gw.wait_healthy(url=f"{self.url}/healthz")
         self.gateway = gw

@@ -196,8 +196,9 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
     import httpx
 
     gw_port = free_port()
+    # No cluster agents here: static routing (the fleet's is measured by bench failover).
     gw = b.spawn("gateway", "tandem.gateway", b.env(http_port=str(gw_port), clusters="lat",
-                                                    cluster="lat"))
+                                                    cluster="lat", routing="static"))
     base = f"http://127.0.0.1:{gw_port}"
     await _ready(f"{base}/healthz", gw)
     await b.worker("w-lat", "lat", serve="noop")

@@ -20,7 +20,7 @@ import msgspec
 
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus, TypedKV, retry_transient
 from tandem.common.events import (
     GenerationStatus,
     GenerationTask,
@@ -32,7 +32,7 @@ from tandem.common.events import (
 )
 from tandem.common.models import Registry
 from tandem.common.streams import KV_IDEMPOTENCY, KV_NODES, KV_TASKS
-from tandem.gateway.routing import choose_cluster
+from tandem.gateway.routing import Router, choose_cluster
 from tandem.gateway.schemas import GenerationRequest, ImageRef, view
 
 _log = log.get("tandem.gateway")
@@ -78,8 +78,9 @@ class Gateway:
 
     def __init__(self, bus: Bus, registry: Registry, clusters: list[str], *, s3: Any,
                  bucket: str, url_ttl: float, publish_retry_for: float,
-                 sse_ping: float = 15.0) -> None:
+                 sse_ping: float = 15.0, router: Router | None = None) -> None:
         self.bus = bus
+        self.router = router  # None: static routing (pin, else the first cluster)
         self.registry = registry
         self.clusters = clusters
         self.s3 = s3
@@ -146,11 +147,11 @@ class Gateway:
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
         t0 = time.perf_counter()
-        cluster = await choose_cluster(self.clusters, req.cluster, req.model)
+        cluster = await choose_cluster(self.clusters, req.cluster, req.model, self.router)
         ROUTING_SECONDS.observe(time.perf_counter() - t0)
         task = self.build_task(req, task_id, cluster)
         rec = moves.queued(task, cluster)
-        if await self.tasks.create(task_id, rec) is None:
+        if await self._record(task_id, rec) is None:
             got_rec = await self.tasks.get(task_id)
             if got_rec is not None:
                 rec = got_rec[0]
@@ -163,6 +164,18 @@ class Gateway:
             raise Conflict(503, reason) from exc
         SUBMITTED.labels(req.lane, "accepted").inc()
         return Submitted(task, rec, replayed=replay)
+
+    async def _record(self, task_id: str, rec: TaskRecord) -> int | None:
+        """Create the task's record (None: it exists), retrying through a leader election
+        or a reconnect for ``publish_retry_for`` seconds; then ``Conflict(503)``."""
+        tasks = self.tasks
+        assert tasks is not None
+        try:
+            return await retry_transient(lambda: tasks.create(task_id, rec),
+                                         self.publish_retry_for, what=f"record {task_id}")
+        except Exception as exc:
+            SUBMITTED.labels(rec.task.lane, "record_failed").inc()
+            raise Conflict(503, f"could not record the task: {exc!r}") from exc
 
     async def _publish(self, task: GenerationTask, cluster: str) -> None:
         await self.bus.publish(subjects.gen(cluster, task.lane), task, msg_id=task.task_id,

@@ -26,10 +26,11 @@ from tandem.gateway.api import create_app
 from tandem.gateway.auth import AuthSettings, Guard, document
 from tandem.gateway.generations import Gateway
 from tandem.gateway.observe import Observer
+from tandem.gateway.routing import Router, RoutingSettings
 from tandem.gateway.traces import AdmissionTracing
 
 
-class GatewaySettings(AuthSettings, RegistrySettings):
+class GatewaySettings(RoutingSettings, AuthSettings, RegistrySettings):
     """``TANDEM_*`` settings of the gateway (see README.md)."""
 
     http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
@@ -110,6 +111,7 @@ class GatewayService(Service):
         super().__init__(settings)
         self.s: GatewaySettings = settings
         self.port = 0
+        self.router: Router | None = None
 
     def streams(self) -> Sequence[Spec]:
         # The queues it publishes to, not their consumers: those are the workers' own.
@@ -117,7 +119,10 @@ class GatewayService(Service):
                 *(gen_stream(c, self.s.stream_replicas) for c in self.s.cluster_list)]
 
     def health(self) -> dict[str, Any]:
-        return {"http_port": self.port, "clusters": self.s.cluster_list}
+        out: dict[str, Any] = {"http_port": self.port, "clusters": self.s.cluster_list}
+        if self.router is not None:
+            out["routing"] = self.router.describe()
+        return out
 
     @staticmethod
     def _run_state(ctx: Context) -> Any:
@@ -136,9 +141,12 @@ class GatewayService(Service):
     async def run(self, ctx: Context) -> None:
         s = self.s
         presign = s.model_copy(update={"s3_endpoint": s.s3_public_endpoint or s.s3_endpoint})
+        if s.routing == "fleet":
+            self.router = await Router.from_settings(ctx.bus, s, s.cluster_list).start()
         gw = Gateway(ctx.bus, s.registry, s.cluster_list,
                      s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
-                     publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping)
+                     publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
+                     router=self.router)
         await gw.start()
         asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
                                max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
@@ -163,3 +171,5 @@ class GatewayService(Service):
             server.stop()
             stopping.cancel()
         sock.close()
+        if self.router is not None:
+            await self.router.stop()
