@@ -48,6 +48,8 @@ from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import KV_TASKS, Spec, core_streams, gen_consumers, gen_stream
 from tandem.inference_worker import phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
+from tandem.inference_worker.drain import Drain
+from tandem.inference_worker.failover import Failover, FailoverSettings
 from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
 
@@ -60,7 +62,7 @@ GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
 
 
-class WorkerSettings(RegistrySettings):
+class WorkerSettings(FailoverSettings, RegistrySettings):
     """``TANDEM_*`` settings of the inference worker (see README.md)."""
 
     serve: str = Field("", description="Comma-separated models this worker serves; "
@@ -132,6 +134,8 @@ class InferenceWorker(Service):
         self.tasks: TypedKV[TaskRecord] | None = None
         self.inflight = 0
         self.steps_run = 0  # denoising steps of every pipeline call, for /healthz
+        self.drain: Drain | None = None  # while drained, pull nothing new
+        self.failover: Failover | None = None  # other clusters' stranded queues
         self._slot = asyncio.Event()
         # run: models follow their run's newest good checkpoint (hotswap.py); S3 is set in run.
         self.hotswap = HotSwapper(
@@ -195,17 +199,24 @@ class InferenceWorker(Service):
             for spec in self._consumer_specs()
         ]
         cancel_sub = await bus.nc.subscribe(subjects.gen_cancel_all(), cb=self._on_cancel)
+        self.drain = Drain(bus, self.s.cluster, self.s.node)
+        await self.drain.start()
+        self.failover = Failover.for_worker(bus, self.s, consumers, lambda spec: bus.consumer(
+            spec, GenerationTask, self.handle, on_dead=self.on_dead, span_name="gen process"),
+            drained=self._drained)
         _log.info("worker.started", worker=self.worker_id, serve=self.served,
                   clusters=self.s.clusters, max_batch=self.s.max_batch)
         try:
             async with asyncio.TaskGroup() as tg:
                 batcher = tg.create_task(self.batcher.run())
                 pump = tg.create_task(self._pump_progress())
+                failover = tg.create_task(self.failover.run(ctx.stopping))
                 announce = tg.create_task(self._announce(ctx))
                 swaps = tg.create_task(self.hotswap.run(bus.nc))
                 await self._pull(ctx.stopping, consumers)
                 batcher.cancel()
                 pump.cancel()
+                failover.cancel()
                 announce.cancel()
                 swaps.cancel()
         finally:
@@ -215,6 +226,8 @@ class InferenceWorker(Service):
                 close = getattr(c, "close", None)
                 if close is not None:
                     await close()
+            await self.failover.close()
+            await self.drain.stop()
         _log.info("worker.stopped", batches=self.batcher.batches)
 
     def _consumer_specs(self) -> list[Any]:
@@ -230,7 +243,7 @@ class InferenceWorker(Service):
         async with asyncio.TaskGroup() as tg:
             while not stop.is_set():
                 room = limit - self.inflight
-                if room <= 0:
+                if room <= 0 or self._drained():
                     self._slot.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._slot.wait(), self.s.idle_poll)
@@ -248,6 +261,9 @@ class InferenceWorker(Service):
                         break
                 else:
                     lower_busy = False
+                if got and self._drained():  # drained while the fetch waited: hand back
+                    await Drain.hand_back([m for _, m in got])
+                    got = []
                 for c, msg in got:
                     self.inflight += 1
                     tg.create_task(self._process(c, msg))
@@ -263,6 +279,9 @@ class InferenceWorker(Service):
             if self.inflight:
                 _log.warning("worker.drain_abort", running=self.batcher.task_ids())
                 self.batcher.abort()
+
+    def _drained(self) -> bool:
+        return self.drain is not None and self.drain.drained
 
     @staticmethod
     async def _fetch(c: Consumer[GenerationTask], n: int, timeout: float) -> list[Msg]:

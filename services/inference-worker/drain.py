@@ -1,0 +1,53 @@
+"""A worker on a drained node pulls nothing new and finishes what it holds.
+
+``Drain`` is the node's drain flag as the pull loop reads it (``fleet.DrainWatch``
+underneath), exported as the ``tandem_worker_drained`` gauge. A fetch already waiting
+when the drain arrives can still return tasks; the loop hands those back (nak, so
+another worker or this one once undrained takes them) instead of starting them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from nats.aio.msg import Msg
+
+from tandem.common import log, metrics
+from tandem.common.bus import Bus
+from tandem.common.events import DrainRecord
+from tandem.common.fleet import DrainWatch
+
+_log = log.get("tandem.inference_worker.drain")
+
+DRAINED = metrics.Gauge("tandem_worker_drained", "1 while this worker's node is drained")
+
+
+class Drain:
+    def __init__(self, bus: Bus, cluster: str, node: str) -> None:
+        self.watch = DrainWatch(bus, cluster, node, on_change=self._changed)
+
+    @property
+    def drained(self) -> bool:
+        return self.watch.drained
+
+    async def start(self) -> None:
+        await self.watch.start()
+        DRAINED.set(int(self.drained))
+        if self.watch.record is not None:
+            _log.warning("worker.drained", reason=self.watch.record.reason)
+
+    async def stop(self) -> None:
+        await self.watch.stop()
+
+    async def _changed(self, record: DrainRecord | None) -> None:
+        DRAINED.set(int(record is not None))
+        if record is not None:
+            _log.warning("worker.drained", reason=record.reason, by=record.by)
+        else:
+            _log.info("worker.undrained")
+
+    @staticmethod
+    async def hand_back(msgs: list[Msg]) -> None:
+        for msg in msgs:
+            with contextlib.suppress(Exception):
+                await msg.nak()
