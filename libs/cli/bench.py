@@ -13,6 +13,7 @@ BENCHES = {
     "serve": "tandem.cli.bench_serve",
     "agent": "tandem.cli.bench_agent",
     "train": "tandem.cli.bench_train",
+    "failover": "tandem.cli.bench_failover",
     "scale": "tandem.cli.bench_scale",
 }
 
