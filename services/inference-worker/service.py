@@ -155,7 +155,8 @@ class InferenceWorker(Service):
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "inflight": self.inflight, "batches": self.batcher.batches,
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
-                "checkpoints": self.hotswap.status()}
+                "checkpoints": self.hotswap.status(), "drained": self._drained(),
+                "failover": self.failover.describe() if self.failover else None}
 
     # ------------------------------------------------------------------------- models
 
