@@ -36,8 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:
+            # A broken command module must not take every other command down with it.
+            short = name.rsplit(".", 1)[-1]
+            bad = sub.add_parser(short, help=f"(unavailable: {exc})")
+            bad.set_defaults(func=_unavailable(short, exc))
+            continue
+        module.register(sub)
     return parser
+
+
+def _unavailable(name: str, exc: Exception):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        print(f"tandem {name}: unavailable in this install: {exc!r}", file=sys.stderr)
+        return 2
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
