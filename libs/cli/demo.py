@@ -1,56 +1,710 @@
-"""``tandem demo`` (``make demo``): the local stack and the end-to-end paths built so far.
+"""``tandem demo`` (``make demo``): the main job, end to end, on the local stack.
 
-Interim until the demo issue lands: it starts the local stack (two simulated clusters)
-on free ports, runs each path whose services exist, and says plainly what it ran, what
-passed, and what is not built yet. Every wait is bounded; it never hangs. Everything
-it writes (summary, the stack's logs, generated images) goes under ``--out``.
+1. Start the local stack (nats-server, S3, every service, clusters east and west) on
+   free ports, so it runs beside a ``tandem dev up``.
+2. Train the class-conditional digits model (scikit-learn's bundled digits) long enough
+   that its samples are readable; midway, SIGKILL a training rank (an incident the
+   trainer recovers from by itself, resuming from the newest checkpoint). The
+   checkpointer mirrors each checkpoint to S3.
+3. The model registry serves ``digits`` from ``run:<run_id>``: the inference workers of
+   both clusters load the newest committed checkpoint; one request pinned to each
+   cluster shows which checkpoint step each one serves.
+4. Generate a grid of every digit through the gateway's HTTP API, with a backlog of more
+   tasks queued on east; once east has started on them, SIGKILL all of east (agent and
+   worker) and watch the backlog finish on west (cross-cluster failover). If it does
+   not within ``--failover-timeout``, east is restarted so nothing is left behind, and
+   the report says so.
+5. Stop everything (services drain first, then S3 and NATS), write ``demo.json`` and
+   the report (``report.html`` with its PNGs), and print where they are.
+
+Every wait is bounded by ``--timeout``; Ctrl-C stops the stack cleanly. The stack's own
+logs are under ``<out>/stack/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import signal
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tandem.cli.dev import add_stack_arguments, load_config
 from tandem.cli.stack import Cancelled, Stack
+from tandem.common import subjects
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
+MODEL = "digits"
 
 
-@dataclass
-class Step:
-    name: str
-    status: str  # "passed" | "failed" | "skipped"
-    detail: str
+@dataclass(kw_only=True)
+class DemoPlan:
+    """What the demo trains and generates; the defaults fit 2 CPU cores in minutes."""
+
+    steps: int = 800
+    batch_size: int = 64
+    lr: float = 1e-3
+    ema_decay: float = 0.99
+    warmup_steps: int = 20
+    checkpoint_every: int = 100
+    sample_steps: int = 50  # DDPM denoising steps per image
+    images_per_digit: int = 8
+    backlog: int = 24  # extra single-image tasks queued on east before it is killed
+    incident: bool = True  # SIGKILL a training rank midway
+    failover: bool = True  # SIGKILL cluster east while it works through its backlog
+    failover_timeout: float = 90.0
+
+    def run_config(self, run_id: str) -> dict[str, Any]:
+        return {"run_id": run_id, "steps": self.steps, "batch_size": self.batch_size,
+                "lr": self.lr, "ema_decay": self.ema_decay, "warmup_steps": self.warmup_steps,
+                "checkpoint_every": self.checkpoint_every, "ranks": 1, "device": "cpu",
+                "lr_schedule": "cosine", "step_event_every": 1,
+                "watchdog": {"backoff_s": 0.5}}
+
+    def registry(self, run_id: str) -> list[dict[str, Any]]:
+        return [
+            {"name": MODEL, "source": f"run:{run_id}", "conditioning": "class_label",
+             "num_classes": 10, "default_width": 16, "default_height": 16, "sizes": [16],
+             "default_steps": self.sample_steps, "max_steps": 1000,
+             "description": f"the digits model trained by this demo (run {run_id}), "
+             "newest committed checkpoint"},
+            {"name": "noop", "source": "noop", "default_steps": 1, "max_steps": 1,
+             "description": "No pipeline: measures dispatch overhead."},
+        ]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="start the local stack and run the end-to-end paths built so far",
-        description="Start the local stack (nats-server, S3, every built service, two "
-        "simulated clusters) on free ports, run each end-to-end path that exists, print "
-        "what ran and what is not built yet, stop everything, and say where the output is.")
+        "demo", help="the main job end to end on a local stack, with a report",
+        description="Start the local stack with two simulated clusters, train the digits "
+        "model (recovering from a killed rank), mirror its checkpoints, serve the newest "
+        "from workers in both clusters, generate a grid of every digit over HTTP while "
+        "cluster east is killed and its backlog finishes on west, stop everything, and "
+        "write a report (HTML with PNGs). Takes a few minutes on 2 CPU cores.")
     add_stack_arguments(p)
     p.add_argument("--out", type=Path, default=Path("out/demo"),
-                   help="output folder: summary, stack logs, images (default out/demo)")
-    p.add_argument("--timeout", type=float, default=240.0,
-                   help="seconds any one wait may take before the demo gives up on it")
+                   help="output folder: report, demo.json, images, stack logs "
+                   "(default out/demo)")
+    p.add_argument("--timeout", type=float, default=480.0,
+                   help="seconds any one phase may wait before the demo gives up on it "
+                   "(default 480)")
+    plan = DemoPlan()
+    p.add_argument("--steps", type=int, default=plan.steps,
+                   help=f"training steps (default {plan.steps})")
+    p.add_argument("--checkpoint-every", type=int, default=plan.checkpoint_every,
+                   help=f"steps between checkpoints (default {plan.checkpoint_every})")
+    p.add_argument("--batch-size", type=int, default=plan.batch_size,
+                   help=f"training batch size (default {plan.batch_size})")
+    p.add_argument("--sample-steps", type=int, default=plan.sample_steps,
+                   help=f"denoising steps per image (default {plan.sample_steps})")
+    p.add_argument("--images-per-digit", type=int, default=plan.images_per_digit,
+                   help=f"grid columns (default {plan.images_per_digit})")
+    p.add_argument("--backlog", type=int, default=plan.backlog,
+                   help=f"extra tasks queued on east before it is killed (default "
+                   f"{plan.backlog})")
+    p.add_argument("--failover-timeout", type=float, default=plan.failover_timeout,
+                   help="seconds to wait for east's backlog to finish on west before "
+                   f"restarting east (default {plan.failover_timeout:g})")
+    p.add_argument("--no-incident", action="store_true",
+                   help="do not kill a training rank midway")
+    p.add_argument("--no-failover", action="store_true", help="do not kill cluster east")
     p.set_defaults(func=_demo)
+
+
+def plan_from_args(args: argparse.Namespace) -> DemoPlan:
+    return DemoPlan(steps=args.steps, checkpoint_every=args.checkpoint_every,
+                    batch_size=args.batch_size, sample_steps=args.sample_steps,
+                    images_per_digit=args.images_per_digit, backlog=args.backlog,
+                    failover_timeout=args.failover_timeout, incident=not args.no_incident,
+                    failover=not args.no_failover)
+
+
+# ------------------------------------------------------------------------------ console
+
+
+class Console:
+    """Timestamped lines, and progress bars: redrawn in place on a TTY, else a line per
+    tenth of the way (logs stay readable)."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stdout
+        self.t0 = time.monotonic()
+        self.tty = self.stream.isatty()
+        self._bar: str | None = None
+        self._bar_decile = -1
+
+    def say(self, msg: str) -> None:
+        self._end_bar()
+        print(f"[demo {time.monotonic() - self.t0:6.1f}s] {msg}", file=self.stream, flush=True)
+
+    def bar(self, label: str, done: float, total: float, extra: str = "") -> None:
+        frac = min(max(done / total, 0.0), 1.0) if total else 1.0
+        width = 30
+        full = int(frac * width)
+        line = (f"[demo {time.monotonic() - self.t0:6.1f}s] {label} "
+                f"[{'#' * full}{'.' * (width - full)}] {done:g}/{total:g} {frac:4.0%} {extra}")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100)[:160])
+            self.stream.flush()
+            self._bar = label
+            return
+        decile = int(frac * 10)
+        if decile != self._bar_decile or label != self._bar:
+            self._bar_decile, self._bar = decile, label
+            print(line, file=self.stream, flush=True)
+
+    def _end_bar(self) -> None:
+        if self.tty and self._bar is not None:
+            self.stream.write("\n")
+        self._bar = None
+        self._bar_decile = -1
+
+
+class PhaseFailed(Exception):
+    """A phase of the demo could not complete; the message says what and why."""
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+@dataclass
+class Record:
+    """Everything the report draws, as plain JSON-able data (times are wall clock)."""
+
+    run_id: str
+    plan: dict[str, Any]
+    started_at: float = field(default_factory=time.time)
+    steps: list[list[float]] = field(default_factory=list)  # step, loss, step_time, sps, at, att
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # written
+    mirrored: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    telemetry: dict[str, list[list[float]]] = field(default_factory=dict)  # node/gpu -> rows
+    health: list[dict[str, Any]] = field(default_factory=list)
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    serving: dict[str, Any] = field(default_factory=dict)  # cluster -> checkpoint it serves
+    failover: dict[str, Any] = field(default_factory=dict)
+    timeline: list[list[Any]] = field(default_factory=list)  # [at, text]
+    run: dict[str, Any] = field(default_factory=dict)  # final RunRecord
+    results: list[dict[str, Any]] = field(default_factory=list)  # phase, status, detail
+    stack: dict[str, Any] = field(default_factory=dict)
+    finished_at: float | None = None
+
+    def mark(self, text: str) -> None:
+        self.timeline.append([time.time(), text])
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Recorder:
+    """Core-NATS subscriptions that copy the run's events and the fleet's telemetry into
+    the record as they happen (the services publish; nothing here is polled)."""
+
+    def __init__(self, nc: Any, record: Record) -> None:
+        self.nc = nc
+        self.rec = record
+        self.subs: list[Any] = []
+        self.last_step = 0
+        self.last_loss: float | None = None
+
+    async def start(self) -> None:
+        from tandem.common import subjects
+
+        run = subjects.token(self.rec.run_id, "run id")
+        for subject, cb in ((f"train.{run}.*", self._train), (f"ckpt.{run}.*", self._ckpt),
+                            (subjects.TELEMETRY.wildcard, self._telemetry),
+                            (subjects.HEALTH.wildcard, self._health)):
+            self.subs.append(await self.nc.subscribe(subject, cb=cb))
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _train(self, msg: Any) -> None:
+        from tandem.common.events import CheckpointWritten, TrainEvent, TrainStatus, TrainStep
+        from tandem.common.events import decode as decode_event
+
+        try:
+            ev = decode_event(msg.data, TrainEvent)  # type: ignore[arg-type]
+        except Exception:
+            return
+        if isinstance(ev, TrainStep):
+            self.rec.steps.append([ev.step, ev.loss, ev.step_time, ev.samples_per_s, ev.at,
+                                   ev.attempt])
+            self.last_step, self.last_loss = ev.step, ev.loss
+        elif isinstance(ev, CheckpointWritten):
+            self.rec.checkpoints.append({"step": ev.step, "at": ev.at, "blocked_s": ev.blocked_s,
+                                         "write_s": ev.write_s,
+                                         "bytes": sum(f.size for f in ev.manifest.files)})
+        elif isinstance(ev, TrainStatus):
+            self.rec.statuses.append({"at": ev.at, "state": ev.state.value, "reason": ev.reason,
+                                      "restarts": ev.restarts})
+            if ev.incident:
+                self.rec.incidents.append({"at": ev.at, "step": self.last_step, **ev.incident})
+
+    async def _ckpt(self, msg: Any) -> None:
+        from tandem.common.events import CheckpointMirrored, CkptEvent
+        from tandem.common.events import decode as decode_event
+
+        try:
+            ev = decode_event(msg.data, CkptEvent)  # type: ignore[arg-type]
+        except Exception:
+            return
+        if isinstance(ev, CheckpointMirrored):
+            self.rec.mirrored.append({"step": ev.step, "at": ev.at, "seconds": ev.seconds,
+                                      "bytes": ev.bytes, "uri": ev.uri})
+
+    async def _telemetry(self, msg: Any) -> None:
+        from tandem.common.events import NodeTelemetry
+        from tandem.common.events import decode as decode_event
+
+        try:
+            ev = decode_event(msg.data, NodeTelemetry)
+        except Exception:
+            return
+        for g in ev.gpus:
+            rows = self.rec.telemetry.setdefault(f"{ev.cluster}/{ev.node}/gpu{g.index}", [])
+            rows.append([ev.at, g.util if g.util is not None else -1,
+                         g.temp if g.temp is not None else -1,
+                         g.power if g.power is not None else -1,
+                         (g.mem_used or 0) / 2**30, (g.mem_total or 0) / 2**30])
+
+    async def _health(self, msg: Any) -> None:
+        from tandem.common.events import HealthTransition
+        from tandem.common.events import decode as decode_event
+
+        try:
+            ev = decode_event(msg.data, HealthTransition)
+        except Exception:
+            return
+        self.rec.health.append({"at": ev.at, "node": f"{ev.cluster}/{ev.node}",
+                                "from": ev.previous.value, "to": ev.current.value,
+                                "rule": ev.rule, "reason": ev.reason})
+
+
+# -------------------------------------------------------------------------------- phases
+
+
+class Demo:
+    def __init__(self, stack: Stack, plan: DemoPlan, record: Record, out: Path,
+                 console: Console, stop: threading.Event, timeout: float) -> None:
+        self.stack = stack
+        self.plan = plan
+        self.rec = record
+        self.out = out
+        self.c = console
+        self.stop = stop
+        self.timeout = timeout
+        self.base = stack.url("gateway") or ""
+        self.bus: Any = None
+        self.http: Any = None
+        self.worker_cluster: dict[str, str] = {}  # worker pid -> cluster
+        self.starts: list[dict[str, Any]] = []  # every delivery of a task that started
+
+    def _check(self) -> None:
+        if self.stop.is_set():
+            raise Cancelled("interrupted")
+
+    async def _wait(self, what: str, cond: Any, interval: float = 0.5,
+                    timeout: float | None = None) -> Any:
+        """Poll ``cond()`` (async) until truthy; PhaseFailed after the timeout."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            self._check()
+            value = await cond()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise PhaseFailed(f"{what}: not done after {limit:g}s")
+            await asyncio.sleep(interval)  # polling the stack's own state, as a client does
+
+    async def run(self) -> None:
+        import httpx
+
+        from tandem.common import log
+        from tandem.common.bus import Bus
+
+        log.configure("json", "error")  # the console is for the demo's own lines
+        self.bus = await Bus.connect(self.stack.settings(), "demo")
+        recorder = Recorder(self.bus.nc, self.rec)
+        await recorder.start()
+        self.recorder = recorder
+        try:
+            async with httpx.AsyncClient(base_url=self.base, timeout=30) as http:
+                self.http = http
+                for name, phase in (("fleet", self.fleet), ("training", self.training),
+                                    ("serving", self.serving),
+                                    ("generation and failover", self.generation)):
+                    self._check()
+                    t = time.monotonic()
+                    try:
+                        detail = await phase()
+                    except PhaseFailed as exc:
+                        self._result(name, "failed", str(exc), t)
+                        break
+                    except (httpx.HTTPError, OSError) as exc:
+                        self._result(name, "failed", f"HTTP API error: {exc!r}", t)
+                        break
+                    self._result(name, "passed", detail, t)
+        finally:
+            await recorder.stop()
+            with contextlib.suppress(Exception):
+                await self.bus.drain()
+
+    def _result(self, name: str, status: str, detail: str, t: float) -> None:
+        self.rec.results.append({"phase": name, "status": status, "detail": detail,
+                                 "seconds": round(time.monotonic() - t, 1)})
+        self.c.say(f"{name}: {status.upper()} - {detail}")
+
+    # ---------------------------------------------------------------------------- fleet
+
+    async def fleet(self) -> str:
+        from tandem.common.fleet import read_fleet
+
+        want = {c.name for c in self.stack.config.clusters}
+        self.c.say(f"waiting for the agents' heartbeats (clusters {', '.join(sorted(want))})")
+
+        async def healthy() -> Any:
+            view = await read_fleet(self.bus)
+            ok = {c.name for c in view.clusters if c.healthy}
+            return view if want <= ok else None
+
+        view = await self._wait("heartbeats of every cluster", healthy)
+        gpus = sum(c.gpus_total for c in view.clusters)
+        self.rec.mark("fleet up")
+        return (f"{len(view.clusters)} clusters healthy, "
+                f"{sum(c.nodes_up for c in view.clusters)} nodes, {gpus} simulated GPUs")
+
+    # ------------------------------------------------------------------------- training
+
+    async def training(self) -> str:
+        from tandem.common.runs import get_run, submit_run
+
+        p = self.plan
+        cfg = p.run_config(self.rec.run_id)
+        rec = await submit_run(self.bus, cfg)
+        self.rec.mark(f"training run {rec.run_id} submitted")
+        self.c.say(f"training run {rec.run_id}: {p.steps} steps, batch {p.batch_size}, "
+                   f"lr {p.lr:g}, EMA {p.ema_decay}, checkpoint every {p.checkpoint_every}; "
+                   "the checkpointer mirrors each checkpoint to S3")
+        kill_at = (p.steps // 2) if p.incident else None
+        killed = False
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check()
+            run = await get_run(self.bus, rec.run_id)
+            loss = self.recorder.last_loss
+            self.c.bar("training", self.recorder.last_step, p.steps,
+                       f"loss {loss:.4f}" if loss is not None else run.state.value)
+            if (kill_at is not None and not killed and self.recorder.last_step >= kill_at
+                    and run.latest_checkpoint_step):
+                killed = self._kill_rank(run)
+            done = run.state.value in TERMINAL
+            if done and (run.state.value != "succeeded"
+                         or (run.latest_checkpoint_step or 0) >= p.steps):
+                break
+            if time.monotonic() > deadline:
+                raise PhaseFailed(f"run {rec.run_id} {run.state.value} at step "
+                                  f"{run.latest_step} (committed checkpoint "
+                                  f"{run.latest_checkpoint_step}) after {self.timeout:g}s")
+            await asyncio.sleep(0.5)  # polling KV runs, as `tandem train status` does
+        self.rec.run = _builtins(run)
+        self.rec.mark(f"training {run.state.value}")
+        if run.state.value != "succeeded":
+            why = run.incidents[-1] if run.incidents else "no incident recorded"
+            raise PhaseFailed(f"run {run.run_id} {run.state.value}: {why}")
+        g = run.goodput.get("goodput")
+        return (f"run {run.run_id} trained {run.latest_step} steps with {run.restarts} "
+                f"restart(s); newest committed checkpoint step {run.latest_checkpoint_step} "
+                f"({run.latest_checkpoint_uri})"
+                + (f"; goodput {g:.1%}" if g is not None else ""))
+
+    def _kill_rank(self, run: Any) -> bool:
+        pids = [r.get("pid") for r in run.ranks if r.get("pid")]
+        if not pids:
+            return False
+        pid = int(pids[0])
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            self.rec.mark(f"incident: SIGKILL training rank 0 (pid {pid}) at step "
+                          f"{self.recorder.last_step}")
+            self.c.say(f"incident: SIGKILL training rank 0 (pid {pid}) at step "
+                       f"{self.recorder.last_step}; the trainer should restart it from "
+                       f"checkpoint step {run.latest_checkpoint_step}")
+            return True
+        return False
+
+    # -------------------------------------------------------------------------- serving
+
+    async def _submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self.http.post("/v1/generations", json=body)
+        if r.status_code != 202:
+            raise PhaseFailed(f"POST /v1/generations {json.dumps(body)}: {r.status_code} "
+                              f"{r.text[:300]}")
+        return r.json()
+
+    async def _states(self, ids: list[str]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for tid in ids:
+            r = await self.http.get(f"/v1/generations/{tid}")
+            r.raise_for_status()
+            out[tid] = r.json()
+        return out
+
+    async def serving(self) -> str:
+        """One small request pinned to each cluster: each cluster's worker loads the
+        newest committed checkpoint of the run and says which step it is."""
+        clusters = [c.name for c in self.stack.config.clusters]
+        want = self.rec.run.get("latest_checkpoint_step")
+        ids = {}
+        for c in clusters:
+            acc = await self._submit({"model": MODEL, "class_label": 0, "seed": 1,
+                                      "cluster": c, "lane": "interactive"})
+            ids[acc["id"]] = c
+        self.c.say(f"asked each cluster ({', '.join(clusters)}) for one image: each worker "
+                   f"loads run {self.rec.run_id}'s newest committed checkpoint")
+
+        async def done() -> Any:
+            st = await self._states(list(ids))
+            return st if all(s["state"] in TERMINAL for s in st.values()) else None
+
+        states = await self._wait("one generation per cluster", done)
+        problems = []
+        for tid, s in states.items():
+            cluster = ids[tid]
+            self.rec.serving[cluster] = {"worker": s["worker"], "checkpoint": s["checkpoint"],
+                                         "checkpoint_step": s["checkpoint_step"],
+                                         "state": s["state"], "reason": s["reason"]}
+            if s["state"] != "succeeded":
+                problems.append(f"{cluster}: {s['state']} {s['reason']}")
+            elif s["checkpoint_step"] != want:
+                problems.append(f"{cluster} serves step {s['checkpoint_step']}, not the "
+                                f"newest ({want})")
+        if problems:
+            raise PhaseFailed("; ".join(problems))
+        self.rec.mark("both clusters serve the newest checkpoint")
+        return "; ".join(f"{c} serves {v['checkpoint']} ({v['worker']})"
+                         for c, v in sorted(self.rec.serving.items()))
+
+    # ---------------------------------------------------------------------- generation
+
+    async def generation(self) -> str:
+        p = self.plan
+        clusters = [c.name for c in self.stack.config.clusters]
+        victim = clusters[0] if p.failover and len(clusters) > 1 else None
+        tasks: dict[str, dict[str, Any]] = {}
+        # The first result from the victim's queue is the moment to kill it: in the middle
+        # of its work, however fast that work goes (an event, not a poll that may miss it).
+        first_result = asyncio.Event()
+        subs = [await self.bus.nc.subscribe(subjects.GEN_RESULT.wildcard,
+                                            cb=self._first_result(victim, first_result)),
+                await self.bus.nc.subscribe(subjects.GEN_STATUS.wildcard, cb=self._on_status)]
+        self._note_workers()
+        try:
+            return await self._generate(tasks, clusters, victim, first_result)
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    def _note_workers(self) -> None:
+        """Which cluster each worker process is in (worker ids end in their pid)."""
+        for child in self.stack.children.values():
+            if child.spec.service == "inference-worker" and child.pid:
+                self.worker_cluster[str(child.pid)] = child.spec.cluster
+
+    def ran_on(self, worker: str) -> str:
+        return self.worker_cluster.get(worker.rsplit("-", 1)[-1], "")
+
+    async def _on_status(self, msg: Any) -> None:
+        """Every start of a task (each delivery), by whom and when: the failover figures."""
+        from tandem.common.events import GenerationStatus
+        from tandem.common.events import decode as decode_event
+
+        with contextlib.suppress(Exception):
+            ev = decode_event(msg.data, GenerationStatus)
+            if ev.state.value == "running":
+                self.starts.append({"id": ev.task_id, "worker": ev.worker, "at": ev.at})
+
+    @staticmethod
+    def _first_result(victim: str | None, seen: asyncio.Event) -> Any:
+        async def on_result(msg: Any) -> None:
+            from tandem.common.events import GenerationResult
+            from tandem.common.events import decode as decode_event
+
+            with contextlib.suppress(Exception):
+                if decode_event(msg.data, GenerationResult).cluster == victim:
+                    seen.set()
+
+        return on_result
+
+    async def _generate(self, tasks: dict[str, dict[str, Any]], clusters: list[str],
+                        victim: str | None, first_result: asyncio.Event) -> str:
+        p = self.plan
+        # The grid: one request per digit, spread over the clusters, batch lane.
+        for digit in range(10):
+            cluster = clusters[digit % len(clusters)]
+            acc = await self._submit({"model": MODEL, "class_label": digit,
+                                      "num_images": p.images_per_digit, "seed": 1000 + digit,
+                                      "cluster": cluster, "lane": "batch"})
+            tasks[acc["id"]] = {"kind": "grid", "digit": digit, "routed": cluster}
+        # The backlog east is working through when it dies.
+        for i in range(p.backlog if victim else 0):
+            acc = await self._submit({"model": MODEL, "class_label": i % 10, "seed": 5000 + i,
+                                      "cluster": victim, "lane": "batch"})
+            tasks[acc["id"]] = {"kind": "backlog", "digit": i % 10, "routed": victim}
+        self.rec.mark(f"{len(tasks)} generation tasks queued")
+        self.c.say(f"queued {len(tasks)} tasks over HTTP: a grid of every digit "
+                   f"({p.images_per_digit} images each)"
+                   + (f" and a backlog of {p.backlog} more on {victim}" if victim else ""))
+        ids = list(tasks)
+        states: dict[str, dict[str, Any]] = {}
+        killed_at: float | None = None
+        restarted = False
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check()
+            if victim and killed_at is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(first_result.wait(), 0.5)
+                if first_result.is_set():
+                    killed_at = await self._kill_cluster(victim, ids)
+            states = await self._states(ids)
+            finished = sum(s["state"] in TERMINAL for s in states.values())
+            self.c.bar("generation", finished, len(ids),
+                       f"{victim} killed" if killed_at else "")
+            if finished == len(ids):
+                break
+            if (killed_at and not restarted
+                    and time.time() - killed_at > p.failover_timeout):
+                restarted = await self._restart(victim or "")
+            if time.monotonic() > deadline:
+                raise PhaseFailed(f"{len(ids) - finished} of {len(ids)} tasks unfinished "
+                                  f"after {self.timeout:g}s")
+            await asyncio.sleep(0.5)  # polling the status URLs, as a client would
+        self._collect(tasks, states)
+        if killed_at is not None:
+            self._failover_figures(victim or "", killed_at, restarted)
+            if not restarted:
+                # Bring east back for the rest of the demo (and to show it rejoins).
+                await self._restart(victim or "", why="rejoins after the backlog finished")
+        failed = [s for s in states.values() if s["state"] != "succeeded"]
+        if failed:
+            raise PhaseFailed(f"{len(failed)} tasks did not succeed: "
+                              + "; ".join(f"{s['id']} {s['state']} {s['reason']}"
+                                          for s in failed[:3]))
+        await self._download_grid(tasks, states)
+        by: dict[str, int] = {}
+        for g in self.rec.generations:
+            where = g["ran_on"] or g["cluster"]
+            by[where] = by.get(where, 0) + 1
+        f = self.rec.failover
+        detail = (f"{len(ids)} tasks succeeded ("
+                  + ", ".join(f"{n} ran on {c}" for c, n in sorted(by.items())) + ")")
+        if f:
+            detail += (f"; {victim} killed with {f['stranded']} of its tasks unfinished: "
+                       + (f"failover took {f['failover_s']:.1f}s, {f['finished_elsewhere']} "
+                          f"finished on other clusters" if f.get("failover_s") is not None
+                          else "no failover: they finished after it was restarted"))
+        return detail
+
+    async def _kill_cluster(self, victim: str, ids: list[str]) -> float:
+        names = await asyncio.to_thread(self.stack.kill, victim)
+        at = time.time()
+        states = await self._states(ids)
+        stranded = [t for t, s in states.items() if s["cluster"] == victim
+                    and s["state"] not in TERMINAL]
+        self.rec.failover = {"cluster": victim, "killed_at": at, "processes": names,
+                             "stranded_ids": stranded, "stranded": len(stranded)}
+        self.rec.mark(f"SIGKILL cluster {victim} ({', '.join(names)}) with "
+                      f"{len(stranded)} tasks unfinished")
+        self.c.say(f"SIGKILL every process of cluster {victim} ({', '.join(names)}) with "
+                   f"{len(stranded)} of its tasks unfinished")
+        return at
+
+    async def _restart(self, victim: str, why: str = "") -> bool:
+        why = why or (f"its backlog did not move elsewhere within "
+                      f"{self.plan.failover_timeout:g}s")
+        self.c.say(f"restarting cluster {victim}: {why}")
+        await asyncio.to_thread(self.stack.restart, victim)
+        self._note_workers()
+        self.rec.failover.setdefault("restarted_at", time.time())
+        self.rec.failover["restart_reason"] = why
+        self.rec.mark(f"cluster {victim} restarted ({why})")
+        return True
+
+    def _collect(self, tasks: dict[str, Any], states: dict[str, Any]) -> None:
+        for tid, s in states.items():
+            self.rec.generations.append({
+                "id": tid, **tasks[tid], "state": s["state"], "cluster": s["cluster"],
+                "worker": s["worker"], "ran_on": self.ran_on(s["worker"]),
+                "starts": [x for x in self.starts if x["id"] == tid],
+                "checkpoint": s["checkpoint"],
+                "checkpoint_step": s["checkpoint_step"], "attempts": s["attempts"],
+                "created_at": _ts(s["created_at"]), "started_at": _ts(s["started_at"]),
+                "finished_at": _ts(s["finished_at"]), "num_images": s["params"]["num_images"]})
+
+    def _failover_figures(self, victim: str, killed_at: float, restarted: bool) -> None:
+        f = self.rec.failover
+        stranded = [g for g in self.rec.generations if g["id"] in set(f["stranded_ids"])]
+        elsewhere = [g for g in stranded if g["ran_on"] not in ("", victim)]
+        restart_at = f.get("restarted_at")
+        first = min((x["at"] for g in stranded for x in g["starts"] if x["at"] >= killed_at
+                     and self.ran_on(x["worker"]) not in ("", victim)), default=None)
+        f.update(finished_elsewhere=len(elsewhere),
+                 finished_after_restart=len(stranded) - len(elsewhere),
+                 failover_s=(first - killed_at) if first is not None else None,
+                 backlog_done_s=max((g["finished_at"] or killed_at for g in stranded),
+                                    default=killed_at) - killed_at,
+                 restarted_for_backlog=bool(restart_at) and not elsewhere)
+
+    async def _download_grid(self, tasks: dict[str, Any], states: dict[str, Any]) -> None:
+        images = self.out / "images"
+        shutil.rmtree(images, ignore_errors=True)
+        images.mkdir(parents=True)
+        grid = [t for t in tasks if tasks[t]["kind"] == "grid"]
+        for tid in grid:
+            digit = tasks[tid]["digit"]
+            for ref in states[tid]["images"]:
+                r = await self.http.get(ref["url"])
+                r.raise_for_status()
+                (images / f"digit{digit}-{ref['index']}.png").write_bytes(r.content)
+        steps = {states[t]["checkpoint_step"] for t in grid}
+        self.rec.serving["grid"] = {"checkpoint_steps": sorted(s for s in steps if s is not None),
+                                    "images": str(images)}
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    from datetime import datetime
+
+    return datetime.fromisoformat(value).timestamp()
+
+
+def _builtins(obj: Any) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(obj)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------- main
 
 
 def _demo(args: argparse.Namespace) -> int:
     out: Path = args.out
+    plan = plan_from_args(args)
     root = out / "stack"
     shutil.rmtree(root, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,240 +712,64 @@ def _demo(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    t0 = time.monotonic()
-
-    def say(msg: str) -> None:
-        print(f"[demo {time.monotonic() - t0:6.1f}s] {msg}", flush=True)
-
-    say("interim demo: the local stack and whatever end-to-end path exists so far "
-        "(the full demo arrives with the demo issue)")
-    say(f"starting the local stack, clusters {', '.join(c.name for c in config.clusters)}; "
-        f"its logs go to {root / 'stack.log'}")
-    steps: list[Step] = []
+    console = Console()
+    say = console.say
+    run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    record = Record(run_id=run_id, plan=dict(plan.__dict__))
+    # The stack's services inherit this process's TANDEM_* settings: the gateway and
+    # the workers read the same registry, whose digits model is this run's checkpoints.
+    os.environ["TANDEM_MODELS"] = json.dumps(plan.registry(run_id))
+    os.environ["TANDEM_PRELOAD"] = "false"  # no checkpoint exists until training writes one
+    say(f"starting the local stack (clusters {', '.join(c.name for c in config.clusters)}) "
+        f"on free ports; its logs go to {root}")
     root.mkdir(parents=True, exist_ok=True)
+    code = 1
     with open(root / "stack.log", "w") as sink:
         stack = Stack(config, root, sink, grace=args.grace)
         try:
             health = stack.start(cancel=stop, health_timeout=args.timeout)
+            bad = {n: s for n, s in health.items() if s != "healthy"}
+            missing = dict(stack.missing)
+            record.stack = {"processes": health, "not_built": missing,
+                            "gateway": stack.url("gateway"), "nats": stack.nats_url}
             for name, state in health.items():
                 say(f"  {name:<22} {state}")
-            for svc, why in stack.missing.items():
-                say(f"  {svc:<22} {why}")
-            steps.append(_services_step(health))
-            for path in (_nodes_step, _generation_step, _training_step):
-                if stop.is_set():
-                    raise Cancelled("interrupted")
-                step = path(stack, health, args.timeout, out, say, stop)
-                say(f"{step.name}: {step.status} - {step.detail}")
-                steps.append(step)
+            if bad or missing:
+                record.results.append({"phase": "stack", "status": "failed", "detail": "; ".join(
+                    [f"{n} {s}" for n, s in bad.items()]
+                    + [f"{n} {w}" for n, w in missing.items()]), "seconds": 0})
+                say(f"stack: FAILED - {record.results[-1]['detail']}")
+            else:
+                say(f"stack up: gateway {stack.url('gateway')} (dashboard at /), "
+                    f"NATS {stack.nats_url}")
+                record.mark("stack up")
+                demo = Demo(stack, plan, record, out, console, stop, args.timeout)
+                asyncio.run(demo.run())
         except Cancelled:
             say("interrupted; stopping")
-            steps.append(Step("demo", "failed", "interrupted"))
+            record.results.append({"phase": "demo", "status": "failed",
+                                   "detail": "interrupted", "seconds": 0})
         finally:
-            say("stopping the stack")
+            say("stopping the stack: services drain first, then S3 and NATS")
             killed = stack.stop()
-            if killed:
-                say(f"had to SIGKILL {', '.join(killed)}")
-    missing = dict(stack.missing)
-    report = _write_summary(out, steps, missing, time.monotonic() - t0)
-    say("summary:")
-    for line in report:
-        print("  " + line)
-    say(f"output: {out.resolve()} (summary.txt, stack/stack.log, stack/logs/, images)")
-    return 1 if any(s.status == "failed" for s in steps) else 0
-
-
-def _write_summary(out: Path, steps: list[Step], missing: dict[str, str],
-                   elapsed: float) -> list[str]:
-    lines = [f"{s.status.upper():<8} {s.name}: {s.detail}" for s in steps]
-    lines += [f"{'NOT BUILT':<8} {svc}: {why}" for svc, why in missing.items()]
-    lines.append(f"took {elapsed:.1f}s")
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps({
-        "steps": [s.__dict__ for s in steps], "not_built": missing, "seconds": elapsed},
-        indent=2))
-    return lines
-
-
-def _services_step(health: dict[str, str]) -> Step:
-    if not health:
-        return Step("services", "skipped", "no service is built yet: servers only")
-    bad = {n: s for n, s in health.items() if s != "healthy"}
-    if bad:
-        return Step("services", "failed",
-                    "; ".join(f"{n} {s}" for n, s in bad.items()))
-    return Step("services", "passed", f"{len(health)} processes answer /healthz")
-
-
-# ----------------------------------------------------------------------------------- paths
-
-Say = Callable[[str], None]
-
-
-def _nodes_step(stack: Stack, health: dict[str, str], timeout: float, out: Path, say: Say,
-                stop: threading.Event) -> Step:
-    """Every started cluster-agent's heartbeat appears in KV ``nodes``."""
-    agents = [c for c in stack.children.values() if c.spec.service == "cluster-agent"]
-    if not agents:
-        return Step("heartbeats", "skipped", "cluster-agent is not built yet")
-    want = {f"{c.spec.cluster}.{c.spec.env['TANDEM_NODE']}" for c in agents}
-    say(f"waiting (up to {timeout:g}s) for heartbeats of {', '.join(sorted(want))} "
-        "in KV nodes")
-
-    async def wait() -> set[str]:
-        import nats
-        from nats.js.errors import NoKeysError, NotFoundError
-
-        nc = await nats.connect(stack.nats_url, connect_timeout=5)
-        try:
-            deadline = time.monotonic() + timeout
-            seen: set[str] = set()
-            while time.monotonic() < deadline and not stop.is_set():
-                try:
-                    kv = await nc.jetstream().key_value("nodes")
-                    seen = set(await kv.keys())
-                except (NoKeysError, NotFoundError):
-                    seen = set()
-                if want <= seen:
-                    break
-                await asyncio.sleep(0.5)  # polling KV, as an operator's dashboard would
-            return seen
-        finally:
-            await nc.close()
-
-    seen = asyncio.run(wait())
-    if want <= seen:
-        return Step("heartbeats", "passed", f"{len(want)} node heartbeats in KV nodes")
-    return Step("heartbeats", "failed", f"missing after {timeout:g}s: "
-                f"{', '.join(sorted(want - seen))}")
-
-
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 10) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
-        return json.loads(raw) if raw else None
-
-
-def _requests(models: Any) -> list[dict[str, Any]]:
-    """One small request per model with a pipeline, as each one's conditioning wants."""
-    items = models.get("models", []) if isinstance(models, dict) else models
-    out: list[dict[str, Any]] = []
-    for i, model in enumerate(items):
-        if model.get("source") == "noop" or str(model.get("name", "")).startswith("fault"):
-            continue
-        req: dict[str, Any] = {"model": model["name"], "seed": 7 + i, "num_images": 1}
-        if model.get("conditioning") == "class_label":
-            req["class_label"] = 3
-        elif model.get("conditioning") == "text":
-            req["prompt"] = "a red circle on a white square"
-        out.append(req)
-    return out
-
-
-def _generation_step(stack: Stack, health: dict[str, str], timeout: float, out: Path,
-                     say: Say, stop: threading.Event) -> Step:
-    """One generation per model through the gateway's HTTP API, waited for, images saved."""
-    gw = stack.children.get("gateway")
-    if gw is None:
-        return Step("generation", "skipped", "gateway is not built yet")
-    if not any(c.spec.service == "inference-worker" for c in stack.children.values()):
-        return Step("generation", "skipped", "inference-worker is not built yet")
-    if health.get("gateway") != "healthy":
-        return Step("generation", "failed", f"gateway {health.get('gateway')}")
-    base = gw.spec.url or ""
-    states: dict[str, dict[str, Any]] = {}
+            record.mark("stack stopped")
+            say("stopped" + (f"; had to SIGKILL {', '.join(killed)}" if killed else " cleanly"))
+    record.finished_at = time.time()
+    (out / "demo.json").write_text(json.dumps(record.to_json(), indent=1))
+    ok = bool(record.results) and all(r["status"] == "passed" for r in record.results)
+    code = 0 if ok else 1
     try:
-        requests = _requests(_http("GET", f"{base}/v1/models"))
-        if not requests:
-            return Step("generation", "skipped", "the gateway lists no model with a pipeline")
-        for req in requests:
-            say(f"POST {base}/v1/generations {json.dumps(req)}")
-            states[_http("POST", f"{base}/v1/generations", req)["id"]] = {"state": "queued"}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not stop.is_set():
-            for tid, st in states.items():
-                if st.get("state") not in TERMINAL:
-                    states[tid] = _http("GET", f"{base}/v1/generations/{tid}")
-            if all(st.get("state") in TERMINAL for st in states.values()):
-                break
-            stop.wait(0.5)  # polling the status URLs, as a client would
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
-        return Step("generation", "failed", f"HTTP API error: {exc}")
-    done, problems = [], []
-    images = out / "images"
-    images.mkdir(parents=True, exist_ok=True)
-    for tid, st in states.items():
-        if st.get("state") not in TERMINAL:
-            problems.append(f"task {tid} still {st.get('state')} after {timeout:g}s")
-            continue
-        if st.get("state") != "succeeded":
-            problems.append(f"task {tid} {st.get('state')}: {st.get('reason') or '?'}")
-            continue
-        for img in st.get("images", []):
-            path = images / f"{st['model']}-{tid}-{img['index']}.png"
-            try:
-                with urllib.request.urlopen(img["url"], timeout=30) as resp:
-                    path.write_bytes(resp.read())
-            except (urllib.error.URLError, OSError) as exc:
-                problems.append(f"image of {tid} not downloadable: {exc}")
-                continue
-            done.append(f"{st['model']} on {st['cluster']} -> images/{path.name}")
-    if problems:
-        return Step("generation", "failed", "; ".join(problems))
-    return Step("generation", "passed", "; ".join(done))
+        from tandem.cli.report import write_report
 
-
-# A run small enough for the interim demo on two CPU cores: two checkpoints.
-DEMO_RUN = {"steps": 20, "checkpoint_every": 10, "ranks": 1, "batch_size": 16,
-            "warmup_steps": 0, "device": "cpu"}
-
-
-def _training_step(stack: Stack, health: dict[str, str], timeout: float, out: Path,
-                   say: Say, stop: threading.Event) -> Step:
-    """A short training run: trained by the trainer, its checkpoints committed to S3."""
-    services = {c.spec.service for c in stack.children.values()}
-    for svc in ("trainer", "checkpointer"):
-        if svc not in services:
-            return Step("training", "skipped", f"{svc} is not built yet")
-    from tandem.common import log
-    from tandem.common.bus import Bus
-    from tandem.common.runs import get_run, submit_run
-
-    log.configure("json", "error")  # the demo's console is for the demo's own lines
-    terminal = {"succeeded", "failed", "cancelled"}
-
-    async def run() -> Step:
-        bus = await Bus.connect(stack.settings(), "demo")
-        try:
-            rec = await submit_run(bus, DEMO_RUN)
-            say(f"submitted training run {rec.run_id}: {json.dumps(DEMO_RUN)}; waiting up to "
-                f"{timeout:g}s for it to finish and its last checkpoint to be committed")
-            deadline = time.monotonic() + timeout
-            seen = ""
-            while time.monotonic() < deadline and not stop.is_set():
-                rec = await get_run(bus, rec.run_id)
-                if rec.state.value != seen:
-                    seen = rec.state.value
-                    say(f"  run {rec.run_id}: {seen} (step {rec.latest_step})")
-                committed = rec.latest_checkpoint_step or 0
-                if rec.state.value in terminal and (
-                        rec.state.value != "succeeded" or committed >= DEMO_RUN["steps"]):
-                    break
-                await asyncio.sleep(0.5)  # polling KV runs, as `tandem train status` does
-            else:
-                return Step("training", "failed", f"run {rec.run_id} {rec.state.value} at "
-                            f"step {rec.latest_step}, committed checkpoint "
-                            f"{rec.latest_checkpoint_step} after {timeout:g}s")
-            if rec.state.value != "succeeded":
-                why = rec.incidents[-1] if rec.incidents else "no incident recorded"
-                return Step("training", "failed", f"run {rec.run_id} {rec.state.value}: {why}")
-            return Step("training", "passed", f"run {rec.run_id} trained {rec.latest_step} "
-                        f"steps; checkpoint step {rec.latest_checkpoint_step} committed at "
-                        f"{rec.latest_checkpoint_uri}")
-        finally:
-            await bus.drain()
-
-    return asyncio.run(run())
+        report = write_report(out)
+    except Exception as exc:  # the record is kept either way
+        say(f"report: could not be written: {exc!r}")
+        report = None
+    say("summary:")
+    for r in record.results:
+        print(f"  {r['status'].upper():<7} {r['phase']} ({r['seconds']:g}s): {r['detail']}")
+    print(f"  took {time.monotonic() - console.t0:.0f}s")
+    if report is not None:
+        say(f"report: {report.resolve()}")
+    say(f"output: {out.resolve()} (report.html, demo.json, images/, stack/logs/)")
+    return code

@@ -55,7 +55,9 @@ def _generate(args: argparse.Namespace) -> int:
         try:
             models = http.get("/v1/models").json()["models"]
         except httpx.HTTPError as exc:
-            print(f"tandem generate: cannot reach the gateway at {args.url}: {exc}",
+            from tandem.cli.reach import START
+
+            print(f"tandem generate: cannot reach the gateway at {args.url}: {exc}. {START}",
                   file=sys.stderr)
             return 2
         model = _pick_model(models, args.model, args.what)

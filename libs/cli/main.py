@@ -45,7 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
             bad.set_defaults(func=_unavailable(short, exc))
             continue
         module.register(sub)
+    _describe(parser)
     return parser
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's ``--help`` says what it does: its one-line help is its
+    description where a module gave none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                if not sub.description and helps.get(name):
+                    sub.description = str(helps[name])[:1].upper() + str(helps[name])[1:]
+                _describe(sub)
 
 
 def _unavailable(name: str, exc: Exception):  # type: ignore[no-untyped-def]

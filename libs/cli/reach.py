@@ -27,6 +27,17 @@ def unreachable_message(exc: BaseException) -> str | None:
     if httpx is not None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         where = getattr(getattr(exc, "request", None), "url", "the gateway")
         return f"cannot reach the gateway at {where}. {START}"
+    try:
+        from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+    except ImportError:
+        pass
+    else:
+        s3 = os.environ.get("TANDEM_S3_ENDPOINT", "(TANDEM_S3_ENDPOINT unset)")
+        if isinstance(exc, EndpointConnectionError):
+            return f"cannot reach S3 at {s3}. {START}"
+        if isinstance(exc, NoCredentialsError):
+            return (f"no S3 credentials: set TANDEM_S3_ACCESS_KEY and TANDEM_S3_SECRET_KEY "
+                    f"(S3 endpoint {s3}). {START}")
     if isinstance(exc, ConnectionRefusedError | TimeoutError):
         return f"cannot connect ({exc}). {START}"
     return None

@@ -223,12 +223,13 @@ class Observer:
                 deliver_policy=DeliverPolicy.ALL)
             try:
                 info = await sub.consumer_info()
-                for _ in range(int(info.num_pending or 0) + 1):
+                if not info.num_pending and not info.delivered.stream_seq:
+                    return  # no steps yet: followed live from here
+                while True:  # until the consumer says nothing more is pending
                     msg = await sub.next_msg(timeout=2.0)
                     ev = decode(msg.data, TrainStep)
                     view.add_step(ev.step, ev.loss)
-                    meta = msg.metadata
-                    if meta and not meta.num_pending:
+                    if not msg.metadata.num_pending:
                         break
             finally:
                 await sub.unsubscribe()

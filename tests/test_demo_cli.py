@@ -1,0 +1,68 @@
+"""CLI ergonomics: every command says what it does; no stack means a clear message."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from tandem.cli.main import build_parser
+from tandem.common.servers import free_port
+
+from .conftest import ROOT, service_env
+
+CLI = [sys.executable, "-m", "tandem.cli.main"]
+
+
+def commands() -> list[tuple[list[str], argparse.ArgumentParser, str | None]]:
+    out = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {a.dest: a.help for a in action._choices_actions}
+                for name, sub in action.choices.items():
+                    out.append(([*path, name], sub, helps.get(name)))
+                    walk(sub, [*path, name])
+
+    walk(build_parser(), [])
+    return out
+
+
+def test_every_command_and_subcommand_says_what_it_does_in_its_help() -> None:
+    found = commands()
+    assert {"demo", "report", "generate", "dev", "train", "clusters"} <= {
+        p[0] for p, _, _ in found}
+    for path, parser, one_line in found:
+        assert one_line and len(one_line) > 10, f"tandem {' '.join(path)}: no one-line help"
+        assert parser.description and len(parser.description) > 10, \
+            f"tandem {' '.join(path)} --help does not say what it does"
+    top = subprocess.run([*CLI, "--help"], cwd=ROOT, env=service_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0
+    for path, _, one_line in found:
+        if len(path) == 1:
+            assert path[0] in top.stdout and one_line.split()[0] in top.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["clusters"],
+    ["train", "status", "some-run"],
+    ["checkpoints", "list", "some-run"],
+    ["generate", "3", "--url", "{gateway}"],
+])
+def test_a_command_that_needs_the_stack_says_it_is_not_running_and_how_to_start_it(
+        argv: list[str]) -> None:
+    nats, gateway, s3 = free_port(), free_port(), free_port()  # nothing listens on them
+    argv = [a.replace("{gateway}", f"http://127.0.0.1:{gateway}") for a in argv]
+    env = service_env(NATS_URL=f"nats://127.0.0.1:{nats}", S3_ENDPOINT=f"http://127.0.0.1:{s3}",
+                      S3_ACCESS_KEY="k", S3_SECRET_KEY="k")
+    res = subprocess.run([*CLI, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "tandem dev up" in res.stderr, res.stderr[-2000:]
+    where = {"generate": gateway, "checkpoints": s3}.get(argv[0], nats)
+    assert f"127.0.0.1:{where}" in res.stderr, res.stderr[-2000:]
