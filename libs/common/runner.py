@@ -60,6 +60,10 @@ class Service(ABC):
         """Extra fields for /healthz."""
         return {}
 
+    def ready(self) -> bool:
+        """False while the service is still starting (``/healthz`` answers 503 then)."""
+        return True
+
     @abstractmethod
     async def run(self, ctx: Context) -> None:
         """Run until ``ctx.stopping`` is set, then finish or hand back in-flight work."""
@@ -93,8 +97,9 @@ class HttpEndpoint:
                 body, ctype = metrics.exposition()
                 status = "200 OK"
             elif path.startswith("/healthz"):
-                ok = self.bus.nc.is_connected and not self.stopping.is_set()
-                payload = {"status": "ok" if ok else "unavailable",
+                ready = self.service.ready()
+                ok = self.bus.nc.is_connected and not self.stopping.is_set() and ready
+                payload = {"status": "ok" if ok else "unavailable", "ready": ready,
                            "service": self.service.name,
                            "nats": "connected" if self.bus.nc.is_connected else "disconnected",
                            "stopping": self.stopping.is_set(), **self.service.health()}

@@ -112,6 +112,7 @@ class GatewayService(Service):
         self.s: GatewaySettings = settings
         self.port = 0
         self.router: Router | None = None
+        self._server: _Server | None = None
 
     def streams(self) -> Sequence[Spec]:
         # The queues it publishes to, not their consumers: those are the workers' own.
@@ -123,6 +124,10 @@ class GatewayService(Service):
         if self.router is not None:
             out["routing"] = self.router.describe()
         return out
+
+    def ready(self) -> bool:
+        # Ready once uvicorn listens: before that a client would get "connection refused".
+        return self._server is not None and bool(self._server.server.started)
 
     @staticmethod
     def _run_state(ctx: Context) -> Any:
@@ -159,7 +164,7 @@ class GatewayService(Service):
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
         tls = (s.http_tls_cert, s.http_tls_key) if s.tls else (None, None)
-        server = _Server(asgi, sock, *tls)
+        server = self._server = _Server(asgi, sock, *tls)
         scheme = "https" if s.tls else "http"
         ctx.log.info("gateway.listening", url=f"{scheme}://{s.http_host}:{self.port}",
                      docs=f"{scheme}://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
