@@ -59,3 +59,22 @@ async def test_invalid_run_config_is_422_naming_the_field(http: httpx.AsyncClien
 async def test_unknown_run_is_404(http: httpx.AsyncClient) -> None:
     r = await http.get("/v1/training-runs/nope")
     assert r.status_code == 404 and "nope" in r.json()["detail"]
+
+
+async def test_clusters_view_shows_each_node_with_health_and_gpus(
+        http: httpx.AsyncClient, bus: Bus, uid: str) -> None:
+    from tandem.common.bus import TypedKV
+    from tandem.common.events import GpuBrief, NodeHeartbeat
+    from tandem.common.streams import KV_NODES
+
+    nodes = TypedKV(await bus.kv(KV_NODES), NodeHeartbeat)
+    cluster = f"c{uid}"
+    await nodes.put(subjects.node_key(cluster, "n1"), NodeHeartbeat(
+        cluster=cluster, node="n1", gpus_total=8, gpus_usable=8, gpus_free=6,
+        models=["digits"], gpus=[GpuBrief(index=0, util=55.0, temp=61.0)]))
+    r = await http.get("/v1/clusters")
+    assert r.status_code == 200
+    [view] = [c for c in r.json()["clusters"] if c["name"] == cluster]
+    [node] = view["nodes"]
+    assert node["node"] == "n1" and node["status"] == "healthy" and node["up"] is True
+    assert node["gpus_total"] == 8 and node["gpus_free"] == 6

@@ -14,7 +14,7 @@ from tandem.gateway.generations import Conflict, Gateway
 from tandem.gateway.limits import BodyLimit
 from tandem.gateway.routing import RoutingError
 from tandem.gateway.schemas import Accepted, GenerationRequest, GenerationView, validate_request
-from tandem.gateway.training import add_training_routes
+from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
 
@@ -139,4 +139,5 @@ def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_
         return Response(content=body, media_type=ctype)
 
     add_training_routes(app, gw.bus)
+    add_fleet_routes(app, gw.bus)
     return BodyLimit(app, max_body_bytes), app

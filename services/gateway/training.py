@@ -1,7 +1,8 @@
-"""Training-run routes: submit a run and read its state.
+"""Training-run and fleet routes.
 
-The gateway validates and records the run with the same code as ``tandem train submit``
-(``tandem.common.runs``); the trainer picks it up from ``train.<run>.status``.
+The gateway validates and records a run with the same code as ``tandem train submit``
+(``tandem.common.runs``); the trainer picks it up from ``train.<run>.status``. The fleet
+view is the same one ``tandem clusters`` prints (``tandem.common.fleet``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
 
-from tandem.common import runs
+from tandem.common import fleet, runs
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
 
 RUN_ID = Path(description="The run id returned by POST /v1/training-runs.", max_length=64)
@@ -55,3 +56,11 @@ def add_training_routes(app: FastAPI, bus: Any) -> None:
             return _view(await runs.get_run(bus, run_id))
         except (RunNotFound, InvalidToken) as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
+
+
+def add_fleet_routes(app: FastAPI, bus: Any) -> None:
+    @app.get("/v1/clusters")
+    async def list_clusters() -> Any:
+        """Each cluster and node: health, drained flag, last heartbeat, GPUs total and
+        free, models loaded, and each GPU's latest key metrics."""
+        return (await fleet.read_fleet(bus)).to_dict()
