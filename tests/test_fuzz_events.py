@@ -38,7 +38,7 @@ def _decodable() -> dict[str, Any]:
 
 
 DECODABLE = _decodable()
-FUZZ = settings(max_examples=60, deadline=None, database=None,
+FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
