@@ -93,9 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("out/demo"),
                    help="output folder: report, demo.json, images, stack logs "
                    "(default out/demo)")
-    p.add_argument("--timeout", type=float, default=480.0,
+    p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds any one phase may wait before the demo gives up on it "
-                   "(default 480)")
+                   "(default 1200)")
     plan = DemoPlan()
     p.add_argument("--steps", type=int, default=plan.steps,
                    help=f"training steps (default {plan.steps})")
@@ -398,7 +398,8 @@ class Demo:
         self.c.say(f"training run {rec.run_id}: {p.steps} steps, batch {p.batch_size}, "
                    f"lr {p.lr:g}, EMA {p.ema_decay}, checkpoint every {p.checkpoint_every}; "
                    "the checkpointer mirrors each checkpoint to S3")
-        kill_at = (p.steps // 2) if p.incident else None
+        # Between two checkpoints, so the restart visibly replays the steps since the last.
+        kill_at = (p.steps // 2 + p.checkpoint_every // 2) if p.incident else None
         killed = False
         deadline = time.monotonic() + self.timeout
         while True:
