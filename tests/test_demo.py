@@ -17,7 +17,7 @@ from .conftest import ROOT, service_env
 
 DEMO = [sys.executable, "-m", "tandem.cli.main", "demo"]
 SHORT = ["--steps", "20", "--checkpoint-every", "10", "--batch-size", "32",
-         "--sample-steps", "8", "--images-per-digit", "1", "--backlog", "16",
+         "--sample-steps", "8", "--images-per-digit", "1", "--backlog", "40",
          "--failover-timeout", "60", "--no-incident", "--grace", "10"]
 
 
@@ -48,7 +48,7 @@ def test_demo_trains_serves_generates_every_digit_survives_a_dead_cluster_and_re
     assert f["cluster"] == "east" and f["stranded"] >= 1
     assert f["finished_elsewhere"] + f["finished_after_restart"] == f["stranded"]
     assert all(g["state"] == "succeeded" for g in rec["generations"])
-    assert len(rec["generations"]) == 10 + 16
+    assert len(rec["generations"]) == 10 + 40
     # GPU telemetry of both clusters' simulated nodes was recorded.
     assert {k.split("/")[0] for k in rec["telemetry"]} == {"east", "west"}
     # The report: one page and its figures, and where it is, printed at the end.

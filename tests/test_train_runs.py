@@ -236,11 +236,12 @@ def flip_byte(path: Path) -> None:
 
 async def kill_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
     """kill -9 a random rank at a random step, twice; before the second restart, corrupt
-    the newest checkpoint (the restart's 1 s backoff leaves the time to do it)."""
+    the newest checkpoint (the restart's 5 s backoff leaves the time to do it, even on a
+    busy machine: with 1 s the restart sometimes loaded the checkpoint first)."""
     run = f"kill-{uuid.uuid4().hex[:8]}"
     rng = random.Random()
     await submit_run(bus, tiny(run, cluster=stack.cluster, watchdog={
-        "hang_floor_s": 120, "backoff_s": 1.0, "startup_timeout_s": 200}))
+        "hang_floor_s": 120, "backoff_s": 5.0, "startup_timeout_s": 200}))
     kills = []
     for attempt, lo, hi in ((1, 2, 5), (2, 7, 10)):
         at = rng.randint(lo, hi)
