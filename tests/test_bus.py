@@ -13,7 +13,7 @@ import pytest
 from nats.js.api import RetentionPolicy
 
 from tandem.common import streams, subjects
-from tandem.common.bus import Bus, Delivery
+from tandem.common.bus import Bus, Consumer, Delivery
 from tandem.common.errors import Reject, StreamConflict
 from tandem.common.events import DeadLetter, GenerationTask, decode
 from tandem.common.servers import NatsServer
@@ -232,3 +232,102 @@ async def test_sigterm_finishes_in_flight_work_and_exits_zero(
     # What was not started is still in the stream for the next worker (handed back).
     info = await bus.js.consumer_info(f"ECHO_{uid}", "echo")
     assert info.num_pending + info.num_ack_pending + len(done) == 3
+
+
+async def test_pipelined_publish_returns_each_ack_in_order_and_flags_duplicates(
+        bus: Bus, uid: str) -> None:
+    stream, _ = _work(uid)
+    await bus.provision([stream])
+    tasks = [GenerationTask(task_id=f"t{i}", model="digits", class_label=i) for i in range(3)]
+    first = await bus.publish_many([(f"w.{uid}.a", t, f"id-{t.task_id}") for t in tasks])
+    assert [a.seq for a in first] == [1, 2, 3] and not any(a.duplicate for a in first)
+    again = await bus.publish_many([(f"w.{uid}.a", tasks[1], "id-t1"),
+                                    (f"w.{uid}.a", tasks[2], None)])
+    assert again[0].duplicate and again[0].seq == 2
+    assert again[1].seq == 4 and not again[1].duplicate
+
+
+async def test_pipelined_publish_to_a_subject_without_stream_raises(bus: Bus, uid: str) -> None:
+    from nats.js.errors import NoStreamResponseError
+
+    with pytest.raises(NoStreamResponseError):
+        await bus.publish_many([(f"nostream.{uid}", b"{}", None)])
+
+
+async def test_fetch_returns_a_late_message_at_once_not_after_its_timeout(
+        bus: Bus, uid: str) -> None:
+    # The batch (64) is not filled and the timeout (120 s) is far off: the fetch must
+    # still hand over the one message as soon as it comes.
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    c = bus.consumer(consumer, GenerationTask, _nothing)
+    waiting = asyncio.create_task(c.fetch(64, 120))
+    await bus.publish(f"w.{uid}.a", GenerationTask(task_id="late", model="digits"))
+    msgs = await asyncio.wait_for(waiting, TIMEOUT)
+    assert [decode(m.data, GenerationTask).task_id for m in msgs] == ["late"]
+    await c.close()
+
+
+async def test_fetch_takes_a_partial_batch_then_reports_an_empty_queue(
+        bus: Bus, uid: str) -> None:
+    c = await _queued(bus, uid, 5)
+    got = await asyncio.wait_for(c.fetch(3, 5), TIMEOUT)
+    got += await asyncio.wait_for(c.fetch(64, 5), TIMEOUT)
+    assert [decode(m.data, GenerationTask).task_id for m in got] == [f"t{i}" for i in range(5)]
+    for m in got:
+        await m.ack()
+    assert await asyncio.wait_for(c.fetch(8, 0.3), TIMEOUT) == []
+    await c.close()
+
+
+async def test_fetch_from_a_deleted_consumer_raises_rather_than_waiting(
+        bus: Bus, uid: str) -> None:
+    from nats.errors import NoRespondersError
+
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    c = bus.consumer(consumer, GenerationTask, _nothing)
+    await bus.js.delete_consumer(stream.name, consumer.durable)
+    with pytest.raises(NoRespondersError):
+        await asyncio.wait_for(c.fetch(8, 60), TIMEOUT)
+    await c.close()
+
+
+async def test_closing_a_consumer_hands_back_what_it_fetched_but_never_took(
+        bus: Bus, uid: str) -> None:
+    c = await _queued(bus, uid, 4)
+    consumer = c.spec
+    assert len(await asyncio.wait_for(c.fetch(1, 5), TIMEOUT)) == 1
+    # Ask the server for the rest on this consumer's inbox, but never fetch them.
+    pull = c._sub
+    assert pull is not None
+    await pull._request(3)
+    while len(pull.buf) < 3:  # delivered into the inbox, not yet taken
+        await asyncio.wait_for(_next_delivery(pull), TIMEOUT)
+    await c.close()
+    # Handed back (nak), so another consumer gets them now, not after AckWait (5 s).
+    other = bus.consumer(consumer, GenerationTask, _nothing)
+    got = await asyncio.wait_for(other.fetch(3, 4), TIMEOUT)
+    assert sorted(decode(m.data, GenerationTask).task_id for m in got) == ["t1", "t2", "t3"]
+    await other.close()
+
+
+async def _queued(bus: Bus, uid: str, n: int) -> Consumer[GenerationTask]:
+    """A work queue holding tasks t0..t<n-1>, and a consumer of it (not running)."""
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    await bus.publish_many([(f"w.{uid}.a", GenerationTask(task_id=f"t{i}", model="digits"),
+                             None) for i in range(n)])
+    return bus.consumer(consumer, GenerationTask, _nothing)
+
+
+async def _next_delivery(pull) -> None:  # type: ignore[no-untyped-def]
+    pull.waiter = asyncio.get_running_loop().create_future()
+    try:
+        await pull.waiter
+    finally:
+        pull.waiter = None
+
+
+async def _nothing(d: Delivery[GenerationTask]) -> None:
+    return None

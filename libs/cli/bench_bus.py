@@ -5,7 +5,9 @@ and the median round counts. Both build and JSON-encode the same event per messa
 raw side sends no headers and settles nothing but the ack, while the Tandem side adds
 ``traceparent`` to every message, decodes into the typed event, carries the trace
 context into the handler and applies its ack policy, so the ratio is the whole cost of
-the library.
+the library. The library gains back more than that: its pipelined publish takes every
+ack on one reply inbox with one future per call, and its fetch takes messages from the
+inbox without the task, timer and uuid that nats-py spends on each one.
 """
 
 from __future__ import annotations

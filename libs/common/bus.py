@@ -22,6 +22,7 @@ stalling silently when the server stops redelivering it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -102,6 +103,102 @@ class DomainJetStream(JetStreamContext):
         return await super().publish(subject, *args, **kwargs)
 
 
+class _AckWire(msgspec.Struct):
+    """A JetStream publish ack (or its error) as the server sends it."""
+
+    stream: str = ""
+    seq: int = 0
+    domain: str | None = None
+    duplicate: bool | None = None
+    error: dict[str, Any] | None = None
+
+
+_ACK_DECODER = msgspec.json.Decoder(_AckWire)
+
+
+class _PendingAcks:
+    __slots__ = ("acks", "error", "future", "key", "left")
+
+    def __init__(self, key: str, n: int) -> None:
+        self.key = key
+        self.acks: list[PubAck | None] = [None] * n
+        self.left = n
+        self.error: BaseException | None = None
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def settle(self, i: int, ack: PubAck | None, error: BaseException | None) -> None:
+        if i >= len(self.acks) or self.acks[i] is not None or self.future.done():
+            return
+        if error is not None:
+            self.error = self.error or error
+            self.future.set_result(None)  # the call fails at its first error
+            return
+        self.acks[i] = ack
+        self.left -= 1
+        if self.left == 0:
+            self.future.set_result(None)
+
+    async def wait(self, timeout: float) -> list[PubAck]:
+        try:
+            async with asyncio.timeout(timeout):
+                await self.future
+        except TimeoutError:
+            raise NatsTimeout from None
+        if self.error is not None:
+            raise self.error
+        return self.acks  # type: ignore[return-value]
+
+
+class _Acks:
+    """One reply inbox (``<inbox>.<call>.<i>``) for every pipelined publish of a process.
+
+    Each ack resolves its call's slot; a call's one future completes when all its slots
+    have. nats-py resubscribes the inbox after a reconnect; acks lost in between make the
+    call time out, and the caller retries (with ``Nats-Msg-Id`` that is idempotent).
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = f"{nc.new_inbox()}."
+        self.calls: dict[str, _PendingAcks] = {}
+        self.next = 0
+        self._sub: Any = None
+
+    async def open(self, n: int) -> tuple[_PendingAcks, str]:
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(f"{self.prefix}*.*", cb=self._on_ack)
+        self.next += 1
+        key = str(self.next)
+        call = self.calls[key] = _PendingAcks(key, n)
+        return call, f"{self.prefix}{key}."
+
+    def close(self, call: _PendingAcks) -> None:
+        self.calls.pop(call.key, None)
+
+    async def _on_ack(self, msg: Msg) -> None:
+        key, _, idx = msg.subject[len(self.prefix):].partition(".")
+        call = self.calls.get(key)
+        if call is None:
+            return  # a late ack for a call that gave up
+        i = int(idx)
+        if msg.headers and msg.headers.get("Status") == "503":
+            call.settle(i, None, NoStreamResponseError())
+            return
+        try:
+            wire = _ACK_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            call.settle(i, None, APIError(description=f"unreadable publish ack: {exc}"))
+            return
+        if wire.error is not None:
+            try:
+                APIError.from_error(wire.error)  # raises the error's own class
+            except APIError as exc:
+                call.settle(i, None, exc)
+            return
+        call.settle(i, PubAck(stream=wire.stream, seq=wire.seq, domain=wire.domain,
+                              duplicate=wire.duplicate), None)
+
+
 class Bus:
     """A connected NATS client with JetStream, shared by a process's loops."""
 
@@ -111,6 +208,8 @@ class Bus:
             nc.jetstream() if js_domain is None else DomainJetStream(nc, domain=js_domain))
         self.service = service
         self._kv: dict[str, KeyValue] = {}
+        self._acks: _Acks | None = None
+        self.api_prefix = "$JS.API" if js_domain is None else f"$JS.{js_domain}.API"
 
     @classmethod
     async def connect(cls, settings: Settings, service: str, **options: Any) -> Bus:
@@ -207,21 +306,35 @@ class Bus:
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
                 delay = min(delay * 2, 1.0)
 
-    async def publish_many(self, items: Sequence[tuple[str, Any, str | None]]) -> list[PubAck]:
+    async def publish_many(self, items: Sequence[tuple[str, Any, str | None]], *,
+                           timeout: float = 5.0) -> list[PubAck]:
         """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack.
 
         One call is one operation: its messages share one trace context (the current
-        span's, or one fresh root), as they would inside a caller's span.
+        span's, or one fresh root), as they would inside a caller's span. The acks come
+        back on one reply inbox for the whole process (``_Acks``), so a call costs one
+        future and one timer, not one of each per message as ``publish_async`` does.
+        Raises the first error a message got (``APIError``, ``NoStreamResponseError``),
+        or ``TimeoutError`` when acks are missing after ``timeout`` seconds.
         """
-        futures = []
+        if not items:
+            return []
+        if self._acks is None:
+            self._acks = _Acks(self.nc)
+        acks = self._acks
+        call, prefix = await acks.open(len(items))
         shared = {TRACEPARENT: tracing.traceparent()}
-        for subject, event, msg_id in items:
-            data = event if isinstance(event, bytes) else encode(event)
-            hdrs = shared if msg_id is None else {**shared, MSG_ID: msg_id}
-            futures.append(await self.js.publish_async(subject, data, headers=hdrs))
-        acks = list(await asyncio.gather(*futures))
-        metrics.PUBLISHED.labels(self.service).inc(len(acks))
-        return acks
+        publish = self.nc.publish
+        try:
+            for i, (subject, event, msg_id) in enumerate(items):
+                data = event if isinstance(event, bytes) else encode(event)
+                hdrs = shared if msg_id is None else {**shared, MSG_ID: msg_id}
+                await publish(subject, data, reply=f"{prefix}{i}", headers=hdrs)
+            result = await call.wait(timeout)
+        finally:
+            acks.close(call)
+        metrics.PUBLISHED.labels(self.service).inc(len(result))
+        return result
 
     async def emit(self, subject: str, event: Any) -> None:
         """Core NATS publish: not stored, not acknowledged (progress, live views)."""
@@ -364,23 +477,15 @@ class Consumer(Generic[E]):
         self._sem = asyncio.Semaphore(concurrency)
         self._recording = tracing.recording()
         self._acked = metrics.CONSUMED.labels(spec.stream, "ack")
-        self._sub: Any = None
+        self._sub: _Pull | None = None
         self.handled = 0
 
-    async def _subscribe(self) -> Any:
-        if self._sub is None:
-            self._sub = await self.bus.js.pull_subscribe_bind(
-                durable=self.spec.durable, stream=self.spec.stream)
-        return self._sub
-
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
-        sub = await self._subscribe()
-        try:
-            return await sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, NatsTimeout):
-            # nats-py also lets a plain asyncio timeout out of fetch (its own wait_for
-            # on the next message): nothing came, the same as its TimeoutError.
-            return []
+        """Up to ``batch`` messages: what is there now, else the first to come within
+        ``timeout`` seconds and what came with it; ``[]`` if none came."""
+        if self._sub is None:
+            self._sub = await _Pull.open(self.bus, self.spec.stream, self.spec.durable)
+        return await self._sub.fetch(batch, timeout)
 
     async def run(self, stop: asyncio.Event) -> None:
         lg = _log.bind(stream=self.spec.stream, consumer=self.spec.durable)
@@ -420,15 +525,10 @@ class Consumer(Generic[E]):
         lg.info("consumer.stopped", handled=self.handled)
 
     async def close(self) -> None:
-        """Unsubscribe the pull subscription.
-
-        A pull subscription's inbox is only read by ``fetch``; left subscribed, a later
-        ``drain()`` would wait on its unread queue until the drain timeout.
-        """
+        """Unsubscribe the pull inbox and hand back anything delivered but not fetched."""
         if self._sub is not None:
             sub, self._sub = self._sub, None
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await sub.close()
 
     def _inflight(self) -> int:
         return self.concurrency - self._sem._value
@@ -526,6 +626,110 @@ class Consumer(Generic[E]):
                 _log.error("consumer.on_dead_failed", error=repr(exc))
         await msg.term()
         metrics.CONSUMED.labels(self.spec.stream, "dead").inc()
+
+
+class _Pull:
+    """Fetch from a durable pull consumer with one timer per fetch, not per message.
+
+    nats-py's ``fetch`` starts a task, a timer and a uuid for every message it takes;
+    here the inbox's callback appends to a deque and a fetch takes from it. Like
+    nats-py, a fetch first asks for what is there now (``no_wait``); if nothing was,
+    it waits up to ``timeout`` for one message, then asks (``no_wait``) for the rest of
+    the batch. Each request has its own reply subject, so a status (404 no messages,
+    408 expired) that ends an earlier request is told apart from the current one's.
+    """
+
+    def __init__(self, bus: Bus, stream: str, durable: str) -> None:
+        self.nc = bus.nc
+        self.next_subject = f"{bus.api_prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.prefix = f"{bus.nc.new_inbox()}."
+        self.buf: collections.deque[Msg] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.requests = 0
+        self.sub: Any = None
+
+    @classmethod
+    async def open(cls, bus: Bus, stream: str, durable: str) -> _Pull:
+        pull = cls(bus, stream, durable)
+        pull.sub = await bus.nc.subscribe(f"{pull.prefix}*", cb=pull._on_msg)
+        return pull
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.buf.append(msg)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        out: list[Msg] = []
+        self._take(out, batch, "")  # delivered for an earlier request, not yet taken
+        if len(out) >= batch:
+            return out
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        await self._collect(out, batch, await self._request(batch - len(out)), deadline)
+        if out:
+            return out
+        wait = deadline - loop.time()
+        if wait < 0.01:
+            return out
+        await self._collect(out, 1, await self._request(1, expires=wait - 0.005), deadline)
+        if out and batch > 1:  # the first came: whatever else is there comes with it
+            scoop = loop.time() + max(timeout, 1.0)
+            await self._collect(out, batch, await self._request(batch - 1), scoop)
+        return out
+
+    async def _request(self, n: int, expires: float | None = None) -> str:
+        self.requests += 1
+        reply = f"{self.prefix}{self.requests}"
+        body = (f'{{"batch":{n},"no_wait":true}}' if expires is None
+                else f'{{"batch":{n},"expires":{int(expires * 1e9)}}}')
+        await self.nc.publish(self.next_subject, body.encode(), reply=reply)
+        return reply
+
+    async def _collect(self, out: list[Msg], want: int, reply: str, deadline: float) -> None:
+        """Take messages until ``want``, ``reply``'s request ends, or ``deadline``."""
+        while not self._take(out, want, reply) and len(out) < want:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.waiter
+            except TimeoutError:
+                return
+            finally:
+                self.waiter = None
+
+    def _take(self, out: list[Msg], want: int, reply: str) -> bool:
+        """Move buffered messages to ``out`` (up to ``want``); True once the status that
+        ends ``reply``'s request was seen. Other requests' statuses are dropped."""
+        buf = self.buf
+        while buf and len(out) < want:
+            msg = buf.popleft()
+            status = (msg.headers or {}).get("Status") if msg.headers else None
+            if status is None:
+                out.append(msg)
+                continue
+            if msg.subject != reply or status == "100":
+                continue  # an earlier request's end, or an idle heartbeat
+            if status in ("404", "408") or out:
+                return True
+            description = (msg.headers or {}).get("Description", "")
+            if status == "503":
+                raise NoRespondersError
+            raise APIError(code=int(status), description=description or f"status {status}")
+        return False
+
+    async def close(self) -> None:
+        """Unsubscribe; nak what was delivered but never taken, so it is redelivered
+        at once rather than after its AckWait."""
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+        while self.buf:
+            msg = self.buf.popleft()
+            if msg.headers and msg.headers.get("Status"):
+                continue
+            with contextlib.suppress(Exception):
+                await msg.nak()
 
 
 def _attach_remote(tp: str | None) -> Any:
