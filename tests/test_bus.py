@@ -13,7 +13,7 @@ import pytest
 from nats.js.api import RetentionPolicy
 
 from tandem.common import streams, subjects
-from tandem.common.bus import Bus, Consumer, Delivery
+from tandem.common.bus import Bus, Consumer, Delivery, struct_replace
 from tandem.common.errors import Reject, StreamConflict
 from tandem.common.events import DeadLetter, GenerationTask, decode
 from tandem.common.servers import NatsServer
@@ -331,3 +331,27 @@ async def _next_delivery(pull) -> None:  # type: ignore[no-untyped-def]
 
 async def _nothing(d: Delivery[GenerationTask]) -> None:
     return None
+
+
+async def test_typed_kv_writes_through_the_bus_keep_compare_and_set(bus: Bus, uid: str) -> None:
+    from nats.js.errors import InvalidKeyError
+
+    from tandem.common.events import TaskRecord
+    from tandem.common.streams import KVSpec
+
+    await bus.provision([KVSpec(f"cas_{uid}")])
+    kv = await bus.typed(f"cas_{uid}", TaskRecord)
+    rec = TaskRecord(task=GenerationTask(task_id="t", model="digits"))
+    assert await kv.create("t", rec) == 1
+    assert await kv.create("t", rec) is None  # exists: refused, not overwritten
+
+    def bump(cur: TaskRecord | None) -> TaskRecord | None:
+        assert cur is not None
+        return struct_replace(cur, attempts=cur.attempts + 1)
+
+    # 20 writers race on one key: every increment must land exactly once.
+    await asyncio.gather(*(kv.update("t", bump) for _ in range(20)))
+    got = await kv.get("t")
+    assert got is not None and got[0].attempts == 20 and got[1] == 21
+    with pytest.raises(InvalidKeyError):
+        await kv.create("bad key", rec)

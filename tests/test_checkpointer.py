@@ -17,7 +17,7 @@ import pytest
 from tandem.checkpointer.service import Checkpointer, CheckpointerSettings, delete_local
 from tandem.common import checkpoints as ck
 from tandem.common import log, subjects
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus
 from tandem.common.events import (
     CheckpointFailed,
     CheckpointManifest,
@@ -182,7 +182,7 @@ async def test_checkpoint_is_uploaded_verified_and_committed_with_the_manifest_l
     assert mirrored.step == 100
     assert mirrored.uri == f"s3://{bucket}/runs/{run}/checkpoints/step-100/"
     assert mirrored.bytes == sum(f.size for f in manifest.files)
-    record = await TypedKV(await bus.kv(KV_RUNS), RunRecord).get(run)
+    record = await (await bus.typed(KV_RUNS, RunRecord)).get(run)
     assert record is not None
     assert (record[0].latest_checkpoint_step, record[0].latest_checkpoint_uri) == \
         (100, mirrored.uri)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tandem.common import subjects
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus
 from tandem.common.events import NodeHeartbeat, TaskRecord, TaskState
 from tandem.common.models import Registry
 from tandem.common.servers import S3Server
@@ -146,7 +146,7 @@ async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refus
     assert r.status_code == 200
     assert r.json()["state"] == "cancelled" and r.json()["finished_at"]
     assert (await http.delete(f"/v1/generations/{task_id}")).status_code == 200
-    tasks = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
+    tasks = await bus.typed(KV_TASKS, TaskRecord)
     got = await tasks.get(task_id)
     assert got is not None and got[0].state == TaskState.cancelled
     assert (await http.delete("/v1/generations/unknown")).status_code == 404
@@ -156,7 +156,7 @@ async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refus
 
 async def test_models_lists_conditioning_sizes_steps_and_where_each_is_loaded(
         http: httpx.AsyncClient, bus: Bus, settings: Settings) -> None:
-    nodes = TypedKV(await bus.kv(KV_NODES), NodeHeartbeat)
+    nodes = await bus.typed(KV_NODES, NodeHeartbeat)
     await nodes.put(subjects.node_key(settings.cluster, "n1"), NodeHeartbeat(
         cluster=settings.cluster, node="n1", models=["digits"]))
     models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}

@@ -63,11 +63,10 @@ async def test_unknown_run_is_404(http: httpx.AsyncClient) -> None:
 
 async def test_clusters_view_shows_each_node_with_health_and_gpus(
         http: httpx.AsyncClient, bus: Bus, uid: str) -> None:
-    from tandem.common.bus import TypedKV
     from tandem.common.events import GpuBrief, NodeHeartbeat
     from tandem.common.streams import KV_NODES
 
-    nodes = TypedKV(await bus.kv(KV_NODES), NodeHeartbeat)
+    nodes = await bus.typed(KV_NODES, NodeHeartbeat)
     cluster = f"c{uid}"
     await nodes.put(subjects.node_key(cluster, "n1"), NodeHeartbeat(
         cluster=cluster, node="n1", gpus_total=8, gpus_usable=8, gpus_free=6,

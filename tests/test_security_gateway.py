@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem.common.bus import Bus, TypedKV, struct_replace
+from tandem.common.bus import Bus, struct_replace
 from tandem.common.events import RunRecord, RunState
 from tandem.common.runs import submit_run
 from tandem.common.servers import S3Server
@@ -154,7 +154,7 @@ def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: 
 async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
     """The Guard in front of a minimal training-run route that submits for real."""
     await bus.provision(core_streams())
-    runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+    runs = await bus.typed(KV_RUNS, RunRecord)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = b""
@@ -198,7 +198,7 @@ async def test_unfinished_training_runs_per_key_are_bounded_until_one_finishes(
     other = await http.post("/v1/training-runs", json=config,
                             headers={"Authorization": f"Bearer {keys['b']}"})
     assert other.status_code == 202  # the limit is per key
-    runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+    runs = await bus.typed(KV_RUNS, RunRecord)
     await runs.update(first.json()["run_id"],  # as its trainer would record it
                       lambda r: None if r is None else struct_replace(r, state=RunState.failed))
     fourth = await http.post("/v1/training-runs", json=config, headers=a)

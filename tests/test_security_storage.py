@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus
 from tandem.common.errors import InvalidToken, SettingsError
 from tandem.common.events import DeadLetter, RunRecord, decode
 from tandem.common.models import RegistrySettings
@@ -167,7 +167,7 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
                           written(root / bad_run / "step-2", link_manifest))
         await bus.publish(subjects.train(good_run, "checkpoint"),
                           written(good_dir, good_manifest))
-        runs = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+        runs = await bus.typed(KV_RUNS, RunRecord)
 
         async def committed() -> bool:
             got = await runs.get(good_run)

@@ -412,9 +412,8 @@ class TypedKVTasks:
 
     async def create(self, task_id: str, task: GenerationTask) -> None:
         from tandem.common import tasks as moves
-        from tandem.common.bus import TypedKV
 
-        kv = TypedKV(await self.bus.kv(KV_TASKS), TaskRecord)
+        kv = await self.bus.typed(KV_TASKS, TaskRecord)
         await kv.create(task_id, moves.queued(task, task.cluster))
 
 

@@ -19,7 +19,7 @@ import pytest
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus
 from tandem.common.events import (
     CheckpointMirrored,
     CheckpointWritten,
@@ -121,7 +121,7 @@ async def submit(bus: Bus, name: str, *, steps: int, seed: int, label: int) -> s
     task_id = uuid.uuid4().hex
     task = GenerationTask(task_id=task_id, model=name, class_label=label, width=8, height=8,
                           steps=steps, seed=seed, cluster=CLUSTER)
-    kv = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
+    kv = await bus.typed(KV_TASKS, TaskRecord)
     await kv.create(task_id, moves.queued(task, CLUSTER))
     await bus.publish(subjects.gen(CLUSTER, "interactive"), task, msg_id=task_id)
     return task_id

@@ -270,7 +270,6 @@ def test_dit_and_image_folder_are_config_changes(tmp_path: Path) -> None:
 async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
         bus: Bus, uid: str, tmp_path: Path) -> None:
     from tandem.common import log
-    from tandem.common.bus import TypedKV
     from tandem.common.events import DrainRecord, Health, NodeHeartbeat
     from tandem.common.streams import KV_DRAINS, KV_NODES
     from tandem.trainer.launcher import LocalLauncher
@@ -284,9 +283,9 @@ async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
                                               cluster=cluster, node="n0"),
                         f"r{uid}", cfg, LocalLauncher(), log.get("test"))
     assert (await sup.healthy_nodes())[0] == ["na", "nb", "nc"]
-    await TypedKV(await bus.kv(KV_DRAINS), DrainRecord).put(
+    await (await bus.typed(KV_DRAINS, DrainRecord)).put(
         subjects.node_key(cluster, "nb"), DrainRecord(cluster=cluster, node="nb", reason="t"))
-    await TypedKV(await bus.kv(KV_NODES), NodeHeartbeat).put(
+    await (await bus.typed(KV_NODES, NodeHeartbeat)).put(
         subjects.node_key(cluster, "nc"),
         NodeHeartbeat(cluster=cluster, node="nc", health=Health.unhealthy))
     healthy, why = await sup.healthy_nodes()

@@ -31,7 +31,7 @@ from nats.js.api import RetentionPolicy
 
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, TaskRecord, encode
 from tandem.common.servers import NatsServer, Process, S3Server, free_port
 from tandem.common.settings import Settings, load
@@ -128,7 +128,7 @@ class _Bench:
     async def prefill(self, bus: Bus, cluster: str, tasks: list[GenerationTask]) -> None:
         """Record and enqueue ``tasks`` as the gateway would, before any worker pulls."""
         await bus.provision([streams.gen_stream(cluster)])
-        kv = TypedKV(await bus.kv(streams.KV_TASKS), TaskRecord)
+        kv = await bus.typed(streams.KV_TASKS, TaskRecord)
         await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster)) for t in tasks))
         for i in range(0, len(tasks), 256):
             await bus.publish_many([(subjects.gen(cluster, t.lane), t, t.task_id)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -288,19 +289,17 @@ class Bus:
         leader election, a reconnect) are retried until that many seconds have passed,
         always with the same headers, so ``msg_id`` makes the retries idempotent.
         """
-        data = event if isinstance(event, bytes) else encode(event)
-        hdrs = self.headers(msg_id, headers)
+        item = (subject, event if isinstance(event, bytes) else encode(event),
+                self.headers(msg_id, headers))
         deadline = time.monotonic() + retry_for
         delay = 0.05
         while True:
             try:
-                ack = await self.js.publish(subject, data, timeout=timeout, headers=hdrs)
+                [ack] = await self.send([item], timeout)
                 metrics.PUBLISHED.labels(self.service).inc()
                 return ack
-            except (*_RETRYABLE, APIError) as exc:
-                if isinstance(exc, APIError) and (exc.code or 0) not in (503, 0):
-                    raise
-                if time.monotonic() + delay > deadline:
+            except Exception as exc:
+                if not transient(exc) or time.monotonic() + delay > deadline:
                     raise
                 _log.warning("bus.publish_retry", subject=subject, msg_id=msg_id, error=repr(exc))
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
@@ -311,11 +310,25 @@ class Bus:
         """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack.
 
         One call is one operation: its messages share one trace context (the current
-        span's, or one fresh root), as they would inside a caller's span. The acks come
-        back on one reply inbox for the whole process (``_Acks``), so a call costs one
-        future and one timer, not one of each per message as ``publish_async`` does.
-        Raises the first error a message got (``APIError``, ``NoStreamResponseError``),
-        or ``TimeoutError`` when acks are missing after ``timeout`` seconds.
+        span's, or one fresh root), as they would inside a caller's span.
+        """
+        shared = {TRACEPARENT: tracing.traceparent()}
+        acks = await self.send([
+            (subject, event if isinstance(event, bytes) else encode(event),
+             shared if msg_id is None else {**shared, MSG_ID: msg_id})
+            for subject, event, msg_id in items], timeout)
+        metrics.PUBLISHED.labels(self.service).inc(len(acks))
+        return acks
+
+    async def send(self, items: Sequence[tuple[str, bytes, dict[str, str]]],
+                   timeout: float = 5.0) -> list[PubAck]:
+        """Send encoded ``(subject, data, headers)`` to JetStream, pipelined; every ack.
+
+        The acks come back on one reply inbox for the whole process (``_Acks``), so a
+        call costs one future and one timer, not a future, a token and a semaphore wait
+        per message as nats-py's ``publish_async`` does. Raises the first error a
+        message got (``APIError``, ``NoStreamResponseError``), or nats' ``TimeoutError``
+        when acks are missing after ``timeout`` seconds. Headers are sent as given.
         """
         if not items:
             return []
@@ -323,18 +336,13 @@ class Bus:
             self._acks = _Acks(self.nc)
         acks = self._acks
         call, prefix = await acks.open(len(items))
-        shared = {TRACEPARENT: tracing.traceparent()}
         publish = self.nc.publish
         try:
-            for i, (subject, event, msg_id) in enumerate(items):
-                data = event if isinstance(event, bytes) else encode(event)
-                hdrs = shared if msg_id is None else {**shared, MSG_ID: msg_id}
+            for i, (subject, data, hdrs) in enumerate(items):
                 await publish(subject, data, reply=f"{prefix}{i}", headers=hdrs)
-            result = await call.wait(timeout)
+            return await call.wait(timeout)
         finally:
             acks.close(call)
-        metrics.PUBLISHED.labels(self.service).inc(len(result))
-        return result
 
     async def emit(self, subject: str, event: Any) -> None:
         """Core NATS publish: not stored, not acknowledged (progress, live views)."""
@@ -351,6 +359,10 @@ class Bus:
         if bucket not in self._kv:
             self._kv[bucket] = await self.js.key_value(bucket)
         return self._kv[bucket]
+
+    async def typed(self, bucket: str, event_type: type[E]) -> TypedKV[E]:
+        """Bucket ``bucket`` holding ``event_type`` values, written through this bus."""
+        return TypedKV(await self.kv(bucket), event_type, self)
 
     async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
         """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
@@ -746,11 +758,20 @@ def _attach_remote(tp: str | None) -> Any:
 
 
 class TypedKV(Generic[E]):
-    """A KV bucket whose values are events of one type, with compare-and-set updates."""
+    """A KV bucket whose values are events of one type, with compare-and-set updates.
 
-    def __init__(self, kv: KeyValue, event_type: type[E]) -> None:
+    Made with ``bus``, writes go through the bus's pipelined publish (``Bus.send``)
+    rather than a request each; a create that finds the key, and anything made without
+    a bus, is left to nats-py's ``KeyValue``.
+    """
+
+    def __init__(self, kv: KeyValue, event_type: type[E], bus: Bus | None = None) -> None:
         self.kv = kv
         self.event_type = event_type
+        self.bus = bus
+        bucket = kv._name  # nats-py has no public name; its writes go to $KV.<bucket>.<key>
+        self._pre = f"$KV.{bucket}." if bus is None or bus.api_prefix == "$JS.API" \
+            else f"{bus.api_prefix}.$KV.{bucket}."
 
     async def get(self, key: str) -> tuple[E, int] | None:
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
@@ -770,10 +791,34 @@ class TypedKV(Generic[E]):
         """Create ``key``; return None if it already exists."""
         from nats.js.errors import KeyWrongLastSequenceError
 
+        data = encode(value)
         try:
-            return await self.kv.create(key, encode(value))
+            if self.bus is not None:
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    return await self._write(key, data, 0)
+            # The key exists, or once did: nats-py also re-creates a deleted key.
+            return await self.kv.create(key, data)
         except KeyWrongLastSequenceError:
             return None
+
+    async def _write(self, key: str, data: bytes, last: int) -> int:
+        """Write ``key`` if its revision is ``last`` (0: it does not exist)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        if self.bus is None:
+            return await self.kv.update(key, data, last=last)
+        if not _KV_KEY.fullmatch(key):
+            from nats.js.errors import InvalidKeyError
+
+            raise InvalidKeyError(key)
+        try:
+            [ack] = await self.bus.send(
+                [(self._pre + key, data, {_EXPECTED_LAST: str(last)})])
+        except APIError as err:
+            if err.err_code in (10071, 10164):  # wrong last sequence
+                raise KeyWrongLastSequenceError(description=err.description) from None
+            raise
+        return ack.seq
 
     async def update(self, key: str, fn: Callable[[E | None], E | None],
                      attempts: int = 50) -> E | None:
@@ -793,7 +838,7 @@ class TypedKV(Generic[E]):
                 if cur is None:
                     await self.kv.create(key, encode(new))
                 else:
-                    await self.kv.update(key, encode(new), last=cur[1])
+                    await self._write(key, encode(new), cur[1])
                 return new
             except KeyWrongLastSequenceError:
                 continue
@@ -812,6 +857,10 @@ class TypedKV(Generic[E]):
             if got is not None:
                 out[k] = got[0]
         return out
+
+
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]([-/_=.a-zA-Z0-9]*[-/_=a-zA-Z0-9])?")
 
 
 def struct_replace(obj: E, **changes: Any) -> E:

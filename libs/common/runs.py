@@ -181,10 +181,9 @@ def new_run_id() -> str:
 
 async def get_run(bus: Any, run_id: str) -> RunRecord:
     """The run's record from KV ``runs``; ``RunNotFound`` when there is none."""
-    from tandem.common.bus import TypedKV
     from tandem.common.streams import KV_RUNS
 
-    got = await TypedKV(await bus.kv(KV_RUNS), RunRecord).get(subjects.token(run_id, "run id"))
+    got = await (await bus.typed(KV_RUNS, RunRecord)).get(subjects.token(run_id, "run id"))
     if got is None:
         raise RunNotFound(run_id)
     return got[0]
@@ -197,7 +196,6 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig) -> RunRecord:
     the existing record (and re-announces it if it is still pending); a different config
     under an existing run id raises ``RunExists``.
     """
-    from tandem.common.bus import TypedKV
     from tandem.common.streams import KV_RUNS
 
     cfg = parse_run_config(config)
@@ -206,7 +204,7 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig) -> RunRecord:
     run_id = cfg.run_id
     assert run_id is not None
     as_dict = cfg.model_dump(mode="json")
-    kv = TypedKV(await bus.kv(KV_RUNS), RunRecord)
+    kv = await bus.typed(KV_RUNS, RunRecord)
     record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
                        nodes=list(cfg.nodes))
     if await kv.create(run_id, record) is None:

@@ -71,6 +71,7 @@ class KVSpec:
         return KeyValueConfig(
             bucket=self.bucket, ttl=self.ttl or None, history=self.history,
             replicas=self.replicas, storage=StorageType.FILE,
+            direct=True,  # reads by direct get: no JSON, no base64, any replica answers
         )
 
 

@@ -30,7 +30,7 @@ from pydantic import Field
 
 from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
-from tandem.common.bus import Delivery, TypedKV, struct_replace
+from tandem.common.bus import Delivery, struct_replace
 from tandem.common.errors import Reject, Retry
 from tandem.common.events import (
     CheckpointFailed,
@@ -130,7 +130,7 @@ class Checkpointer(Service):
         self.s3 = storage.s3_client(s, max_pool=max(32, s.upload_concurrency * s.concurrency))
         self.mirror = Mirror(self.s3, s.mirror_config(),
                              on_progress=lambda _name, n: BYTES.inc(n))
-        self.runs = TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord)
+        self.runs = await ctx.bus.typed(KV_RUNS, RunRecord)
         try:
             await asyncio.to_thread(storage.ensure_bucket, self.s3, s.s3_bucket)
             aborted = await asyncio.to_thread(self.mirror.abort_uploads, "runs/",

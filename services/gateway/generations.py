@@ -93,9 +93,9 @@ class Gateway:
         self.nodes: TypedKV[NodeHeartbeat] | None = None
 
     async def start(self) -> None:
-        self.tasks = TypedKV(await self.bus.kv(KV_TASKS), TaskRecord)
-        self.idem = TypedKV(await self.bus.kv(KV_IDEMPOTENCY), IdempotencyRecord)
-        self.nodes = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+        self.tasks = await self.bus.typed(KV_TASKS, TaskRecord)
+        self.idem = await self.bus.typed(KV_IDEMPOTENCY, IdempotencyRecord)
+        self.nodes = await self.bus.typed(KV_NODES, NodeHeartbeat)
 
     # -------------------------------------------------------------------------- submit
 

@@ -193,9 +193,8 @@ class Observer:
         return out
 
     async def _runs(self) -> None:
-        from tandem.common.bus import TypedKV
 
-        kv = TypedKV(await self.bus.kv(KV_RUNS), RunRecord)
+        kv = await self.bus.typed(KV_RUNS, RunRecord)
         records = await kv.items()
         newest = sorted(records.values(), key=lambda r: r.created_at)[-MAX_RUNS:]
         for rec in newest:

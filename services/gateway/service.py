@@ -134,11 +134,10 @@ class GatewayService(Service):
         """A run's state from KV ``runs``, for the per-key training run limit."""
 
         async def state(run_id: str) -> str | None:
-            from tandem.common.bus import TypedKV
             from tandem.common.events import RunRecord
             from tandem.common.streams import KV_RUNS
 
-            got = await TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord).get(run_id)
+            got = await (await ctx.bus.typed(KV_RUNS, RunRecord)).get(run_id)
             return None if got is None else got[0].state.value
 
         return state

@@ -183,7 +183,7 @@ class InferenceWorker(Service):
     async def run(self, ctx: Context) -> None:
         bus = ctx.bus
         self.bus = bus
-        self.tasks = TypedKV(await bus.kv(KV_TASKS), TaskRecord)
+        self.tasks = await bus.typed(KV_TASKS, TaskRecord)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
         if self.s.preload:

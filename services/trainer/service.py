@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import Field
 
 from tandem.common import events, subjects
-from tandem.common.bus import Delivery, TypedKV, struct_replace
+from tandem.common.bus import Delivery, struct_replace
 from tandem.common.events import HealthTransition, RunRecord, RunState, TrainStatus
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
@@ -79,7 +79,7 @@ class Trainer(Service):
 
     async def run(self, ctx: Context) -> None:
         self.ctx = ctx
-        kv = TypedKV(await ctx.bus.kv(KV_RUNS), RunRecord)
+        kv = await ctx.bus.typed(KV_RUNS, RunRecord)
         subs = [
             await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),
             await ctx.bus.nc.subscribe(f"$KV.drains.{self.s.cluster}.*", cb=self._on_drain),
@@ -103,7 +103,7 @@ class Trainer(Service):
         ev = d.event
         if ev.state != RunState.pending:
             return
-        kv = TypedKV(await self.ctx.bus.kv(KV_RUNS), RunRecord)
+        kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
         got = await kv.get(ev.run_id)
         if got is None:
             return
@@ -146,7 +146,7 @@ class Trainer(Service):
             self.supervisors.pop(sup.run_id, None)
 
     async def _reject(self, run_id: str, reason: str) -> None:
-        kv = TypedKV(await self.ctx.bus.kv(KV_RUNS), RunRecord)
+        kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
         await kv.update(run_id, lambda cur: struct_replace(cur, state=RunState.failed)
                         if cur else None)
         await self.ctx.bus.publish(subjects.train(run_id, "status"), TrainStatus(

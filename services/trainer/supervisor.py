@@ -111,7 +111,7 @@ class RunSupervisor:
 
     async def kv(self) -> TypedKV[RunRecord]:
         if self._kv is None:
-            self._kv = TypedKV(await self.bus.kv(KV_RUNS), RunRecord)
+            self._kv = await self.bus.typed(KV_RUNS, RunRecord)
         return self._kv
 
     async def _record(self, **changes: Any) -> RunRecord | None:
@@ -179,7 +179,7 @@ class RunSupervisor:
         candidates = list(self.config.nodes) or [self.cfg.node]
         why = {n: r for n, r in self.excluded.items() if n in candidates}
         drains = await self.bus.kv(KV_DRAINS)
-        nodes_kv = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+        nodes_kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
         for n in candidates:
             key = subjects.node_key(self.cluster, n)
             with contextlib.suppress(Exception):
@@ -194,7 +194,7 @@ class RunSupervisor:
 
     async def _telemetry(self, node: str) -> dict[str, Any]:
         with contextlib.suppress(Exception):
-            nodes_kv = TypedKV(await self.bus.kv(KV_NODES), NodeHeartbeat)
+            nodes_kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
             hb = await nodes_kv.get(subjects.node_key(self.cluster, node))
             if hb is not None:
                 return msgspec.to_builtins(hb[0])
