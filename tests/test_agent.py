@@ -1,5 +1,5 @@
 """The cluster agent on a real nats-server: telemetry, transitions, heartbeats, drains,
-restarts without duplicate transitions, and kill -9."""
+restarts without duplicate transitions, kill -9, and its node's GPU gauges on /metrics."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from tandem.cluster_agent.sim import SimBackend
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
 from tandem.common.events import Health, HealthTransition, NodeTelemetry, decode
-from tandem.common.servers import NatsServer
+from tandem.common.servers import NatsServer, free_port
 from tandem.common.streams import HEALTH, HEARTBEAT_TTL, TELEMETRY, core_streams
 from tests.conftest import PYTHON, service_env
+from tests.observability_support import scrape
 
 
 async def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
@@ -219,9 +220,11 @@ async def test_models_announced_by_workers_appear_in_the_heartbeat(
 # ------------------------------------------------------------------------------ processes
 
 
-def start_agent(server: NatsServer, cluster: str, script: str) -> subprocess.Popen[bytes]:
-    env = service_env(nats_url=server.url, cluster=cluster, node="n1", agent_backend="sim",
-                      sim_gpus="2", sim_load="0.9", agent_interval="0.2", sim_faults=script)
+def start_agent(server: NatsServer, cluster: str, script: str,
+                **settings: str) -> subprocess.Popen[bytes]:
+    env = service_env(**{"nats_url": server.url, "cluster": cluster, "node": "n1",
+                         "agent_backend": "sim", "sim_gpus": "2", "sim_load": "0.9",
+                         "agent_interval": "0.2", "sim_faults": script, **settings})
     return subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -281,4 +284,33 @@ async def test_the_agent_die_fault_kills_the_agent_like_kill_9(
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def test_the_agents_metrics_carry_its_gpus_as_its_last_telemetry_event_says(
+        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
+    cluster, port = f"c{uid}", free_port()
+    sub = await fleet_bus.nc.subscribe(subjects.telemetry(cluster, "n1"))
+    # One sample at start, the next a minute later: the event read is the last one.
+    proc = start_agent(nats_server, cluster, "", agent_interval="60", metrics_port=str(port))
+    try:
+        sample = decode((await sub.next_msg(timeout=30)).data, NodeTelemetry)
+        series = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
+        gpus = {(name, labels): value for (name, labels), value in series.items()
+                if name.startswith("tandem_gpu_")}
+        expected = {}
+        for g in sample.gpus:
+            labels = (("cluster", cluster), ("gpu", str(g.index)), ("node", "n1"))
+            expected.update({("tandem_gpu_utilization_percent", labels): g.util,
+                             ("tandem_gpu_temperature_celsius", labels): g.temp,
+                             ("tandem_gpu_power_watts", labels): g.power,
+                             ("tandem_gpu_memory_used_bytes", labels): g.mem_used})
+        assert len(sample.gpus) == 2 and None not in expected.values()
+        assert gpus == expected
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        await sub.unsubscribe()
+        if proc.poll() is None:
+            proc.kill()
             proc.wait()

@@ -1,6 +1,6 @@
 """Traces and metrics: one trace per generation across gateway and worker, OTLP export.
 
-A tiny OTLP/HTTP receiver runs in the test (protobuf, as the SDK's exporter sends it).
+A tiny OTLP/HTTP receiver runs in the test (``observability_support.Receiver``).
 The gateway and the worker run as real processes of a one-cluster local stack with
 ``TANDEM_OTLP_ENDPOINT`` pointing at it; a generation submitted over HTTP must arrive as
 one trace holding the gateway's admission and the worker's phases, and every phase must
@@ -10,10 +10,8 @@ also show on the services' /metrics.
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,66 +19,10 @@ import pytest
 
 from tandem.cli.stack import Stack, StackConfig
 
+from .observability_support import Receiver
 from .test_dashboard import REGISTRY, gateway_listening, http_json, wait_for
 
 WORKER_PHASES = {"queue wait", "batching", "model load", "denoising", "upload"}
-
-
-class Receiver:
-    """OTLP/HTTP traces endpoint: decodes each export into (service, trace id, span)."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-                    ExportTraceServiceRequest,
-                )
-
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                receiver.add(req)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def add(self, req: Any) -> None:
-        with self.lock:
-            for rs in req.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes
-                                if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        self.spans.append({
-                            "service": service, "name": span.name,
-                            "trace": span.trace_id.hex(), "span": span.span_id.hex(),
-                            "parent": span.parent_span_id.hex(),
-                            "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
-                            "attrs": {a.key: a.value for a in span.attributes}})
-
-    def trace(self, task_id: str) -> list[dict[str, Any]]:
-        """Every span of the trace whose worker spans name ``task_id``."""
-        with self.lock:
-            ids = {s["trace"] for s in self.spans if "tandem.task_id" in s["attrs"]
-                   and s["attrs"]["tandem.task_id"].string_value == task_id}
-            return [s for s in self.spans if s["trace"] in ids]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -7,6 +7,9 @@ reference, the NaN run, the always-crashing run) are simply submitted; the inter
 ones (kill -9, SIGSTOP, a node turning bad) are coroutines that act on their run and
 return what they saw. Each test awaits its scenario and checks it. Every wait is on a
 KV update or a stream event, with a deadline.
+
+The coordinator exports its spans to an OTLP receiver in the test and serves /metrics on
+a known port, so the same runs also show what it traces and what it measures.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tandem.cli.train import follow, render_status, watch
 from tandem.common import events, subjects
 from tandem.common.bus import Bus
 from tandem.common.events import (
+    CheckpointWritten,
     Health,
     HealthTransition,
     RunRecord,
@@ -41,11 +45,12 @@ from tandem.common.events import (
     TrainStep,
 )
 from tandem.common.runs import submit_run
-from tandem.common.servers import NatsServer
+from tandem.common.servers import NatsServer, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS
 from tandem.trainer.launcher import proc_state
 from tests.conftest import PYTHON, service_env
+from tests.observability_support import Receiver, scrape
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
 RUN_TIMEOUT = 480.0
@@ -77,6 +82,8 @@ class Stack:
     work_root: Path
     log: Path
     background: dict[str, str]
+    metrics_url: str
+    otlp: Receiver
 
     def settings(self) -> Settings:
         return load(Settings, nats_url=self.nats.url, cluster=self.cluster, node="n0")
@@ -99,10 +106,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("train")
     nats = NatsServer(name="train", log_path=root / "nats.log", store_dir=root / "js")
     nats.start()
-    uid = uuid.uuid4().hex[:8]
+    uid, port = uuid.uuid4().hex[:8], free_port()
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
-                   "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}"})
+                   "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}"},
+               metrics_url=f"http://127.0.0.1:{port}/metrics", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
         tiny(bg["reference"], cluster=st.cluster),
@@ -113,12 +121,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
                        "startup_timeout_s": 200}),
     ]))
-    proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8")
+    proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8",
+                             metrics_port=str(port), otlp_endpoint=st.otlp.url)
     try:
         yield st
     finally:
         stop_process(proc)
         nats.stop()
+        st.otlp.close()
 
 
 def start_coordinator(nats: NatsServer, cluster: str, root: Path, log: Path,
@@ -127,6 +137,7 @@ def start_coordinator(nats: NatsServer, cluster: str, root: Path, log: Path,
     env = service_env(nats_url=nats.url, cluster=cluster, node="n0",
                       checkpoint_root=str(root / "ckpt"), work_root=str(root / "work"),
                       status_every_s="0.5", **settings)
+    env["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # spans leave within 0.2 s of ending, not 5 s
     with open(log, "ab") as out:
         return subprocess.Popen([PYTHON, "-m", "tandem.trainer"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
@@ -197,6 +208,23 @@ async def until_event(bus: Bus, run_id: str, pred: Callable[[Any], bool],
 
 async def finished(bus: Bus, run_id: str) -> RunRecord:
     return await until(bus, run_id, lambda r: r.state in TERMINAL)
+
+
+async def events_of(bus: Bus, run_id: str) -> list[Any]:
+    """Every event of a finished run, up to its terminal status."""
+    out: list[Any] = []
+
+    def collect(ev: Any) -> bool:
+        out.append(ev)
+        return isinstance(ev, TrainStatus) and ev.state in TERMINAL
+
+    await until_event(bus, run_id, collect)
+    return out
+
+
+def run_series(series: dict[Any, float], run_id: str) -> dict[str, float]:
+    """One run's samples from a scrape, by sample name."""
+    return {name: value for (name, labels), value in series.items() if labels == (("run", run_id),)}
 
 
 async def ranks_of(bus: Bus, run_id: str, attempt: int) -> dict[int, int]:
@@ -472,3 +500,75 @@ async def test_watch_prints_progress_until_the_run_ends(stack: Stack, tbus: Bus)
     assert "[" + "#" * 30 + "] 16/16 100.0%" in text
     assert "checkpoint step 15" in text and "training blocked" in text
     assert "succeeded: trained 16 steps" in text
+
+
+async def test_the_coordinators_metrics_show_a_runs_last_step_checkpoints_and_goodput(
+        stack: Stack, tbus: Bus) -> None:
+    run = stack.background["reference"]
+    rec = await finished(tbus, run)
+    evs = await events_of(tbus, run)
+    last = [e for e in evs if isinstance(e, TrainStep)][-1]
+    ckpts = [e for e in evs if isinstance(e, CheckpointWritten)]
+    got = run_series(await asyncio.to_thread(scrape, stack.metrics_url), run)
+    assert last.step == 16 and got["tandem_train_step"] == last.step
+    assert got["tandem_train_loss"] == last.loss
+    assert got["tandem_train_samples_per_second"] == last.samples_per_s
+    assert got["tandem_train_step_seconds_count"] == 16  # every step, each timed
+    assert got["tandem_checkpoint_blocked_seconds_count"] == len(ckpts) > 0
+    assert got["tandem_checkpoint_blocked_seconds_sum"] == pytest.approx(
+        sum(c.blocked_s for c in ckpts))
+    assert got["tandem_train_goodput_ratio"] == rec.goodput["goodput"] > 0
+    assert got["tandem_train_restarts"] == rec.restarts == 0
+
+
+async def test_each_restart_cycle_is_one_trace_that_names_the_incident_it_restarts_after(
+        stack: Stack, scenarios: dict[str, Any]) -> None:
+    got = await scenarios["kill"]
+    rec, kills = got["record"], got["kills"]
+    assert rec.state == RunState.succeeded, render_status(rec)
+
+    def roots() -> list[dict[str, Any]] | None:
+        spans = [s for s in stack.otlp.traces_with("tandem.run_id", rec.run_id)
+                 if s["name"] == "train attempt"]
+        return spans if len(spans) == 3 else None
+
+    attempts = await until_true(roots, "the three attempts' traces")
+    attempts.sort(key=lambda s: s["attrs"]["tandem.attempt"].int_value)
+    assert len({s["trace"] for s in attempts}) == 3  # one trace per cycle
+    assert [s["parent"] for s in attempts] == ["", "", ""]  # each a root
+    assert [s["attrs"]["tandem.attempt"].int_value for s in attempts] == [1, 2, 3]
+    assert [s["attrs"]["tandem.outcome"].string_value for s in attempts] == [
+        "rank_exit", "rank_exit", "succeeded"]
+    assert "tandem.restart.reason" not in attempts[0]["attrs"] and not attempts[0]["events"]
+    deaths = [i for i in rec.incidents if i["kind"] == "rank_exit"]
+    for span, inc, (_, victim) in zip(attempts[1:], deaths, kills, strict=True):
+        attrs = span["attrs"]
+        assert attrs["tandem.restart.incident"].string_value == "rank_exit"
+        assert attrs["tandem.restart.after_attempt"].int_value == inc["attempt"]
+        reason = attrs["tandem.restart.reason"].string_value
+        assert f"rank={victim}" in reason and "closed without goodbye" in reason, reason
+        [(name, event)] = span["events"]
+        assert name == "restart" and event["tandem.incident.rank"].int_value == victim
+        assert event["tandem.incident.resume_from"].int_value == inc["resume_from"]
+    # Each cycle's own restore and launch hang under its root, in its trace.
+    for span in attempts:
+        children = {s["name"]: s for s in stack.otlp.spans if s["parent"] == span["span"]}
+        assert {"restore", "launch"} <= set(children), children
+        assert {c["trace"] for c in children.values()} == {span["trace"]}
+    third = {s["name"]: s for s in stack.otlp.spans if s["parent"] == attempts[2]["span"]}
+    restore = third["restore"]["attrs"]
+    skipped = [v.int_value for v in restore["tandem.corrupt_skipped"].array_value.values]
+    assert skipped == [got["corrupted"]]
+    assert restore["tandem.resume_step"].int_value == (got["previous"] or 0)
+    assert run_series(await asyncio.to_thread(scrape, stack.metrics_url),
+                      rec.run_id)["tandem_train_restarts"] == rec.restarts == 2
+
+
+async def until_true(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """``cond()`` once it is truthy (spans arrive from another process), with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)  # polling a condition, with the deadline above
+    return value

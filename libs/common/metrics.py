@@ -2,9 +2,18 @@
 
 Served on ``/metrics`` by the service runner. Names follow Prometheus conventions
 (``tandem_<thing>_<unit>``); labels are bounded sets (stream, outcome, service).
+
+The GPU and training series are defined here because two services set them: the
+cluster-agent (its node's GPUs) and the trainer (its runs) where the figures are made,
+and the gateway's observer for the whole system from the bus. A metric is registered once
+per process, so both import these objects rather than defining the name twice.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
@@ -23,11 +32,66 @@ PHASE_SECONDS = Histogram(
     "tandem_generation_phase_seconds", "Generation task time by phase, seconds", ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
+
+# Each GPU's key figures, labelled {cluster, node, gpu}.
+GPU_UTIL = Gauge("tandem_gpu_utilization_percent", "GPU utilization, percent",
+                 ["cluster", "node", "gpu"])
+GPU_TEMP = Gauge("tandem_gpu_temperature_celsius", "GPU temperature, degrees C",
+                 ["cluster", "node", "gpu"])
+GPU_POWER = Gauge("tandem_gpu_power_watts", "GPU power draw, watts", ["cluster", "node", "gpu"])
+GPU_MEM = Gauge("tandem_gpu_memory_used_bytes", "GPU memory in use, bytes",
+                ["cluster", "node", "gpu"])
+
+# A training run's progress, labelled {run}.
+TRAIN_LOSS = Gauge("tandem_train_loss", "Latest training loss", ["run"])
+TRAIN_STEP = Gauge("tandem_train_step", "Latest optimizer step", ["run"])
+TRAIN_STEP_SECONDS = Histogram(
+    "tandem_train_step_seconds", "Training step time (slowest rank), seconds", ["run"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+TRAIN_SAMPLES = Gauge("tandem_train_samples_per_second", "Training throughput, samples per "
+                      "second", ["run"])
+CKPT_BLOCKED = Histogram(
+    "tandem_checkpoint_blocked_seconds", "Time a checkpoint blocked training, seconds",
+    ["run"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+GOODPUT = Gauge("tandem_train_goodput_ratio", "Productive share of a run's wall-clock time "
+                "(0..1)", ["run"])
+RESTARTS = Gauge("tandem_train_restarts", "Restarts of a run so far", ["run"])
+RUN_SERIES = (TRAIN_LOSS, TRAIN_STEP, TRAIN_STEP_SECONDS, TRAIN_SAMPLES, CKPT_BLOCKED, GOODPUT,
+              RESTARTS)
+
 __all__ = [
-    "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "INFLIGHT", "PHASE_SECONDS", "PUBLISHED",
-    "UP",
-    "Counter", "Gauge", "Histogram", "exposition",
+    "CKPT_BLOCKED", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "GOODPUT", "GPU_MEM",
+    "GPU_POWER", "GPU_TEMP", "GPU_UTIL", "INFLIGHT", "PHASE_SECONDS", "PUBLISHED", "RESTARTS",
+    "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES", "TRAIN_STEP", "TRAIN_STEP_SECONDS", "UP",
+    "Counter", "Gauge", "Histogram", "exposition", "set_gpus", "train_step",
 ]
+
+
+def set_gpus(cluster: str, node: str, gpus: Iterable[Any]) -> None:
+    """Set the GPU gauges of one node from its samples or heartbeat briefs (anything with
+    ``index``, ``util``, ``temp``, ``power``, ``mem_used``). A figure the GPU does not
+    report now (``None``: a lost GPU, a field NVML lacks) drops its series rather than
+    leaving the last value standing."""
+    for g in gpus:
+        labels = (cluster, node, str(g.index))
+        for gauge, value in ((GPU_UTIL, g.util), (GPU_TEMP, g.temp), (GPU_POWER, g.power),
+                             (GPU_MEM, g.mem_used)):
+            if value is None:
+                with contextlib.suppress(KeyError):  # older clients raise when it is absent
+                    gauge.remove(*labels)
+            else:
+                gauge.labels(*labels).set(value)
+
+
+def train_step(run: str, step: int, loss: float, samples_per_s: float,
+               step_time: float) -> None:
+    """One training step's figures, as in a ``TrainStep`` event (``step_time`` 0: not
+    measured, so not observed)."""
+    TRAIN_LOSS.labels(run).set(loss)
+    TRAIN_STEP.labels(run).set(step)
+    TRAIN_SAMPLES.labels(run).set(samples_per_s)
+    if step_time > 0:
+        TRAIN_STEP_SECONDS.labels(run).observe(step_time)
 
 
 def exposition() -> tuple[bytes, str]:

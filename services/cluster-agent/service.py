@@ -78,7 +78,7 @@ class ClusterAgent(Service):
         models = [m.strip() for m in s.agent_models.split(",") if m.strip()]
         agent = self.agent = NodeAgent(
             ctx.bus, s.cluster, s.node, self.backend(), WallClock(), interval=s.agent_interval,
-            auto_drain=s.agent_auto_drain, models=models)
+            auto_drain=s.agent_auto_drain, models=models, gpu_gauges=True)
         await agent.start()
         try:
             await agent.run(ctx.stopping)

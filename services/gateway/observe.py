@@ -49,27 +49,9 @@ NODE_UP = metrics.Gauge("tandem_node_up", "1 while a node's heartbeat is fresh",
                         ["cluster", "node"])
 NODE_SERVING = metrics.Gauge("tandem_node_serving", "1 while a node is up, healthy enough "
                              "and not drained", ["cluster", "node"])
-GPU_UTIL = metrics.Gauge("tandem_gpu_utilization_percent", "GPU utilization, percent",
-                         ["cluster", "node", "gpu"])
-GPU_TEMP = metrics.Gauge("tandem_gpu_temperature_celsius", "GPU temperature, degrees C",
-                         ["cluster", "node", "gpu"])
-GPU_POWER = metrics.Gauge("tandem_gpu_power_watts", "GPU power draw, watts",
-                          ["cluster", "node", "gpu"])
-GPU_MEM = metrics.Gauge("tandem_gpu_memory_used_bytes", "GPU memory in use, bytes",
-                        ["cluster", "node", "gpu"])
-TRAIN_LOSS = metrics.Gauge("tandem_train_loss", "Latest training loss", ["run"])
-TRAIN_STEP = metrics.Gauge("tandem_train_step", "Latest optimizer step", ["run"])
-TRAIN_STEP_SECONDS = metrics.Histogram(
-    "tandem_train_step_seconds", "Training step time (slowest rank), seconds", ["run"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-TRAIN_SAMPLES = metrics.Gauge("tandem_train_samples_per_second", "Training throughput, "
-                              "samples per second", ["run"])
-CKPT_BLOCKED = metrics.Histogram(
-    "tandem_checkpoint_blocked_seconds", "Time a checkpoint blocked training, seconds",
-    ["run"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
-GOODPUT = metrics.Gauge("tandem_train_goodput_ratio", "Productive share of a run's "
-                        "wall-clock time (0..1)", ["run"])
-RESTARTS = metrics.Gauge("tandem_train_restarts", "Restarts of a run so far", ["run"])
+# The GPU and training series (tandem_gpu_*, tandem_train_*, checkpoint blocked time) are
+# libs/common/metrics.py's: the agents and the trainer set the same ones on their own
+# /metrics, from the figures they publish.
 
 MAX_POINTS = 600  # loss points kept per run (thinned evenly beyond this)
 MAX_RUNS = 12
@@ -159,12 +141,8 @@ class Observer:
             for n in c.nodes:
                 NODE_UP.labels(c.name, n.node).set(1 if n.up else 0)
                 NODE_SERVING.labels(c.name, n.node).set(1 if n.serving else 0)
-                for g in n.gpus if n.up else []:
-                    labels = (c.name, n.node, str(g.index))
-                    for gauge, value in ((GPU_UTIL, g.util), (GPU_TEMP, g.temp),
-                                         (GPU_POWER, g.power), (GPU_MEM, g.mem_used)):
-                        if value is not None:
-                            gauge.labels(*labels).set(value)
+                if n.up:
+                    metrics.set_gpus(c.name, n.node, n.gpus)
 
     async def _queues(self, cluster: str) -> list[dict[str, Any]]:
         stream = subjects.gen_stream_name(cluster)
@@ -203,9 +181,9 @@ class Observer:
             if not view.backfilled:
                 view.backfilled = True
                 await self._backfill(view)
-            RESTARTS.labels(rec.run_id).set(rec.restarts)
+            metrics.RESTARTS.labels(rec.run_id).set(rec.restarts)
             if rec.goodput.get("goodput") is not None:
-                GOODPUT.labels(rec.run_id).set(rec.goodput["goodput"])
+                metrics.GOODPUT.labels(rec.run_id).set(rec.goodput["goodput"])
         keep = {r.run_id for r in newest}
         for run_id in [r for r in self.runs if r not in keep]:
             del self.runs[run_id]
@@ -248,14 +226,10 @@ class Observer:
             view.backfilled = True  # followed live from here
         if isinstance(ev, TrainStep):
             view.add_step(ev.step, ev.loss)
-            TRAIN_LOSS.labels(ev.run_id).set(ev.loss)
-            TRAIN_STEP.labels(ev.run_id).set(ev.step)
-            TRAIN_SAMPLES.labels(ev.run_id).set(ev.samples_per_s)
-            if ev.step_time > 0:
-                TRAIN_STEP_SECONDS.labels(ev.run_id).observe(ev.step_time)
+            metrics.train_step(ev.run_id, ev.step, ev.loss, ev.samples_per_s, ev.step_time)
         elif isinstance(ev, CheckpointWritten):
             view.checkpoints.append(ev.step)
-            CKPT_BLOCKED.labels(ev.run_id).observe(ev.blocked_s)
+            metrics.CKPT_BLOCKED.labels(ev.run_id).observe(ev.blocked_s)
 
     async def _on_result(self, msg: Any) -> None:
         try:

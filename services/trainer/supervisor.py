@@ -54,6 +54,7 @@ from tandem.trainer.launcher import (
     place,
     proc_state,
 )
+from tandem.trainer.run_metrics import RunMetrics
 from tandem.trainer.spec import LaunchSpec
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
@@ -94,9 +95,11 @@ class RunSupervisor:
         self.attempt_no = 0
         self.restarts = 0
         self.incidents: list[dict[str, Any]] = []
+        self.cause: dict[str, Any] | None = None  # the incident the next attempt restarts after
         self.skipped: list[list[int]] = []
         self.excluded: dict[str, str] = {}  # node -> why (health events, drains)
         self.goodput = Goodput()
+        self.metrics = RunMetrics(run_id)
         self.last_ckpt_step = 0
         self.latest_step = 0
         self.placement: Placement | None = None
@@ -117,6 +120,7 @@ class RunSupervisor:
     async def _record(self, **changes: Any) -> RunRecord | None:
         changes.setdefault("goodput", self.goodput.summary())
         changes["updated_at"] = time.time()
+        self.metrics.progress(self.restarts, changes["goodput"].get("goodput"))
 
         def apply(cur: RunRecord | None) -> RunRecord | None:
             if cur is None:
@@ -221,15 +225,17 @@ class RunSupervisor:
             if adopted:
                 if r.goodput:
                     self.goodput = Goodput.resumed(r.goodput, r.updated_at)
-                self.incidents.append({
+                self.cause = {
                     "kind": "coordinator_restart", "attempt": self.attempt_no,
                     "at": time.time(), "step": r.latest_step, "state": r.state.value,
-                    "detector": "run adopted by its restarted coordinator"})
+                    "detector": "run adopted by its restarted coordinator"}
+                self.incidents.append(self.cause)
         server = await asyncio.start_server(self.handle_connection, self.cfg.relay_host, 0)
         self.relay_address = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
         try:
             return await self._supervise(stopping)
         finally:
+            self.metrics.ended()
             server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2)
@@ -237,9 +243,12 @@ class RunSupervisor:
     async def _supervise(self, stopping: asyncio.Event) -> RunState:
         wd = self.config.watchdog
         while True:
-            # One trace per restart cycle: placement, restore, launch, training, outcome.
-            with tracing.new_trace("train attempt", {"tandem.run_id": self.run_id,
-                                                     "tandem.restarts": self.restarts}) as span:
+            # One trace per restart cycle: why it began (the incident that ended the cycle
+            # before), placement, restore, launch, training, outcome.
+            with tracing.new_trace("train attempt", self._cycle_attributes()) as span:
+                if self.cause is not None:
+                    span.add_event("restart", _primitive(self.cause, "tandem.incident."))
+                    self.cause = None
                 outcome = await self._attempt(stopping)
                 span.set_attributes({"tandem.attempt": self.attempt_no,
                                      "tandem.outcome": outcome.kind,
@@ -266,6 +275,7 @@ class RunSupervisor:
                 self.skipped.append(window)
                 incident["skip_window"] = window
             self.incidents.append(incident)
+            self.cause = incident
             self.restarts += 1
             if self.restarts > wd.max_restarts:
                 await self._status(RunState.failed, f"gave up after {wd.max_restarts} restarts; "
@@ -277,27 +287,21 @@ class RunSupervisor:
                 await self._status(RunState.restarting, "coordinator stopping")
                 return RunState.restarting
 
+    def _cycle_attributes(self) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"tandem.run_id": self.run_id, "tandem.restarts": self.restarts}
+        if self.cause is not None:
+            attrs.update({"tandem.restart.reason": _summary(self.cause),
+                          "tandem.restart.incident": self.cause["kind"],
+                          "tandem.restart.after_attempt": int(self.cause.get("attempt", 0))})
+        return attrs
+
     async def _attempt(self, stopping: asyncio.Event) -> Outcome:
         self.attempt_no += 1
         healthy, why = await self.healthy_nodes()
         placement = place(self.config.ranks, healthy)
         if placement is None:
             return Outcome("no_healthy_nodes", {"excluded": why})
-        resume, rejected = ckpt_store.newest_valid(self.cfg.checkpoint_root, self.run_id)
-        if rejected:
-            corrupt = [{"step": r.step, "path": r.path, "reason": r.reason, "at": time.time()}
-                       for r in rejected]
-            rec = await self._current()
-            before = rec.corrupt_checkpoints if rec else []
-            await self._status(RunState.restarting if self.restarts else RunState.starting,
-                               "corrupt checkpoint(s) skipped: " + "; ".join(
-                                   f"step {c['step']}: {c['reason']}" for c in corrupt),
-                               {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
-                               corrupt_checkpoints=[*before, *corrupt])
-        if resume is None and self.cfg.restore is not None:
-            resume = await self.cfg.restore(self.run_id,
-                                            ckpt_store.run_dir(self.cfg.checkpoint_root,
-                                                               self.run_id))
+        resume = await self._resume_point()
         ckpt_store.remove_incomplete(self.cfg.checkpoint_root, self.run_id)
         self.last_ckpt_step = resume.step if resume else 0
         self.latest_step = self.last_ckpt_step
@@ -320,7 +324,9 @@ class RunSupervisor:
                            f"({placement.per_node} ranks each), "
                            + (f"resuming from step {resume.step}" if resume else "from scratch"),
                            nodes=placement.nodes)
-        attempt = await self.launcher.start(placement, spec_path, attempt_dir)
+        with tracing.tracer().start_as_current_span("launch", attributes={
+                "tandem.nodes": placement.nodes, "tandem.ranks": self.config.ranks}):
+            attempt = await self.launcher.start(placement, spec_path, attempt_dir)
         self.goodput.launched()
         try:
             outcome = await self._watch(attempt, attempt_dir, stopping)
@@ -331,6 +337,29 @@ class RunSupervisor:
             outcome.detail.setdefault("agent_exit_codes", codes)
             outcome.detail.setdefault("logs", [str(a.log_path) for a in attempt.agents])
         return outcome
+
+    async def _resume_point(self) -> ckpt_store.Resume | None:
+        """The newest checkpoint that verifies, local else from S3; corrupt ones skipped
+        are recorded and reported."""
+        with tracing.tracer().start_as_current_span("restore") as span:
+            resume, rejected = ckpt_store.newest_valid(self.cfg.checkpoint_root, self.run_id)
+            if rejected:
+                corrupt = [{"step": r.step, "path": r.path, "reason": r.reason,
+                            "at": time.time()} for r in rejected]
+                rec = await self._current()
+                before = rec.corrupt_checkpoints if rec else []
+                await self._status(RunState.restarting if self.restarts else RunState.starting,
+                                   "corrupt checkpoint(s) skipped: " + "; ".join(
+                                       f"step {c['step']}: {c['reason']}" for c in corrupt),
+                                   {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
+                                   corrupt_checkpoints=[*before, *corrupt])
+            if resume is None and self.cfg.restore is not None:
+                resume = await self.cfg.restore(self.run_id,
+                                                ckpt_store.run_dir(self.cfg.checkpoint_root,
+                                                                   self.run_id))
+            span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
+                                 "tandem.corrupt_skipped": [r.step for r in rejected]})
+            return resume
 
     # --------------------------------------------------------------------------- watching
 
@@ -497,13 +526,15 @@ class RunSupervisor:
             await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
                                f"at {s.score:.2f}x the median step time", record,
                                stragglers=[*before, record])
+        loss, step_time = _finite(msg.get("loss")), float(msg.get("step_time", 0.0))
+        samples_per_s = float(msg.get("samples_per_s", 0.0))
+        self.metrics.step(step, loss, samples_per_s, step_time)
         every = self.config.step_event_every
         if step % every == 0 or step == self.config.steps:
             await self._publish(subjects.train(self.run_id, "step"), TrainStep(
-                run_id=self.run_id, step=step, loss=_finite(msg.get("loss")),
+                run_id=self.run_id, step=step, loss=loss,
                 grad_norm=_finite(msg.get("grad_norm")), lr=float(msg.get("lr", 0.0)),
-                samples_per_s=float(msg.get("samples_per_s", 0.0)),
-                step_time=float(msg.get("step_time", 0.0)), rank_step_times=times,
+                samples_per_s=samples_per_s, step_time=step_time, rank_step_times=times,
                 rank_nodes=nodes, attempt=self.attempt_no),
                 f"{self.run_id}-step-{step}-a{self.attempt_no}", retry_for=2.0)
         if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
@@ -517,6 +548,7 @@ class RunSupervisor:
             run_id=self.run_id, step=step, path=str(msg["path"]), manifest=manifest,
             blocked_s=float(msg.get("blocked_s", 0.0)), write_s=float(msg.get("write_s", 0.0)),
             node=str(msg.get("node", "")), cluster=self.cluster)
+        self.metrics.checkpoint(event.blocked_s)
         # A step rewritten after a resume is announced again (the checkpointer's mirror
         # is idempotent), since the first copy may have been lost with the node.
         await self._publish(subjects.train(self.run_id, "checkpoint"), event,
@@ -529,6 +561,12 @@ def _finite(x: Any) -> float:
     except (TypeError, ValueError):
         return 0.0
     return v if math.isfinite(v) else 0.0  # JSON has no NaN; anomalies are reported apart
+
+
+def _primitive(values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The scalar entries of ``values`` as span attributes (OpenTelemetry takes no dicts)."""
+    return {prefix + k: v for k, v in values.items()
+            if isinstance(v, (str, bool, int, float))}
 
 
 def _summary(incident: dict[str, Any]) -> str:
