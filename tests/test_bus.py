@@ -353,5 +353,8 @@ async def test_typed_kv_writes_through_the_bus_keep_compare_and_set(bus: Bus, ui
     await asyncio.gather(*(kv.update("t", bump) for _ in range(20)))
     got = await kv.get("t")
     assert got is not None and got[0].attempts == 20 and got[1] == 21
+    assert await kv.put("t", rec) == 22  # a plain put overwrites, whatever the revision
+    got = await kv.get("t")
+    assert got is not None and got[0].attempts == 0
     with pytest.raises(InvalidKeyError):
         await kv.create("bad key", rec)

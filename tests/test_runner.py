@@ -9,6 +9,8 @@ import signal
 import subprocess
 import urllib.request
 
+import pytest
+
 from tandem.common import streams
 from tandem.common.bus import Bus
 from tandem.common.servers import free_port
@@ -32,17 +34,19 @@ async def _wait_healthy(url: str, proc: asyncio.subprocess.Process) -> dict:
     return await asyncio.wait_for(poll(), TIMEOUT)
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
-        settings: Settings, uid: str) -> None:
+        settings: Settings, uid: str, loop: str) -> None:
     port = free_port()
-    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port))
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port),
+                      event_loop=loop)
     proc = await asyncio.create_subprocess_exec(
         PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
         health = await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         assert health["status"] == "ok" and health["service"] == "echo"
-        assert health["nats"] == "connected"
+        assert health["nats"] == "connected" and health["loop"] == loop
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
         assert 'tandem_service_up{service="echo"} 1.0' in text
@@ -76,6 +80,13 @@ def test_bad_setting_exits_2_with_the_variable_named() -> None:
     assert "TANDEM_CLUSTER" in out.stderr and "TANDEM_DRAIN_TIMEOUT" in out.stderr
 
 
+def test_an_unknown_event_loop_is_a_bad_setting() -> None:
+    out = subprocess.run([PYTHON, "-m", "tests.support.echo_service"], cwd=ROOT,
+                         env=service_env(event_loop="tokio"), capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 2 and "TANDEM_EVENT_LOOP" in out.stderr
+
+
 async def test_sigterm_while_nats_is_unreachable_exits_promptly_with_zero() -> None:
     env = service_env(nats_url=f"nats://127.0.0.1:{free_port()}", echo_name="nobody")
     proc = await asyncio.create_subprocess_exec(
@@ -84,7 +95,9 @@ async def test_sigterm_while_nats_is_unreachable_exits_promptly_with_zero() -> N
     try:
         async def wait_for_retry() -> None:
             assert proc.stdout is not None
-            while b"Connect call failed" not in await proc.stdout.readline():
+            # The client's connect error, logged as it retries (the wording is the event
+            # loop's: asyncio says "Connect call failed", uvloop "Connection refused").
+            while b'"nats.error"' not in await proc.stdout.readline():
                 pass
 
         await asyncio.wait_for(wait_for_retry(), TIMEOUT)

@@ -279,7 +279,12 @@ async def kill_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
         victim = rng.choice(sorted(pids))
         os.kill(pids[victim], signal.SIGKILL)
         kills.append((at, victim))
-    # The ranks are dead, so nothing newer can appear while the restart waits out its backoff.
+    # Once the run says it is restarting after attempt 2, every rank of it is gone (the
+    # survivors too, which could still be renaming a checkpoint just after the kill), so
+    # nothing newer can appear while the restart waits out its backoff.
+    await until_event(bus, run, lambda e: isinstance(e, TrainStatus)
+                      and e.state == RunState.restarting and e.incident is not None
+                      and e.incident.get("attempt") == 2)
     on_disk = sorted(int(p.name.split("-")[1]) for p in (stack.ckpt_root / run).glob("step-*")
                      if p.name.split("-")[1].isdigit())
     newest = on_disk[-1]

@@ -46,6 +46,9 @@ GOAL_TASKS_PER_S = 1000.0
 GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 NOOP_BODY = b'{"model":"noop"}'
+# No worker drains the queue when the gateway is measured alone, so its backlog cap (10,000
+# by default) would be hit within seconds and turn the rest of the burst into cheap 429s.
+BACKLOG_UNCAPPED = 10_000_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -490,7 +493,8 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
         beating = asyncio.create_task(heartbeat())
         gw._spawn([sys.executable, "-m", "tandem.gateway"], env=_env(
             nats_url=srv.url, http_port=str(port), metrics_port=str(metrics_port),
-            cluster="c0", clusters="c0", s3_endpoint="http://127.0.0.1:9", s3_access_key="x",
+            cluster="c0", clusters="c0", max_backlog=str(BACKLOG_UNCAPPED),
+            s3_endpoint="http://127.0.0.1:9", s3_access_key="x",
             s3_secret_key="x", log_level="warning", log_format="json"))
         await _ready(f"http://127.0.0.1:{port}/healthz", gw)
         tasks = Tasks()
@@ -517,7 +521,7 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
     return {"connections": args.burst_conns, "accepted_per_s": round(n / wall, 1),
             "rejected": tasks.rejected, "gateway_cpu_cores": round(cpu / wall, 3),
             "gateway_cpu_ms_per_task": round(cpu / n * 1e3, 3) if n else None,
-            "meets_goal": n / wall >= GOAL_TASKS_PER_S}
+            "meets_goal": n / wall >= GOAL_TASKS_PER_S and not tasks.rejected}
 
 
 async def _routing_input(watch: Any, n: int = 200) -> dict[str, float]:
@@ -640,7 +644,8 @@ def render(r: dict[str, Any]) -> str:
     g = r.get("gateway_alone")
     if g:
         lines.append(f"gateway alone (1 nats-server, no fleet, {g['connections']} conns): "
-                     f"{g['accepted_per_s']}/s accepted, {g['gateway_cpu_cores']} cores, "
+                     f"{g['accepted_per_s']}/s accepted, {g['rejected']} refused, "
+                     f"{g['gateway_cpu_cores']} cores, "
                      f"{g['gateway_cpu_ms_per_task']} ms CPU/task; >= {GOAL_TASKS_PER_S:g}/s: "
                      f"{yes[g['meets_goal']]}")
     for row in r["sizes"]:

@@ -320,7 +320,7 @@ class Bus:
         metrics.PUBLISHED.labels(self.service).inc(len(acks))
         return acks
 
-    async def send(self, items: Sequence[tuple[str, bytes, dict[str, str]]],
+    async def send(self, items: Sequence[tuple[str, bytes, dict[str, str] | None]],
                    timeout: float = 5.0) -> list[PubAck]:
         """Send encoded ``(subject, data, headers)`` to JetStream, pipelined; every ack.
 
@@ -785,7 +785,8 @@ class TypedKV(Generic[E]):
         return decode(entry.value, self.event_type), entry.revision or 0
 
     async def put(self, key: str, value: E) -> int:
-        return await self.kv.put(key, encode(value))
+        """Write ``key`` whatever it holds; returns the new revision."""
+        return await self._write(key, encode(value), None)
 
     async def create(self, key: str, value: E) -> int | None:
         """Create ``key``; return None if it already exists."""
@@ -801,19 +802,21 @@ class TypedKV(Generic[E]):
         except KeyWrongLastSequenceError:
             return None
 
-    async def _write(self, key: str, data: bytes, last: int) -> int:
-        """Write ``key`` if its revision is ``last`` (0: it does not exist)."""
+    async def _write(self, key: str, data: bytes, last: int | None) -> int:
+        """Write ``key`` if its revision is ``last`` (0: it does not exist; None: any)."""
         from nats.js.errors import KeyWrongLastSequenceError
 
         if self.bus is None:
+            if last is None:
+                return await self.kv.put(key, data)
             return await self.kv.update(key, data, last=last)
         if not _KV_KEY.fullmatch(key):
             from nats.js.errors import InvalidKeyError
 
             raise InvalidKeyError(key)
         try:
-            [ack] = await self.bus.send(
-                [(self._pre + key, data, {_EXPECTED_LAST: str(last)})])
+            [ack] = await self.bus.send([(self._pre + key, data, None if last is None
+                                          else {_EXPECTED_LAST: str(last)})])
         except APIError as err:
             if err.err_code in (10071, 10164):  # wrong last sequence
                 raise KeyWrongLastSequenceError(description=err.description) from None

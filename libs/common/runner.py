@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -102,7 +102,9 @@ class HttpEndpoint:
                 payload = {"status": "ok" if ok else "unavailable", "ready": ready,
                            "service": self.service.name,
                            "nats": "connected" if self.bus.nc.is_connected else "disconnected",
-                           "stopping": self.stopping.is_set(), **self.service.health()}
+                           "stopping": self.stopping.is_set(),
+                           "loop": "uvloop" if type(asyncio.get_running_loop()).__module__
+                           .startswith("uvloop") else "asyncio", **self.service.health()}
                 body, ctype = json.dumps(payload).encode(), "application/json"
                 status = "200 OK" if ok else "503 Service Unavailable"
             else:
@@ -234,7 +236,26 @@ def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
     """Entry point of ``python -m tandem.<service>``: validate settings, run, exit."""
     try:
         settings = load(service_cls.settings_class, service_cls.name)
+        run = loop_runner(settings.event_loop)
     except SettingsError as exc:
         print(f"tandem {service_cls.name}: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(asyncio.run(serve(service_cls(settings))))
+    sys.exit(run(serve(service_cls(settings))))
+
+
+def loop_runner(loop: str = "auto") -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    """``asyncio.run``, on uvloop when it is installed (``auto``) or asked for.
+
+    uvloop runs the same asyncio code on libuv: the bus's many small messages and the
+    gateway's requests cost far less CPU. ``asyncio`` keeps the standard loop.
+    """
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise SettingsError("TANDEM_EVENT_LOOP=uvloop, but uvloop is not installed "
+                                    "(pip install uvloop)") from None
+        else:
+            return uvloop.run
+    return asyncio.run

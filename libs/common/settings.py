@@ -61,6 +61,9 @@ class Settings(BaseSettings):
         "auto", description="auto: console on a TTY, JSON otherwise."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="asyncio event loop: uvloop when installed (auto), or the "
+        "standard one.")
     otlp_endpoint: str | None = Field(
         None, description="OTLP/HTTP endpoint for traces; unset exports nothing."
     )

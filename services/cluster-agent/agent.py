@@ -44,7 +44,6 @@ from tandem.common.events import (
     NodeHeartbeat,
     NodeTelemetry,
     decode,
-    encode,
 )
 from tandem.common.streams import HEALTH, HEARTBEAT_TTL, KV_NODES
 
@@ -296,5 +295,5 @@ class NodeAgent:
         )
 
     async def heartbeat(self) -> None:
-        kv = await self.bus.kv(KV_NODES)
-        await kv.put(self._key, encode(self.heartbeat_value()))
+        kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
+        await kv.put(self._key, self.heartbeat_value())
