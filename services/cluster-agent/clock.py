@@ -25,8 +25,11 @@ class WallClock:
     async def sleep_until(self, t: float, stop: asyncio.Event) -> bool:
         delay = t - time.time()
         if delay > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            # A timeout on this task, not wait_for's extra task: an agent process ticks
+            # hundreds of simulated nodes a second, and each wait_for made and cancelled one.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await stop.wait()
         return stop.is_set()
 
 
