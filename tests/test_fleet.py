@@ -93,6 +93,40 @@ async def test_fleet_watch_follows_heartbeats_and_drains_live(bus: Bus, uid: str
                     what="the node to leave")
 
 
+async def test_nodes_sharing_a_drain_board_each_see_only_their_own_drains(
+        bus: Bus, uid: str) -> None:
+    """One process hosting many nodes: one consumer on KV drains, not one per node, and
+    each node's watch still sees exactly its own state and changes."""
+    from tandem.common.streams import KV_DRAINS
+
+    await bus.provision(core_streams())
+    cluster = f"c{uid}"
+    await fleet.drain(bus, cluster, "n0", "drained before the start")
+    seen: dict[str, list[str]] = {n: [] for n in ("n0", "n1", "n2")}
+
+    def recorder(node: str):  # type: ignore[no-untyped-def]
+        async def on_change(record: DrainRecord | None) -> None:
+            seen[node].append(record.reason if record else "undrained")
+        return on_change
+
+    before = (await bus.js.stream_info(f"KV_{KV_DRAINS}")).state.consumer_count
+    board = fleet.DrainBoard(bus, cluster)
+    watches = {n: fleet.DrainWatch(bus, cluster, n, on_change=recorder(n), board=board)
+               for n in seen}
+    for w in watches.values():
+        await w.start()
+    assert [w.drained for w in watches.values()] == [True, False, False]
+    assert (await bus.js.stream_info(f"KV_{KV_DRAINS}")).state.consumer_count == before + 1
+    await fleet.drain(bus, cluster, "n2", "rack move")
+    await fleet.undrain(bus, cluster, "n0")
+    await until(lambda: watches["n2"].drained and not watches["n0"].drained,
+                what="the drain of n2 and the undrain of n0")
+    assert seen == {"n0": ["undrained"], "n1": [], "n2": ["rack move"]}
+    for w in watches.values():
+        await w.stop()
+    await board.stop()
+
+
 async def _cli(server_url: str, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         PYTHON, "-m", "tandem.cli.main", *args, env=service_env(nats_url=server_url),

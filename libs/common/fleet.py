@@ -375,12 +375,27 @@ class DrainWatch(_KeyWatch):
     """
 
     def __init__(self, bus: Bus, cluster: str, node: str, on_change: OnDrain | None = None,
-                 resync: float = 5.0) -> None:
+                 resync: float = 5.0, board: DrainBoard | None = None) -> None:
         super().__init__(bus, KV_DRAINS, subjects.node_key(cluster, node), resync)
         self.cluster, self.node = cluster, node
         self.on_change = on_change
         self.record: DrainRecord | None = None
         self.changed = asyncio.Event()
+        self.board = board
+
+    async def start(self) -> None:
+        """Load the node's drain state and follow it: by a watch of its own, or through
+        ``board`` when one process hosts many nodes of the cluster."""
+        if self.board is None:
+            await super().start()
+        else:
+            await self.board.attach(self)
+
+    async def stop(self) -> None:
+        if self.board is None:
+            await super().stop()
+        else:
+            self.board.detach(self)
 
     @property
     def drained(self) -> bool:
@@ -429,6 +444,48 @@ class DrainWatch(_KeyWatch):
 
     async def update(self, key: str, value: bytes | None) -> None:
         await self._set(self._parse(value), notify=True)
+
+
+class DrainBoard(_KeyWatch):
+    """One watch on KV ``drains`` for every node of one cluster hosted by a process.
+
+    A process that runs many nodes' agents (the simulated fleet multiplexes hundreds)
+    would otherwise hold an ordered consumer, with its heartbeats and resync checks, per
+    node. Each node's ``DrainWatch(board=...)`` is fed from this one watch instead, with
+    the same semantics: its state on attach, then every change to its key, and a
+    re-watch's state applied to all of them.
+    """
+
+    def __init__(self, bus: Bus, cluster: str, resync: float = 5.0) -> None:
+        super().__init__(bus, KV_DRAINS, f"{subjects.token(cluster, 'cluster')}.*", resync)
+        self.views: dict[str, DrainWatch] = {}
+        self.values: dict[str, bytes] = {}
+        self._starting = asyncio.Lock()
+
+    async def attach(self, view: DrainWatch) -> None:
+        async with self._starting:
+            if self._task is None:
+                await super().start()
+        self.views[view.pattern] = view
+        await view.replace(self.values, True)
+
+    def detach(self, view: DrainWatch) -> None:
+        if self.views.get(view.pattern) is view:
+            del self.views[view.pattern]
+
+    async def replace(self, values: dict[str, bytes], first: bool) -> None:
+        self.values = dict(values)
+        for view in list(self.views.values()):
+            await view.replace(self.values, first)
+
+    async def update(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.values.pop(key, None)
+        else:
+            self.values[key] = value
+        view = self.views.get(key)
+        if view is not None:
+            await view.update(key, value)
 
 
 class FleetWatch:

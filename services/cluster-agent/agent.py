@@ -64,7 +64,8 @@ class NodeAgent:
                  clock: Clock | None = None, *, interval: float = 1.0,
                  heartbeat_ttl: float = HEARTBEAT_TTL, auto_drain: bool = True,
                  models: Iterable[str] = (), rules: Sequence[Rule] = RULES,
-                 limits: Limits | None = None, gpu_gauges: bool = False) -> None:
+                 limits: Limits | None = None, gpu_gauges: bool = False,
+                 drains: fleet.DrainBoard | None = None) -> None:
         self.bus = bus
         self.cluster = subjects.token(cluster, "cluster")
         self.node = subjects.token(node, "node")
@@ -90,7 +91,8 @@ class NodeAgent:
         self._lock = asyncio.Lock()
         self._workers: dict[str, tuple[list[str], float]] = {}
         self._sub: Any = None
-        self.drain = fleet.DrainWatch(bus, cluster, node, on_change=self._on_drain)
+        self.drain = fleet.DrainWatch(bus, cluster, node, on_change=self._on_drain,
+                                      board=drains)
 
     # ------------------------------------------------------------------------- lifecycle
 

@@ -22,7 +22,7 @@ from tandem.cluster_agent.agent import NodeAgent
 from tandem.cluster_agent.backend import make
 from tandem.cluster_agent.clock import WallClock
 from tandem.cluster_agent.service import AgentSettings
-from tandem.common import subjects
+from tandem.common import fleet, subjects
 from tandem.common.runner import Context, Service, main
 
 START_BATCH = 50  # agents starting at once: each reads HEALTH and opens a drain watch
@@ -62,11 +62,14 @@ class SimFleet(Service):
 
     async def run(self, ctx: Context) -> None:
         s = self.s
+        # The process's nodes share one drain watch, not an ordered consumer each.
+        drains = fleet.DrainBoard(ctx.bus, s.cluster)
         self.agents = [
             NodeAgent(ctx.bus, s.cluster, node,
                       make("sim", gpus=s.sim_gpus, load=s.sim_load,
                            seed=zlib.crc32(f"{s.cluster}.{node}".encode())),
-                      WallClock(), interval=s.agent_interval, auto_drain=s.agent_auto_drain)
+                      WallClock(), interval=s.agent_interval, auto_drain=s.agent_auto_drain,
+                      drains=drains)
             for node in self.node_names()
         ]
         for i in range(0, len(self.agents), START_BATCH):
@@ -80,6 +83,7 @@ class SimFleet(Service):
                 tg.create_task(self._run(ctx, agent, s.agent_interval * i / n))
         for agent in self.agents:
             await agent.close()
+        await drains.stop()
 
     @staticmethod
     async def _run(ctx: Context, agent: NodeAgent, offset: float) -> None:
