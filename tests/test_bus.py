@@ -358,3 +358,30 @@ async def test_typed_kv_writes_through_the_bus_keep_compare_and_set(bus: Bus, ui
     assert got is not None and got[0].attempts == 0
     with pytest.raises(InvalidKeyError):
         await kv.create("bad key", rec)
+
+
+async def test_an_expected_value_spares_the_read_until_the_key_has_moved_on(
+        bus: Bus, uid: str) -> None:
+    from tandem.common.events import TaskRecord
+    from tandem.common.streams import KVSpec
+
+    await bus.provision([KVSpec(f"exp_{uid}")])
+    kv = await bus.typed(f"exp_{uid}", TaskRecord)
+    rec = TaskRecord(task=GenerationTask(task_id="t", model="digits"))
+    rev = await kv.create("t", rec)
+    assert rev is not None
+    seen: list[int] = []
+
+    def bump(cur: TaskRecord | None) -> TaskRecord | None:
+        assert cur is not None
+        seen.append(cur.attempts)
+        return struct_replace(cur, attempts=cur.attempts + 1)
+
+    # Current: the guess is the base, one write, no read.
+    assert (await kv.update("t", bump, expect=(rec, rev))).attempts == 1  # type: ignore[union-attr]
+    # Stale (the key moved on): the guess's write is refused, the stored value decides.
+    stale = struct_replace(rec, attempts=40)
+    assert (await kv.update("t", bump, expect=(stale, rev))).attempts == 2  # type: ignore[union-attr]
+    assert seen == [0, 40, 1]
+    got = await kv.get("t")
+    assert got is not None and got[0].attempts == 2

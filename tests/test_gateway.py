@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from tandem.common import subjects
+from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import NodeHeartbeat, TaskRecord, TaskState
+from tandem.common.events import GenerationTask, NodeHeartbeat, TaskRecord, TaskState, decode
 from tandem.common.models import Registry
 from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
@@ -65,6 +66,14 @@ async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
     assert view["params"] == {"width": 16, "height": 16, "steps": 10, "guidance": 5.0,
                               "seed": body["seed"], "num_images": 2}
     assert view["created_at"] and view["images"] == []
+    # The queued task carries its record's revision, and the record is exactly what a
+    # worker rebuilds from the task: its first compare-and-set needs no read.
+    msg = await bus.js.get_last_msg(subjects.gen_stream_name(settings.cluster),
+                                    subjects.gen(settings.cluster, "batch"))
+    task = decode(msg.data, GenerationTask)
+    stored = await (await bus.typed(KV_TASKS, TaskRecord)).get(body["id"])
+    assert stored is not None
+    assert moves.as_created(task, msg.headers or {}) == stored
 
 
 async def test_same_idempotency_key_returns_same_task_and_never_enqueues_twice(

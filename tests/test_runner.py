@@ -47,6 +47,7 @@ async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
         health = await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         assert health["status"] == "ok" and health["service"] == "echo"
         assert health["nats"] == "connected" and health["loop"] == loop
+        assert health["gc_threshold"] == 20_000  # the default, applied before the run
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
         assert 'tandem_service_up{service="echo"} 1.0' in text

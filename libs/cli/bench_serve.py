@@ -129,10 +129,13 @@ class _Bench:
         """Record and enqueue ``tasks`` as the gateway would, before any worker pulls."""
         await bus.provision([streams.gen_stream(cluster)])
         kv = await bus.typed(streams.KV_TASKS, TaskRecord)
-        await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster)) for t in tasks))
-        for i in range(0, len(tasks), 256):
-            await bus.publish_many([(subjects.gen(cluster, t.lane), t, t.task_id)
-                                    for t in tasks[i:i + 256]])
+        revisions = await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster))
+                                           for t in tasks))
+        sent = [(subjects.gen(cluster, t.lane), encode(t),
+                 bus.headers(t.task_id, moves.revision_header(rev)))
+                for t, rev in zip(tasks, revisions, strict=True)]
+        for i in range(0, len(sent), 256):
+            await bus.send(sent[i:i + 256])
 
     async def drain_rate(self, ids: list[str], per: int, timeout: float = 600) -> float:
         """Items/s from the first result to the last of ``ids`` (each worth ``per``)."""

@@ -362,7 +362,7 @@ class Bus:
 
     async def typed(self, bucket: str, event_type: type[E]) -> TypedKV[E]:
         """Bucket ``bucket`` holding ``event_type`` values, written through this bus."""
-        return TypedKV(await self.kv(bucket), event_type, self)
+        return TypedKV(await self.kv(bucket), event_type, self, bucket)
 
     async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
         """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
@@ -765,11 +765,14 @@ class TypedKV(Generic[E]):
     a bus, is left to nats-py's ``KeyValue``.
     """
 
-    def __init__(self, kv: KeyValue, event_type: type[E], bus: Bus | None = None) -> None:
+    def __init__(self, kv: KeyValue, event_type: type[E], bus: Bus | None = None,
+                 bucket: str = "") -> None:
+        if bus is not None and not bucket:
+            raise ValueError("TypedKV writing through a bus needs its bucket's name")
         self.kv = kv
         self.event_type = event_type
         self.bus = bus
-        bucket = kv._name  # nats-py has no public name; its writes go to $KV.<bucket>.<key>
+        # nats-py writes a key to $KV.<bucket>.<key> (prefixed across a JetStream domain).
         self._pre = f"$KV.{bucket}." if bus is None or bus.api_prefix == "$JS.API" \
             else f"{bus.api_prefix}.$KV.{bucket}."
 
@@ -824,18 +827,23 @@ class TypedKV(Generic[E]):
         return ack.seq
 
     async def update(self, key: str, fn: Callable[[E | None], E | None],
-                     attempts: int = 50) -> E | None:
+                     attempts: int = 50, expect: tuple[E, int] | None = None) -> E | None:
         """Apply ``fn`` to the current value by compare-and-set until it sticks.
 
         ``fn`` returns the new value, or None to leave the key as it is. Returns the
-        value stored (or the current one when ``fn`` declined).
+        value stored (or the current one when ``fn`` declined). ``expect`` (a value and
+        its revision, known without reading) is tried first: if the key has moved on,
+        the compare-and-set fails and the loop reads it as usual.
         """
         from nats.js.errors import KeyWrongLastSequenceError
 
         for _ in range(attempts):
-            cur = await self.get(key)
+            guessed = expect is not None
+            cur, expect = (expect or await self.get(key)), None
             new = fn(cur[0] if cur else None)
             if new is None:
+                if guessed:
+                    continue  # declined on the guess: decide on what is really stored
                 return cur[0] if cur else None
             try:
                 if cur is None:

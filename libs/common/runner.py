@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import sys
@@ -104,7 +105,8 @@ class HttpEndpoint:
                            "nats": "connected" if self.bus.nc.is_connected else "disconnected",
                            "stopping": self.stopping.is_set(),
                            "loop": "uvloop" if type(asyncio.get_running_loop()).__module__
-                           .startswith("uvloop") else "asyncio", **self.service.health()}
+                           .startswith("uvloop") else "asyncio",
+                           "gc_threshold": gc.get_threshold()[0], **self.service.health()}
                 body, ctype = json.dumps(payload).encode(), "application/json"
                 status = "200 OK" if ok else "503 Service Unavailable"
             else:
@@ -240,7 +242,22 @@ def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
     except SettingsError as exc:
         print(f"tandem {service_cls.name}: {exc}", file=sys.stderr)
         sys.exit(2)
+    tune_gc(settings.gc_threshold)
     sys.exit(run(serve(service_cls(settings))))
+
+
+def tune_gc(threshold: int) -> None:
+    """Collect the youngest generation every ``threshold`` allocations, not every 700.
+
+    A busy service allocates a few objects per message; at Python's default the cyclic
+    collector ran so often that it took about a third of a worker's CPU on no-op tasks
+    (py-spy; 0.46-0.61 s of CPU per 3,000 tasks, 0.31-0.43 s at 20,000). What was
+    allocated while starting (modules, models) is frozen out of the collector's scans.
+    0 keeps Python's defaults.
+    """
+    if threshold:
+        gc.freeze()
+        gc.set_threshold(threshold)
 
 
 def loop_runner(loop: str = "auto") -> Callable[[Coroutine[Any, Any, Any]], Any]:

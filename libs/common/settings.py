@@ -61,6 +61,9 @@ class Settings(BaseSettings):
         "auto", description="auto: console on a TTY, JSON otherwise."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    gc_threshold: int = Field(
+        20_000, ge=0, le=10_000_000, description="Allocations between collections of the "
+        "youngest generation (Python's default is 700); 0 keeps Python's defaults.")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="asyncio event loop: uvloop when installed (auto), or the "
         "standard one.")

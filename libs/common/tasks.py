@@ -24,7 +24,33 @@ def may_move(current: TaskState, new: TaskState) -> bool:
 
 
 def queued(task: GenerationTask, cluster: str) -> TaskRecord:
-    return TaskRecord(task=task, state=TaskState.queued, cluster=cluster)
+    """The record the gateway creates. A function of ``task`` and ``cluster`` alone (its
+    times are the submission's), so a worker can rebuild it from the task: see
+    ``as_created``."""
+    return TaskRecord(task=task, state=TaskState.queued, cluster=cluster,
+                      created_at=task.submitted_at, updated_at=task.submitted_at)
+
+
+# The revision of a task's record when the gateway enqueued it, as a header of the task.
+RECORD_REVISION = "Tandem-Record-Revision"
+
+
+def revision_header(revision: int | None) -> dict[str, str] | None:
+    return None if revision is None else {RECORD_REVISION: str(revision)}
+
+
+def as_created(task: GenerationTask, headers: dict[str, str]) -> tuple[TaskRecord, int] | None:
+    """The task's record as the gateway created it, and that revision, from the task and
+    its ``Tandem-Record-Revision`` header; None without one.
+
+    A compare-and-set against that revision succeeds only while the record is still
+    exactly that one, so a worker's first move needs no read; after any other write it
+    fails and the worker reads the record as usual.
+    """
+    raw = headers.get(RECORD_REVISION)
+    if not raw or not raw.isdigit() or not task.cluster:
+        return None
+    return queued(task, task.cluster), int(raw)
 
 
 def to_running(task: GenerationTask, cluster: str, worker: str, attempt: int) -> Move:

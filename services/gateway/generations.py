@@ -143,7 +143,7 @@ class Gateway:
                 # in case the first attempt died between recording and publishing.
                 recent = time.time() - rec.created_at < DUPLICATE_WINDOW
                 if rec.state == TaskState.queued and recent:
-                    await self._publish(rec.task, rec.cluster)
+                    await self._publish(rec.task, rec.cluster, existing[1])
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
         t0 = time.perf_counter()
@@ -151,12 +151,13 @@ class Gateway:
         ROUTING_SECONDS.observe(time.perf_counter() - t0)
         task = self.build_task(req, task_id, cluster)
         rec = moves.queued(task, cluster)
-        if await self._record(task_id, rec) is None:
+        revision = await self._record(task_id, rec)
+        if revision is None:
             got_rec = await self.tasks.get(task_id)
             if got_rec is not None:
-                rec = got_rec[0]
+                rec, revision = got_rec
         try:
-            await self._publish(task, cluster)
+            await self._publish(task, cluster, revision)
         except Exception as exc:
             reason = f"could not enqueue on cluster {cluster}: {exc!r}"
             await self.tasks.update(task_id, moves.to_failed(reason))
@@ -177,8 +178,10 @@ class Gateway:
             SUBMITTED.labels(rec.task.lane, "record_failed").inc()
             raise Conflict(503, f"could not record the task: {exc!r}") from exc
 
-    async def _publish(self, task: GenerationTask, cluster: str) -> None:
+    async def _publish(self, task: GenerationTask, cluster: str, revision: int | None) -> None:
+        # The record's revision rides along, so the worker's first move needs no read.
         await self.bus.publish(subjects.gen(cluster, task.lane), task, msg_id=task.task_id,
+                               headers=moves.revision_header(revision),
                                retry_for=self.publish_retry_for)
 
     # ------------------------------------------------------------------------- look up

@@ -325,10 +325,11 @@ class InferenceWorker(Service):
             assert self.tasks is not None
             cluster = self._cluster_of(d)
             if task.noop:
-                await self._dispatch_only(task, cluster)
+                await self._dispatch_only(task, cluster, records.as_created(task, d.headers))
                 return
             rec = await self.tasks.update(task.task_id, records.to_running(
-                task, cluster, self.worker_id, d.num_delivered))
+                task, cluster, self.worker_id, d.num_delivered),
+                expect=records.as_created(task, d.headers))
             if rec is None or rec.state.terminal:
                 if rec is not None and rec.state == TaskState.succeeded:
                     # Done by an earlier delivery whose ack was lost: the result's msg id
@@ -371,11 +372,12 @@ class InferenceWorker(Service):
         await self._publish_result(rec, timings={"generate_s": gen_s})
         TASKS_DONE.labels("succeeded").inc()
 
-    async def _dispatch_only(self, task: GenerationTask, cluster: str) -> None:
+    async def _dispatch_only(self, task: GenerationTask, cluster: str,
+                             expect: tuple[TaskRecord, int] | None) -> None:
         """A no-op task: nothing runs, so it goes straight to succeeded (benchmarks)."""
         assert self.tasks is not None
         rec = await self.tasks.update(task.task_id, records.to_succeeded(
-            [], adopt=task, cluster=cluster, worker=self.worker_id))
+            [], adopt=task, cluster=cluster, worker=self.worker_id), expect=expect)
         if rec is not None and rec.state == TaskState.succeeded:
             await self._publish_result(rec)
             TASKS_DONE.labels("succeeded").inc()
