@@ -385,3 +385,18 @@ async def test_an_expected_value_spares_the_read_until_the_key_has_moved_on(
     assert seen == [0, 40, 1]
     got = await kv.get("t")
     assert got is not None and got[0].attempts == 2
+
+
+async def test_provisioning_lets_an_older_bucket_be_read_directly_keeping_its_data(
+        bus: Bus, uid: str) -> None:
+    from nats.js.api import KeyValueConfig
+
+    from tandem.common.streams import KVSpec
+
+    kv = await bus.js.create_key_value(KeyValueConfig(bucket=f"old_{uid}", direct=False))
+    await kv.put("k", b"kept")
+    assert not (await bus.js.stream_info(f"KV_old_{uid}")).config.allow_direct
+    assert await bus.provision([KVSpec(f"old_{uid}")]) == []  # nothing created
+    assert (await bus.js.stream_info(f"KV_old_{uid}")).config.allow_direct
+    fresh = await bus.js.key_value(f"old_{uid}")  # opened anew: reads by direct get
+    assert (await fresh.get("k")).value == b"kept"

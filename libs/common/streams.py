@@ -22,7 +22,7 @@ from nats.js.api import (
 )
 from nats.js.errors import NotFoundError
 
-from tandem.common import subjects
+from tandem.common import log, subjects
 from tandem.common.errors import Difference, StreamConflict
 
 HOUR = 3600.0
@@ -262,6 +262,15 @@ async def _kv(js: JetStreamContext, spec: KVSpec) -> bool:
         ("history", have.max_msgs_per_subject, spec.history),
         ("replicas", have.num_replicas, spec.replicas),
     ])
+    if not have.allow_direct:
+        # A bucket made before reads went direct: allowing it changes no data, and until
+        # it is allowed reads still work (STREAM.MSG.GET), so a refusal is only logged.
+        have.allow_direct = True
+        try:
+            await js.update_stream(have)
+        except Exception as exc:
+            log.get("tandem.streams").warning("streams.allow_direct_refused",
+                                              bucket=spec.bucket, error=repr(exc))
     return False
 
 
