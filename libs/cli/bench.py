@@ -49,10 +49,11 @@ def _unavailable(name: str, exc: Exception):  # type: ignore[no-untyped-def]
 def _runner(mod):  # type: ignore[no-untyped-def]
     def run(args: argparse.Namespace) -> int:
         from tandem.common.runner import loop_runner, tune_gc
+        from tandem.common.settings import Settings
 
         # The same loop and collector settings as the services: a load generator or a
         # raw baseline in this process runs on them too, so both sides get the same.
-        tune_gc(20_000)
+        tune_gc(Settings.model_fields["gc_threshold"].default)
         result = loop_runner("auto")(mod.run(args))
         if args.json:
             print(json.dumps(result))

@@ -209,6 +209,7 @@ class Bus:
             nc.jetstream() if js_domain is None else DomainJetStream(nc, domain=js_domain))
         self.service = service
         self._kv: dict[str, KeyValue] = {}
+        self._typed: dict[tuple[str, type], TypedKV[Any]] = {}
         self._acks: _Acks | None = None
         self.api_prefix = "$JS.API" if js_domain is None else f"$JS.{js_domain}.API"
 
@@ -362,7 +363,10 @@ class Bus:
 
     async def typed(self, bucket: str, event_type: type[E]) -> TypedKV[E]:
         """Bucket ``bucket`` holding ``event_type`` values, written through this bus."""
-        return TypedKV(await self.kv(bucket), event_type, self, bucket)
+        key = (bucket, event_type)
+        if key not in self._typed:
+            self._typed[key] = TypedKV(await self.kv(bucket), event_type, self, bucket)
+        return self._typed[key]
 
     async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
         """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
@@ -717,7 +721,7 @@ class _Pull:
         buf = self.buf
         while buf and len(out) < want:
             msg = buf.popleft()
-            status = (msg.headers or {}).get("Status") if msg.headers else None
+            status = msg.headers.get("Status") if msg.headers else None
             if status is None:
                 out.append(msg)
                 continue
@@ -725,7 +729,7 @@ class _Pull:
                 continue  # an earlier request's end, or an idle heartbeat
             if status in ("404", "408") or out:
                 return True
-            description = (msg.headers or {}).get("Description", "")
+            description = msg.headers.get("Description", "") if msg.headers else ""
             if status == "503":
                 raise NoRespondersError
             raise APIError(code=int(status), description=description or f"status {status}")
@@ -736,10 +740,9 @@ class _Pull:
         at once rather than after its AckWait."""
         with contextlib.suppress(Exception):
             await self.sub.unsubscribe()
-        while self.buf:
-            msg = self.buf.popleft()
-            if msg.headers and msg.headers.get("Status"):
-                continue
+        untaken: list[Msg] = []
+        self._take(untaken, len(self.buf), "")  # statuses are dropped on the way
+        for msg in untaken:
             with contextlib.suppress(Exception):
                 await msg.nak()
 
