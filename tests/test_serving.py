@@ -16,7 +16,7 @@ import pytest
 
 from tandem.common import subjects
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationTask, TaskRecord, TaskState
+from tandem.common.events import GenerationStatus, GenerationTask, TaskRecord, TaskState, decode
 from tandem.common.servers import NatsServer, S3Server, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
@@ -28,6 +28,7 @@ from tests.serving_stack import (
     count_on,
     dead_letters,
     gateway,
+    stream_messages,
     terminal,
     wait_result,
     worker,
@@ -173,6 +174,10 @@ async def test_text_task_streams_every_step_then_final_state_with_presigned_imag
     assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png", f"images/{task_id}/1.png"]
     await wait_result(bus, task_id)
     assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
+    # The result is the success: the status subject carries the run, not a second success.
+    statuses = [decode(m.data, GenerationStatus).state for m in
+                await stream_messages(bus, GEN_EVENTS, subjects.gen_status(task_id))]
+    assert statuses == [TaskState.running], statuses
 
 
 async def test_same_seed_and_parameters_give_byte_identical_pngs(

@@ -106,16 +106,15 @@ async def test_services_behind_a_leaf_use_the_control_planes_streams_and_kv(
 
 
 class Results:
-    """Task ids whose ``gen.status`` said succeeded, seen on the hub as they happen."""
+    """Task ids whose ``gen.result`` (their success) was seen on the hub as it happened."""
 
     def __init__(self) -> None:
         self.done: set[str] = set()
         self.changed = asyncio.Event()
 
-    async def on_status(self, msg: Any) -> None:
-        if b'"succeeded"' in msg.data:
-            self.done.add(msg.subject.rsplit(".", 1)[-1])
-            self.changed.set()
+    async def on_result(self, msg: Any) -> None:
+        self.done.add(msg.subject.rsplit(".", 1)[-1])
+        self.changed.set()
 
     async def wait(self, ids: set[str] | list[str], what: str,
                    timeout: float = DEADLINE) -> None:
@@ -205,7 +204,7 @@ def services(topology: Topology, s3_server: S3Server, tmp_path: Path) -> Iterato
 async def test_killed_leaf_loses_no_task_and_the_other_cluster_keeps_serving(
         topology: Topology, hub: Bus, services: Services) -> None:
     results = Results()
-    sub = await hub.nc.subscribe(subjects.GEN_STATUS.wildcard, cb=results.on_status)
+    sub = await hub.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=results.on_result)
     east_leaf = topology.leaf("east")
     async with httpx.AsyncClient(base_url=services.url, timeout=30) as http:
         load = Load(http)

@@ -183,10 +183,9 @@ class Tasks:
         self.rejected = 0
         self.changed = asyncio.Event()
 
-    async def on_status(self, msg: Any) -> None:
-        if b'"succeeded"' in msg.data:
-            self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
-            self.changed.set()
+    async def on_result(self, msg: Any) -> None:  # a task's result is its success
+        self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
+        self.changed.set()
 
     async def submit(self, http: Http) -> None:
         t0 = time.perf_counter()
@@ -554,7 +553,7 @@ async def _one(nodes: int, args: argparse.Namespace, root: Path) -> dict[str, An
         bus = await Bus.connect(load(Settings, nats_url=f.topo.hub_url), "bench")
         await bus.provision(streams.core_streams())
         tasks = Tasks()
-        sub = await bus.nc.subscribe(subjects.GEN_STATUS.wildcard, cb=tasks.on_status)
+        sub = await bus.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=tasks.on_result)
         lag = HeartbeatLag()
         lag_sub = await bus.nc.subscribe(f"$KV.{streams.KV_NODES}.>", cb=lag.on_put)
         watch = await fleet.FleetWatch(bus).start()

@@ -126,6 +126,11 @@ class GenerationTask(Event, kw_only=True):
 
 
 class GenerationStatus(Event, kw_only=True, tag="status"):
+    """A task's status change on ``gen.status.<task>``: running, failed, cancelled.
+
+    Success is not repeated here: ``GenerationResult`` on ``gen.result.<task>`` is it.
+    """
+
     task_id: str
     state: TaskState
     at: float = msgspec.field(default_factory=now)
@@ -135,6 +140,9 @@ class GenerationStatus(Event, kw_only=True, tag="status"):
 
 
 class GenerationResult(Event, kw_only=True, tag="result"):
+    """A task's success on ``gen.result.<task>``, published once: its status change to
+    ``succeeded`` as well (see ``GenerationStatus``)."""
+
     task_id: str
     images: list[str]  # S3 keys, one per image
     cluster: str = ""
@@ -143,6 +151,10 @@ class GenerationResult(Event, kw_only=True, tag="result"):
     checkpoint_step: int | None = None
     timings: dict[str, float] = {}
     at: float = msgspec.field(default_factory=now)
+
+    @property
+    def state(self) -> TaskState:
+        return TaskState.succeeded
 
 
 GenEvent = GenerationStatus | GenerationResult
