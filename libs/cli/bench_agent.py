@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 import zlib
@@ -167,7 +168,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common.servers import NatsServer
     from tandem.common.settings import Settings, load
 
-    log.configure("console", "error")
+    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
     with tempfile.TemporaryDirectory(prefix="tandem-bench-agent-") as tmp:
         server = NatsServer(name="bench-agent", log_path=Path(tmp) / "nats.log",
                             store_dir=Path(tmp) / "js").start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ async def _round(bus: Bus, tag: str, args: argparse.Namespace, tandem: bool) -> 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "warning")
+    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         server = NatsServer(name="bench", log_path=Path(tmp) / "nats.log",
                             store_dir=Path(tmp) / "js").start()

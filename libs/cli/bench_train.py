@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.trainer.spec import LaunchSpec
     from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
 
-    log.configure("console", "error")  # stdout carries the result (--json)
+    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
     base = json.loads(await asyncio.to_thread(Path(args.config).read_text)) if args.config else {}
     total = 5 + 2 * args.rounds * args.steps
     cfg = parse_run_config({**base, "run_id": "bench", "ranks": 1, "device": "cpu",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -32,9 +32,15 @@ def _trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-def configure(fmt: str = "auto", level: str = "info", **context: Any) -> None:
-    """Configure structlog (and stdlib logging through it) once per process."""
-    json_out = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
+def configure(fmt: str = "auto", level: str = "info", *, stream: TextIO | None = None,
+              **context: Any) -> None:
+    """Configure structlog (and stdlib logging through it) once per process.
+
+    Services log to stdout; a command whose stdout is its result (``--json``) passes
+    ``stream=sys.stderr``.
+    """
+    out = stream or sys.stdout
+    json_out = fmt == "json" or (fmt == "auto" and not out.isatty())
     renderer: Any = (
         structlog.processors.JSONRenderer() if json_out else structlog.dev.ConsoleRenderer()
     )
@@ -50,10 +56,10 @@ def configure(fmt: str = "auto", level: str = "info", **context: Any) -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=out, format="%(name)s %(message)s")
     structlog.contextvars.clear_contextvars()
     if context:
         bind(**context)
