@@ -40,11 +40,10 @@ from typing import Any
 import msgspec
 
 from tandem.cli.bench_serve import _get_json, _pct, _ready
-from tandem.common.servers import NatsServer, Process, Topology, free_port
+from tandem.common.servers import NatsServer, Process, Topology, free_port, proc_cpu
 
 GOAL_TASKS_PER_S = 1000.0
 GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 NOOP_BODY = b'{"model":"noop"}'
 # No worker drains the queue when the gateway is measured alone, so its backlog cap (10,000
 # by default) would be hit within seconds and turn the rest of the burst into cheap 429s.
@@ -69,15 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used, from /proc/<pid>/stat."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def proc_rss(pid: int) -> int:
@@ -594,7 +584,7 @@ def _no_backlog(steady: dict[str, Any], args: argparse.Namespace) -> bool:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "error")
+    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
     sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
     rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:

@@ -7,7 +7,11 @@ processes on free loopback ports, then, in the same run:
     a raw nats-py JetStream publish -> fetch -> ack round trip and a bare HTTP round
     trip to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop);
 (b) throughput: a pre-filled queue of no-op tasks drained by one worker (first result
-    -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5;
+    -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5.
+    Beside both, the protocol floor: bare nats-py taking the same durable steps per task
+    as the worker (fetch, compare-and-set the record, publish the result, wait for both
+    acks, ack), and the CPU each side cost the worker (or the bench) and nats-server
+    per task: how much of the gap is Tandem's code, how much the steps themselves;
 (c) batching: images/s of the CPU test model (digits) with max_batch 8 against
     max_batch 1, same tasks and settings; goal >= 1.8x.
 """
@@ -32,7 +36,14 @@ from nats.js.api import RetentionPolicy
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationTask, TaskRecord, encode
+from tandem.common.events import (
+    GenerationResult,
+    GenerationTask,
+    TaskRecord,
+    TaskState,
+    decode,
+    encode,
+)
 from tandem.common.servers import NatsServer, Process, S3Server, free_port
 from tandem.common.settings import Settings, load
 
@@ -150,6 +161,27 @@ class _Bench:
         return (len(ids) - 1) * per / (stamps[-1] - stamps[0])
 
 
+class _Meter:
+    """CPU seconds a side's client (a process, or this one) and nats-server used while
+    it drained: per task, in microseconds."""
+
+    def __init__(self, server: Process, client: Process | None = None) -> None:
+        self.server, self.client = server, client
+        self.used: dict[str, float] = {}
+
+    def _now(self) -> tuple[float, float]:
+        client = self.client.cpu_seconds() if self.client else time.process_time()
+        return client, self.server.cpu_seconds()
+
+    def start(self) -> None:
+        self._t0 = self._now()
+
+    def stop(self, n: int) -> None:
+        (c0, s0), (c1, s1) = self._t0, self._now()
+        self.used = {"client_us": round((c1 - c0) / n * 1e6, 1),
+                     "server_us": round((s1 - s0) / n * 1e6, 1)}
+
+
 # ------------------------------------------------------------------------------- raw sides
 
 
@@ -171,7 +203,7 @@ async def _raw_round_trips(bus: Bus, n: int) -> list[float]:
     return out
 
 
-async def _raw_fetch_ack(bus: Bus, n: int) -> float:
+async def _raw_fetch_ack(bus: Bus, n: int, meter: _Meter | None = None) -> float:
     spec = streams.StreamSpec("BENCH_TP", ("bench.tp",), retention=RetentionPolicy.WORK_QUEUE)
     consumer = streams.ConsumerSpec(spec.name, "tp", max_ack_pending=100_000)
     await bus.provision([spec, consumer])
@@ -181,14 +213,63 @@ async def _raw_fetch_ack(bus: Bus, n: int) -> float:
         await asyncio.gather(*futs)
     sub = await bus.js.pull_subscribe_bind(durable="tp", stream=spec.name)
     got = 0
+    if meter:
+        meter.start()
     t0 = time.perf_counter()
     while got < n:
         for msg in await sub.fetch(64, timeout=5):
             await msg.ack()
             got += 1
     rate = n / (time.perf_counter() - t0)
+    if meter:
+        meter.stop(n)
     await sub.unsubscribe()
     await bus.js.delete_stream(spec.name)
+    return rate
+
+
+async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
+    """No-op tasks/s through the bare protocol: per task what the worker must do on the
+    wire, in plain nats-py, with nothing else (no tracing, metrics, retries or checks).
+
+    Fetch 64; per task, decode it, compare-and-set its record to succeeded at the
+    revision the gateway wrote (``Nats-Expected-Last-Subject-Sequence``), publish its
+    result with a message id; wait for those acks; ack the tasks.
+    """
+    cluster = "floor"
+    tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
+                            cluster=cluster) for _ in range(n)]
+    await b.prefill(bus, cluster, tasks)
+    spec = streams.ConsumerSpec(subjects.gen_stream_name(cluster), "floor",
+                                max_ack_pending=100_000)
+    await bus.provision([spec])
+    sub = await bus.js.pull_subscribe_bind(durable="floor", stream=spec.stream)
+    js, kv_prefix = bus.js, f"$KV.{streams.KV_TASKS}."
+    got = 0
+    meter.start()
+    t0 = time.perf_counter()
+    while got < n:
+        msgs = await sub.fetch(64, timeout=5)
+        futs = []
+        for msg in msgs:
+            task = decode(msg.data, GenerationTask)
+            done = moves.queued(task, cluster)
+            record = encode(TaskRecord(task=task, state=TaskState.succeeded, cluster=cluster,
+                                       created_at=done.created_at, updated_at=time.time()))
+            expect = {"Nats-Expected-Last-Subject-Sequence":
+                      msg.headers[moves.RECORD_REVISION]} if msg.headers else None
+            futs.append(await js.publish_async(f"{kv_prefix}{task.task_id}", record,
+                                               headers=expect))
+            result = encode(GenerationResult(task_id=task.task_id, images=[], cluster=cluster))
+            futs.append(await js.publish_async(subjects.gen_result(task.task_id), result,
+                                               headers={"Nats-Msg-Id": f"{task.task_id}-result"}))
+        await asyncio.gather(*futs)
+        for msg in msgs:
+            await msg.ack()
+        got += len(msgs)
+    rate = n / (time.perf_counter() - t0)
+    meter.stop(n)
+    await sub.unsubscribe()
     return rate
 
 
@@ -236,11 +317,18 @@ async def _throughput(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
     tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
                             cluster="tput") for _ in range(n)]
     await b.prefill(bus, "tput", tasks)
-    await b.worker("w-tput", "tput", serve="noop", max_batch="64")
+    w = await b.worker("w-tput", "tput", serve="noop", max_batch="64")
+    meters = {"tandem": _Meter(b.nats, w), "floor": _Meter(b.nats), "raw": _Meter(b.nats)}
+    meters["tandem"].start()
     tandem = await b.drain_rate([t.task_id for t in tasks], 1)
-    raw = await _raw_fetch_ack(bus, n)
+    meters["tandem"].stop(n)
+    floor = await _floor(b, bus, n, meters["floor"])
+    raw = await _raw_fetch_ack(bus, n, meters["raw"])
+    cpu = {side: m.used for side, m in meters.items()}
     return {"tasks": n, "tandem_per_s": round(tandem, 1), "raw_per_s": round(raw, 1),
-            "ratio": round(tandem / raw, 3), "meets_goal": tandem / raw >= GOAL_THROUGHPUT}
+            "ratio": round(tandem / raw, 3), "meets_goal": tandem / raw >= GOAL_THROUGHPUT,
+            "floor_per_s": round(floor, 1), "floor_ratio": round(floor / raw, 3),
+            "tandem_to_floor": round(tandem / floor, 3), "cpu_per_task": cpu}
 
 
 async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
@@ -266,7 +354,7 @@ async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "warning")
+    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
     with tempfile.TemporaryDirectory(prefix="tandem-bench-serve-") as tmp:
         b = _Bench(Path(tmp), args)
         b.nats.start()
@@ -313,6 +401,10 @@ def render(r: dict[str, Any]) -> str:
         f"(b) no-op throughput, {t['tasks']} queued tasks",
         f"    tandem {t['tandem_per_s']:>10,.1f}/s   raw fetch+ack {t['raw_per_s']:>10,.1f}/s   "
         f"ratio {t['ratio']:.3f}  (goal >= 0.5)  meets goal: {yes[t['meets_goal']]}",
+        f"    protocol floor (bare nats-py, same durable steps) {t['floor_per_s']:,.1f}/s: "
+        f"{t['floor_ratio']:.3f} of raw; tandem is {t['tandem_to_floor']:.3f} of the floor",
+        *(f"    CPU per task, {side:6s}  client {c['client_us']:6.1f} us   "
+          f"nats-server {c['server_us']:6.1f} us" for side, c in t["cpu_per_task"].items()),
         f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
         f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
         f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "

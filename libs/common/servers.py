@@ -73,6 +73,18 @@ def _wait_http(url: str, deadline: float, proc: subprocess.Popen[bytes], what: s
     raise ServerStartError(what, f"not ready at {url} in time")
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc/<pid>/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 @dataclass
 class Process:
     """A child server process that can be stopped, killed (-9) and restarted."""
@@ -88,6 +100,10 @@ class Process:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the process has used so far; 0 if it is gone."""
+        return proc_cpu(self.pid or 0)
 
     def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
