@@ -254,6 +254,33 @@ async def test_pipelined_publish_to_a_subject_without_stream_raises(bus: Bus, ui
         await bus.publish_many([(f"nostream.{uid}", b"{}", None)])
 
 
+async def test_concurrent_sends_each_get_their_own_acks_and_errors(bus: Bus, uid: str) -> None:
+    # Sends of one loop turn go out as one group; a failing one must not fail the others.
+    from nats.js.errors import NoStreamResponseError
+
+    stream, _ = _work(uid)
+    await bus.provision([stream])
+    good = [(f"w.{uid}.a", b"{}", None)] * 3
+    got = await asyncio.gather(bus.send(good), bus.send([(f"nostream.{uid}", b"{}", None)]),
+                               bus.send(good[:2]), return_exceptions=True)
+    assert isinstance(got[1], NoStreamResponseError)
+    seqs = sorted(a.seq for a in [*got[0], *got[2]])  # type: ignore[misc]
+    assert seqs == [1, 2, 3, 4, 5]
+
+
+async def test_publish_once_stores_a_subject_once_however_late_the_repeat(
+        bus: Bus, uid: str) -> None:
+    stream, _ = _work(uid)
+    await bus.provision([stream])
+    assert await bus.publish_once(f"w.{uid}.r1", b'{"n": 1}')
+    assert not await bus.publish_once(f"w.{uid}.r1", b'{"n": 2}')  # a redelivery's repeat
+    assert await bus.publish_once(f"w.{uid}.r2", b'{"n": 3}')
+    info = await bus.js.stream_info(stream.name, subjects_filter=f"w.{uid}.>")
+    assert info.state.subjects == {f"w.{uid}.r1": 1, f"w.{uid}.r2": 1}
+    first = await bus.js.get_last_msg(stream.name, f"w.{uid}.r1")
+    assert first.data == b'{"n": 1}'
+
+
 async def test_fetch_returns_a_late_message_at_once_not_after_its_timeout(
         bus: Bus, uid: str) -> None:
     # The batch (64) is not filled and the timeout (120 s) is far off: the fetch must

@@ -117,64 +117,131 @@ class _AckWire(msgspec.Struct):
 _ACK_DECODER = msgspec.json.Decoder(_AckWire)
 
 
-class _PendingAcks:
-    __slots__ = ("acks", "error", "future", "key", "left")
+class _Group:
+    """The sends of one loop turn (``Bus.send``): published together, acked on one inbox
+    key, with one timer; each send has its own slice of the slots and its own waiter.
 
-    def __init__(self, key: str, n: int) -> None:
+    A slot holds its ack or its error. When every slot is settled, or the timer fires,
+    every waiter wakes and reads its slice: one send's error never fails another's.
+    """
+
+    __slots__ = ("acks", "errors", "items", "key", "left", "on_done", "timeout", "timer",
+                 "waiters")
+
+    def __init__(self, key: str, on_done: Callable[[_Group], None]) -> None:
         self.key = key
-        self.acks: list[PubAck | None] = [None] * n
-        self.left = n
-        self.error: BaseException | None = None
-        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.on_done = on_done
+        self.items: list[tuple[str, bytes, dict[str, str] | None]] = []
+        self.acks: list[PubAck | None] = []
+        self.errors: list[BaseException | None] = []
+        self.left = 0
+        self.waiters: list[asyncio.Future[None]] = []
+        self.timeout = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def join(self, items: Sequence[tuple[str, bytes, dict[str, str] | None]],
+             timeout: float) -> tuple[int, asyncio.Future[None]]:
+        start, n = len(self.items), len(items)
+        self.items.extend(items)
+        self.acks.extend([None] * n)
+        self.errors.extend([None] * n)
+        self.left += n
+        self.timeout = max(self.timeout, timeout)
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return start, waiter
 
     def settle(self, i: int, ack: PubAck | None, error: BaseException | None) -> None:
-        if i >= len(self.acks) or self.acks[i] is not None or self.future.done():
+        if i >= len(self.acks) or self.acks[i] is not None or self.errors[i] is not None:
             return
         if error is not None:
-            self.error = self.error or error
-            self.future.set_result(None)  # the call fails at its first error
-            return
-        self.acks[i] = ack
+            self.errors[i] = error
+        else:
+            self.acks[i] = ack
         self.left -= 1
         if self.left == 0:
-            self.future.set_result(None)
+            self.finish()
 
-    async def wait(self, timeout: float) -> list[PubAck]:
-        try:
-            async with asyncio.timeout(timeout):
-                await self.future
-        except TimeoutError:
-            raise NatsTimeout from None
-        if self.error is not None:
-            raise self.error
-        return self.acks  # type: ignore[return-value]
+    def fail(self, error: BaseException) -> None:
+        """Every slot not yet settled gets ``error`` (the publish itself failed)."""
+        for i, ack in enumerate(self.acks):
+            if ack is None and self.errors[i] is None:
+                self.errors[i] = error
+        self.finish()
+
+    def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.on_done(self)
+
+    def result(self, start: int, n: int) -> list[PubAck]:
+        """The acks of one send's slice; its first error, or a timeout if any is missing."""
+        for error in self.errors[start:start + n]:
+            if error is not None:
+                raise error
+        acks = self.acks[start:start + n]
+        if any(a is None for a in acks):
+            raise NatsTimeout
+        return acks  # type: ignore[return-value]
 
 
 class _Acks:
-    """One reply inbox (``<inbox>.<call>.<i>``) for every pipelined publish of a process.
+    """One reply inbox (``<inbox>.<group>.<i>``) for every pipelined publish of a process.
 
-    Each ack resolves its call's slot; a call's one future completes when all its slots
-    have. nats-py resubscribes the inbox after a reconnect; acks lost in between make the
-    call time out, and the caller retries (with ``Nats-Msg-Id`` that is idempotent).
+    Each ack settles its group's slot (``_Group``). nats-py resubscribes the inbox after a
+    reconnect; acks lost in between make those sends time out, and the caller retries
+    (with ``Nats-Msg-Id`` that is idempotent).
     """
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self.prefix = f"{nc.new_inbox()}."
-        self.calls: dict[str, _PendingAcks] = {}
+        self.calls: dict[str, _Group] = {}
         self.next = 0
+        self.open: _Group | None = None  # the group this loop turn's sends join
         self._sub: Any = None
+        self._publishing: set[asyncio.Task[None]] = set()  # held until done
+        self._subscribing = asyncio.Lock()
 
-    async def open(self, n: int) -> tuple[_PendingAcks, str]:
+    async def send(self, items: Sequence[tuple[str, bytes, dict[str, str] | None]],
+                   timeout: float) -> list[PubAck]:
         if self._sub is None:
-            self._sub = await self.nc.subscribe(f"{self.prefix}*.*", cb=self._on_ack)
-        self.next += 1
-        key = str(self.next)
-        call = self.calls[key] = _PendingAcks(key, n)
-        return call, f"{self.prefix}{key}."
+            async with self._subscribing:  # concurrent first sends subscribe once
+                if self._sub is None:
+                    self._sub = await self.nc.subscribe(f"{self.prefix}*.*", cb=self._on_ack)
+        group = self.open
+        if group is None:
+            self.next += 1
+            group = self.open = self.calls[str(self.next)] = _Group(str(self.next), self._done)
+            # Published once this loop turn's other sends have joined: a task of its own,
+            # so no caller's cancellation can strand the group.
+            asyncio.get_running_loop().call_soon(self._publish_soon, group)
+        start, waiter = group.join(items, timeout)
+        await waiter
+        return group.result(start, len(items))
 
-    def close(self, call: _PendingAcks) -> None:
-        self.calls.pop(call.key, None)
+    def _publish_soon(self, group: _Group) -> None:
+        if self.open is group:
+            self.open = None
+        group.timer = asyncio.get_running_loop().call_later(group.timeout, group.finish)
+        task = asyncio.ensure_future(self._publish(group))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish(self, group: _Group) -> None:
+        prefix = f"{self.prefix}{group.key}."
+        publish = self.nc.publish
+        try:
+            for i, (subject, data, hdrs) in enumerate(group.items):
+                await publish(subject, data, reply=f"{prefix}{i}", headers=hdrs)
+        except Exception as exc:  # closed, draining, a bad subject: every send raises it
+            group.fail(exc)
+
+    def _done(self, group: _Group) -> None:
+        self.calls.pop(group.key, None)
 
     async def _on_ack(self, msg: Msg) -> None:
         key, _, idx = msg.subject[len(self.prefix):].partition(".")
@@ -306,6 +373,25 @@ class Bus:
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
                 delay = min(delay * 2, 1.0)
 
+    async def publish_once(self, subject: str, event: Any, *, timeout: float = 5.0,
+                           retry_for: float = 0.0) -> bool:
+        """Publish to a subject that holds at most one message, ever: True if this call
+        stored it, False if one was already there.
+
+        The stream checks ``Nats-Expected-Last-Subject-Sequence: 0`` under its lock, so
+        a redelivered task's second result, or a retry of a publish whose ack was lost,
+        stores nothing, however late it comes. A ``Nats-Msg-Id`` only dedupes within
+        the stream's duplicate window (two minutes), and costs the server more.
+        """
+        try:
+            await self.publish(subject, event, headers={_EXPECTED_LAST: "0"},
+                               timeout=timeout, retry_for=retry_for)
+        except APIError as err:
+            if err.err_code in _WRONG_LAST:
+                return False
+            raise
+        return True
+
     async def publish_many(self, items: Sequence[tuple[str, Any, str | None]], *,
                            timeout: float = 5.0) -> list[PubAck]:
         """Pipelined publish of ``(subject, event, msg_id)`` items; waits for every ack.
@@ -325,25 +411,20 @@ class Bus:
                    timeout: float = 5.0) -> list[PubAck]:
         """Send encoded ``(subject, data, headers)`` to JetStream, pipelined; every ack.
 
-        The acks come back on one reply inbox for the whole process (``_Acks``), so a
-        call costs one future and one timer, not a future, a token and a semaphore wait
-        per message as nats-py's ``publish_async`` does. Raises the first error a
-        message got (``APIError``, ``NoStreamResponseError``), or nats' ``TimeoutError``
-        when acks are missing after ``timeout`` seconds. Headers are sent as given.
+        The acks come back on one reply inbox for the whole process (``_Acks``), and the
+        sends of one loop turn go out as one group (``_Group``) with one timer: a send
+        costs a waiter future, not a future, a token and a semaphore wait per message as
+        nats-py's ``publish_async`` does, nor a timer of its own. The workers' tasks
+        finishing together, or a gateway's concurrent requests, share one. Raises the
+        first error one of its own messages got (``APIError``, ``NoStreamResponseError``),
+        or nats' ``TimeoutError`` when acks are missing after ``timeout`` seconds (the
+        longest timeout of its group). Headers are sent as given.
         """
         if not items:
             return []
         if self._acks is None:
             self._acks = _Acks(self.nc)
-        acks = self._acks
-        call, prefix = await acks.open(len(items))
-        publish = self.nc.publish
-        try:
-            for i, (subject, data, hdrs) in enumerate(items):
-                await publish(subject, data, reply=f"{prefix}{i}", headers=hdrs)
-            return await call.wait(timeout)
-        finally:
-            acks.close(call)
+        return await self._acks.send(items, timeout)
 
     async def emit(self, subject: str, event: Any) -> None:
         """Core NATS publish: not stored, not acknowledged (progress, live views)."""
@@ -824,7 +905,7 @@ class TypedKV(Generic[E]):
             [ack] = await self.bus.send([(self._pre + key, data, None if last is None
                                           else {_EXPECTED_LAST: str(last)})])
         except APIError as err:
-            if err.err_code in (10071, 10164):  # wrong last sequence
+            if err.err_code in _WRONG_LAST:
                 raise KeyWrongLastSequenceError(description=err.description) from None
             raise
         return ack.seq
@@ -874,6 +955,7 @@ class TypedKV(Generic[E]):
 
 
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_WRONG_LAST = (10071, 10164)  # JetStream's "wrong last sequence" error codes
 _KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]([-/_=.a-zA-Z0-9]*[-/_=a-zA-Z0-9])?")
 
 
