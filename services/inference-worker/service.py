@@ -8,8 +8,8 @@ batches compatible tasks, runs one pipeline call, and for each task, in this ord
 2. the task record moved to ``succeeded`` by compare-and-set (the commit point: a
    cancelled task never becomes succeeded, and a redelivered task whose record is already
    succeeded only re-publishes its result);
-3. ``gen.result.<task>`` published with a message id derived from the task id, so a
-   redelivery never yields a second result. The result is the task's ``succeeded``
+3. ``gen.result.<task>`` published only if the subject holds none yet (``publish_once``),
+   so a redelivery never yields a second result. The result is the task's ``succeeded``
    status change; ``gen.status.<task>`` carries the others (running, failed, cancelled);
 4. only then the message is acked. In-progress acks keep it while it runs.
 
@@ -396,7 +396,8 @@ class InferenceWorker(Service):
 
     async def _publish_result(self, rec: TaskRecord, timings: dict[str, float] | None = None
                               ) -> None:
-        """``gen.result.<task>``: the task's success, once (its msg id is the task's).
+        """``gen.result.<task>``: the task's success, stored once however often a
+        redelivery publishes it again (``Bus.publish_once``).
 
         The result is also the status change to ``succeeded``: no separate
         ``gen.status`` says it again. Stored once, not twice, it is a third less of what
@@ -407,8 +408,7 @@ class InferenceWorker(Service):
         result = GenerationResult(task_id=task_id, images=list(rec.images), cluster=rec.cluster,
                                   worker=rec.worker, checkpoint=rec.checkpoint,
                                   checkpoint_step=rec.checkpoint_step, timings=timings or {})
-        await self.bus.publish(subjects.gen_result(task_id), result, msg_id=f"{task_id}-result",
-                               retry_for=10.0)
+        await self.bus.publish_once(subjects.gen_result(task_id), result, retry_for=10.0)
 
     # ---------------------------------------------------------------------------- S3
 
