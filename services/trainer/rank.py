@@ -149,4 +149,11 @@ def _num(x: float) -> float | str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything is sent, written and closed by now: leave without the interpreter's
+    # teardown. A finished rank was seen to hang there (a native thread of
+    # torch.distributed, after destroy_process_group), so its launcher never exited and
+    # the watchdog restarted a run that had already trained every step.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
