@@ -9,8 +9,8 @@ processes on free loopback ports, then, in the same run:
 (b) throughput: a pre-filled queue of no-op tasks drained by one worker (first result
     -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5.
     Beside both, the protocol floor: bare nats-py taking the same durable steps per task
-    as the worker (fetch, compare-and-set the record, publish the result, wait for both
-    acks, ack), and the CPU each side cost the worker (or the bench) and nats-server
+    as the worker (fetch, compare-and-set the record, publish the result once, wait for
+    both acks, ack), and the CPU each side cost the worker (or the bench) and nats-server
     per task: how much of the gap is Tandem's code, how much the steps themselves;
 (c) batching: images/s of the CPU test model (digits) with max_batch 8 against
     max_batch 1, same tasks and settings; goal >= 1.8x.
@@ -234,7 +234,8 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
 
     Fetch 64; per task, decode it and compare-and-set its record to succeeded at the
     revision the gateway wrote (``Nats-Expected-Last-Subject-Sequence``); wait for those
-    acks; publish each result with its message id; wait for those acks; ack the tasks.
+    acks; publish each result, once only (expected last sequence 0); wait for those
+    acks; ack the tasks.
     Publishes are pipelined on one reply inbox (cheaper than ``publish_async``'s future
     per message), so this is the most a nats-py client can get out of these steps.
     """
@@ -285,7 +286,7 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
                              msg.headers[moves.RECORD_REVISION]}))
             result = encode(GenerationResult(task_id=task.task_id, images=[], cluster=cluster))
             results.append((subjects.gen_result(task.task_id), result,
-                            {"Nats-Msg-Id": f"{task.task_id}-result"}))
+                            {"Nats-Expected-Last-Subject-Sequence": "0"}))
         rounds += 1
         await send(f"r{rounds}", records)
         await send(f"e{rounds}", results)
