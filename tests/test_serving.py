@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,6 +27,7 @@ from tandem.common.storage import s3_client
 from tandem.common.streams import GEN_EVENTS, KV_TASKS
 from tests.conftest import PYTHON
 from tests.serving_stack import (
+    DEADLINE,
     Child,
     Progress,
     count_on,
@@ -429,3 +434,34 @@ def test_generate_command_writes_the_images_of_a_task(stack: Stack, tmp_path: Pa
     assert out.returncode == 0, out.stdout + out.stderr
     written = sorted(tmp_path.glob("*.png"))
     assert len(written) == 2 and all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_a_worker_is_not_ready_while_its_models_load(stack: Stack, tmp_path: Path) -> None:
+    # A model folder whose model_index.json is a FIFO: loading blocks in open() until a
+    # writer comes, so the worker is caught mid-load for as long as the test needs.
+    folder = tmp_path / "slow-model"
+    folder.mkdir()
+    os.mkfifo(folder / "model_index.json")
+    models = json.dumps([{"name": "slow", "source": f"dir:{folder}", "max_steps": 10}])
+    w = stack.start_worker("w-slow", "idle", serve="slow", models=models)
+    url = f"http://127.0.0.1:{w.metrics_port}/healthz"
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            assert w.running, w.tail()
+            assert time.monotonic() < deadline, f"never seen loading: {w.tail()}"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    raise AssertionError(f"ready while loading: {resp.read()!r}")
+            except urllib.error.HTTPError as err:
+                health = json.loads(err.read())
+                if health.get("loading") == ["slow"]:
+                    assert err.code == 503
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass  # /healthz not up yet
+            time.sleep(0.05)  # polling the child's readiness endpoint
+        assert health["status"] == "unavailable" and health["ready"] is False
+        assert health["models_loaded"] == []
+    finally:
+        w.kill()

@@ -138,6 +138,7 @@ class InferenceWorker(Service):
         self.drain: Drain | None = None  # while drained, pull nothing new
         self.failover: Failover | None = None  # other clusters' stranded queues
         self._slot = asyncio.Event()
+        self._pulling = False  # ready: served models loaded (preload), consumers made
         # run: models follow their run's newest good checkpoint (hotswap.py); S3 is set in run.
         self.hotswap = HotSwapper(
             [s for m in served if (s := self.registry.get(m)) is not None], self.pipelines,
@@ -152,8 +153,14 @@ class InferenceWorker(Service):
                     *gen_consumers(c, self.s.ack_wait, self.s.max_deliver)]
         return out
 
+    def ready(self) -> bool:
+        """Not until the served models are loaded (with ``preload``) and pulling starts:
+        a worker that answered ready while loading would be sent traffic it cannot take."""
+        return self._pulling
+
     def health(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
+                "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
                 "inflight": self.inflight, "batches": self.batcher.batches,
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
                 "checkpoints": self.hotswap.status(), "drained": self._drained(),
@@ -206,6 +213,7 @@ class InferenceWorker(Service):
         self.failover = Failover.for_worker(bus, self.s, consumers, lambda spec: bus.consumer(
             spec, GenerationTask, self.handle, on_dead=self.on_dead, span_name="gen process"),
             drained=self._drained)
+        self._pulling = True
         _log.info("worker.started", worker=self.worker_id, serve=self.served,
                   clusters=self.s.clusters, max_batch=self.s.max_batch)
         try:
