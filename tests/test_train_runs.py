@@ -33,7 +33,7 @@ import pytest_asyncio
 from safetensors.torch import load_file
 
 from tandem.cli.train import follow, render_status, watch
-from tandem.common import events, subjects
+from tandem.common import events, subjects, tracing
 from tandem.common.bus import Bus
 from tandem.common.events import (
     CheckpointWritten,
@@ -51,6 +51,7 @@ from tandem.common.streams import KV_RUNS
 from tandem.trainer.launcher import proc_state
 from tests.conftest import PYTHON, service_env
 from tests.observability_support import Receiver, scrape
+from tests.serving_stack import stream_messages
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
 RUN_TIMEOUT = 480.0
@@ -527,7 +528,7 @@ async def test_the_coordinators_metrics_show_a_runs_last_step_checkpoints_and_go
 
 
 async def test_each_restart_cycle_is_one_trace_that_names_the_incident_it_restarts_after(
-        stack: Stack, scenarios: dict[str, Any]) -> None:
+        stack: Stack, scenarios: dict[str, Any], tbus: Bus) -> None:
     got = await scenarios["kill"]
     rec, kills = got["record"], got["kills"]
     assert rec.state == RunState.succeeded, render_status(rec)
@@ -567,6 +568,16 @@ async def test_each_restart_cycle_is_one_trace_that_names_the_incident_it_restar
     assert restore["tandem.resume_step"].int_value == (got["previous"] or 0)
     assert run_series(await asyncio.to_thread(scrape, stack.metrics_url),
                       rec.run_id)["tandem_train_restarts"] == rec.restarts == 2
+    # The status event that reports how a cycle ended is in that cycle's trace: each
+    # restart after its incident's attempt, and the success in the last one.
+    traces = [s["trace"] for s in attempts]
+    ends = [(ev.state, tracing.trace_id(msg.headers), ev.incident) for msg in
+            await stream_messages(tbus, "TRAIN", subjects.train(rec.run_id, "status"))
+            if (ev := events.decode(msg.data, TrainStatus)).state == RunState.succeeded
+            or (ev.incident or {}).get("kind") == "rank_exit"]
+    assert ends == [(RunState.restarting, traces[0], deaths[0]),
+                    (RunState.restarting, traces[1], deaths[1]),
+                    (RunState.succeeded, traces[2], None)]
 
 
 async def until_true(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:

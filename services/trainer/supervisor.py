@@ -244,7 +244,8 @@ class RunSupervisor:
         wd = self.config.watchdog
         while True:
             # One trace per restart cycle: why it began (the incident that ended the cycle
-            # before), placement, restore, launch, training, outcome.
+            # before), placement, restore, launch, training, and its outcome, including the
+            # status event that reports it.
             with tracing.new_trace("train attempt", self._cycle_attributes()) as span:
                 if self.cause is not None:
                     span.add_event("restart", _primitive(self.cause, "tandem.incident."))
@@ -253,39 +254,48 @@ class RunSupervisor:
                 span.set_attributes({"tandem.attempt": self.attempt_no,
                                      "tandem.outcome": outcome.kind,
                                      "tandem.step": self.latest_step})
-            if outcome.kind == "succeeded":
-                self.goodput.finished()
-                await self._status(RunState.succeeded, f"trained {self.latest_step} steps")
-                return RunState.succeeded
-            if outcome.kind == "stopping":
-                await self._status(RunState.restarting, "coordinator stopping; resumes when "
-                                   "a coordinator adopts the run")
-                return RunState.restarting
-            # The ranks are gone: the newest whole checkpoint is where the next attempt
-            # resumes (unless it fails verification, which is reported then).
-            on_disk = ckpt_store.complete_steps(self.cfg.checkpoint_root, self.run_id)
-            resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
-            self.goodput.failed(resume_from)
-            incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
-                        "step": self.latest_step, "resume_from": resume_from,
-                        **outcome.detail}
-            if outcome.kind == "loss_anomaly":
-                pos = int(outcome.detail["data_pos"])
-                window = [max(0, pos - self.config.loss_health.skip_batches + 1), pos]
-                self.skipped.append(window)
-                incident["skip_window"] = window
-            self.incidents.append(incident)
-            self.cause = incident
-            self.restarts += 1
-            if self.restarts > wd.max_restarts:
-                await self._status(RunState.failed, f"gave up after {wd.max_restarts} restarts; "
-                                   f"last: {_summary(incident)}", incident)
-                return RunState.failed
-            await self._status(RunState.restarting, _summary(incident), incident)
+                ended = await self._conclude(outcome)
+            if ended is not None:
+                return ended
             delay = min(wd.backoff_s * 2 ** (self.restarts - 1), wd.backoff_max_s)
             if await _wait(stopping, delay):
                 await self._status(RunState.restarting, "coordinator stopping")
                 return RunState.restarting
+
+    async def _conclude(self, outcome: Outcome) -> RunState | None:
+        """Record and report how an attempt ended; the run's final state, or None when
+        it restarts."""
+        wd = self.config.watchdog
+        if outcome.kind == "succeeded":
+            self.goodput.finished()
+            await self._status(RunState.succeeded, f"trained {self.latest_step} steps")
+            return RunState.succeeded
+        if outcome.kind == "stopping":
+            await self._status(RunState.restarting, "coordinator stopping; resumes when "
+                               "a coordinator adopts the run")
+            return RunState.restarting
+        # The ranks are gone: the newest whole checkpoint is where the next attempt
+        # resumes (unless it fails verification, which is reported then).
+        on_disk = ckpt_store.complete_steps(self.cfg.checkpoint_root, self.run_id)
+        resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
+        self.goodput.failed(resume_from)
+        incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
+                    "step": self.latest_step, "resume_from": resume_from,
+                    **outcome.detail}
+        if outcome.kind == "loss_anomaly":
+            pos = int(outcome.detail["data_pos"])
+            window = [max(0, pos - self.config.loss_health.skip_batches + 1), pos]
+            self.skipped.append(window)
+            incident["skip_window"] = window
+        self.incidents.append(incident)
+        self.cause = incident
+        self.restarts += 1
+        if self.restarts > wd.max_restarts:
+            await self._status(RunState.failed, f"gave up after {wd.max_restarts} restarts; "
+                               f"last: {_summary(incident)}", incident)
+            return RunState.failed
+        await self._status(RunState.restarting, _summary(incident), incident)
+        return None
 
     def _cycle_attributes(self) -> dict[str, Any]:
         attrs: dict[str, Any] = {"tandem.run_id": self.run_id, "tandem.restarts": self.restarts}
