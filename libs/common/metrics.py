@@ -58,12 +58,14 @@ GOODPUT = Gauge("tandem_train_goodput_ratio", "Productive share of a run's wall-
 RESTARTS = Gauge("tandem_train_restarts", "Restarts of a run so far", ["run"])
 RUN_SERIES = (TRAIN_LOSS, TRAIN_STEP, TRAIN_STEP_SECONDS, TRAIN_SAMPLES, CKPT_BLOCKED, GOODPUT,
               RESTARTS)
+GPU_SERIES = (GPU_UTIL, GPU_TEMP, GPU_POWER, GPU_MEM)
 
 __all__ = [
     "CKPT_BLOCKED", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "GOODPUT", "GPU_MEM",
-    "GPU_POWER", "GPU_TEMP", "GPU_UTIL", "INFLIGHT", "PHASE_SECONDS", "PUBLISHED", "RESTARTS",
-    "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES", "TRAIN_STEP", "TRAIN_STEP_SECONDS", "UP",
-    "Counter", "Gauge", "Histogram", "exposition", "set_gpus", "train_step",
+    "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL", "INFLIGHT", "PHASE_SECONDS",
+    "PUBLISHED", "RESTARTS", "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES", "TRAIN_STEP",
+    "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "exposition",
+    "forget_gpus", "forget_run", "set_gpus", "train_step",
 ]
 
 
@@ -81,6 +83,19 @@ def set_gpus(cluster: str, node: str, gpus: Iterable[Any]) -> None:
                     gauge.remove(*labels)
             else:
                 gauge.labels(*labels).set(value)
+
+
+def forget_gpus(cluster: str, node: str) -> None:
+    """Drop every GPU series of a node (it is down or gone: its last figures would lie)."""
+    for gauge in GPU_SERIES:
+        gauge.remove_by_labels({"cluster": cluster, "node": node})
+
+
+def forget_run(run: str) -> None:
+    """Drop every series of a run (a view stopped showing it)."""
+    for series in RUN_SERIES:
+        with contextlib.suppress(KeyError):  # a run that never stepped has none
+            series.remove(run)
 
 
 def train_step(run: str, step: int, loss: float, samples_per_s: float,

@@ -99,6 +99,7 @@ class Observer:
         self.ready = asyncio.Event()
         self._subs: list[Any] = []
         self._urls: dict[str, tuple[str, float]] = {}  # key -> (presigned URL, made at)
+        self._nodes: set[tuple[str, str]] = set()  # (cluster, node) with series now
 
     # ------------------------------------------------------------------------- life
 
@@ -136,13 +137,26 @@ class Observer:
     # ---------------------------------------------------------------------- readers
 
     def _fleet_gauges(self, view: Any) -> None:
+        """Each node's series while it is in the fleet; its GPUs only while it is up. A
+        node whose heartbeat key expired loses its series, so a gateway that runs for
+        months does not keep every node it ever saw."""
+        nodes = set()
         for c in view.clusters:
             CLUSTER_HEALTHY.labels(c.name).set(1 if c.healthy else 0)
             for n in c.nodes:
+                nodes.add((c.name, n.node))
                 NODE_UP.labels(c.name, n.node).set(1 if n.up else 0)
                 NODE_SERVING.labels(c.name, n.node).set(1 if n.serving else 0)
                 if n.up:
                     metrics.set_gpus(c.name, n.node, n.gpus)
+                else:
+                    metrics.forget_gpus(c.name, n.node)
+        for cluster, node in self._nodes - nodes:
+            for gauge in (NODE_UP, NODE_SERVING):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(cluster, node)
+            metrics.forget_gpus(cluster, node)
+        self._nodes = nodes
 
     async def _queues(self, cluster: str) -> list[dict[str, Any]]:
         stream = subjects.gen_stream_name(cluster)
@@ -187,6 +201,7 @@ class Observer:
         keep = {r.run_id for r in newest}
         for run_id in [r for r in self.runs if r not in keep]:
             del self.runs[run_id]
+            metrics.forget_run(run_id)  # out of the view: its series go too
 
     async def _backfill(self, view: RunView) -> None:
         """A run's earlier steps from the TRAIN stream (this gateway may be newer)."""

@@ -13,7 +13,6 @@ that lives through many runs keeps a bounded ``/metrics``.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 
 from tandem.common import metrics
@@ -45,6 +44,4 @@ class RunMetrics:
         _ended.move_to_end(self.run_id)
         while len(_ended) > KEEP_ENDED:
             old, _ = _ended.popitem(last=False)
-            for series in metrics.RUN_SERIES:
-                with contextlib.suppress(KeyError):  # a run that never stepped has none
-                    series.remove(old)
+            metrics.forget_run(old)
