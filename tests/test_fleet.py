@@ -1,5 +1,5 @@
-"""The fleet view (KV nodes + drains), FleetWatch, and the `tandem clusters` / `tandem node`
-commands against a real nats-server."""
+"""The fleet view (KV nodes + drains), its live ClusterBoard, and the `tandem clusters` /
+`tandem node` commands against a real nats-server."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tandem.cluster_agent.clock import ManualClock
 from tandem.cluster_agent.sim import SimBackend
 from tandem.common import fleet
 from tandem.common.bus import Bus
+from tandem.common.clusters import ClusterBoard
 from tandem.common.events import DrainRecord, Health, NodeHeartbeat
 from tandem.common.servers import NatsServer, free_port
 from tandem.common.streams import core_streams
@@ -78,9 +79,9 @@ def test_summarize_counts_a_stale_heartbeat_as_down_and_unhealthy_as_not_serving
     assert view.cluster("d").healthy is False  # type: ignore[union-attr]
 
 
-async def test_fleet_watch_follows_heartbeats_and_drains_live(bus: Bus, uid: str) -> None:
+async def test_cluster_board_view_follows_heartbeats_and_drains_live(bus: Bus, uid: str) -> None:
     await bus.provision(core_streams())
-    async with fleet.FleetWatch(bus) as watch:
+    async with ClusterBoard(bus) as watch:
         assert watch.view().clusters == []
         [agent] = await _agents(bus, [(f"c{uid}", "n1", 0.0)])
         await until(lambda: watch.view().cluster(f"c{uid}"), what="the node in the view")

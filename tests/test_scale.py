@@ -16,6 +16,7 @@ import pytest
 from tandem.cli import bench_scale
 from tandem.common import fleet, streams, subjects
 from tandem.common.bus import Bus
+from tandem.common.clusters import ClusterBoard
 from tandem.common.events import Health, NodeHeartbeat
 from tandem.common.servers import Topology
 from tandem.common.settings import Settings, load
@@ -35,13 +36,17 @@ async def until(pred: Callable[[], bool], what: str, timeout: float = DEADLINE) 
         await asyncio.sleep(0.05)  # polling a condition with a deadline
 
 
-def summaries_match_view(watch: fleet.FleetWatch) -> bool:
+COUNTS = ("healthy", "nodes_total", "nodes_up", "nodes_serving", "nodes_drained",
+          "gpus_total", "gpus_free")
+
+
+def summaries_match_view(board: ClusterBoard) -> bool:
     """The incremental summaries say what summarising every node says."""
-    view = {c.name: c for c in watch.view().clusters}
-    got = watch.summaries()
+    view = {c.name: c for c in board.view().clusters}
+    got = {s.name: s for s in board.summaries() if s.nodes_total}
     return set(view) == set(got) and all(
-        getattr(got[name], f) == getattr(c, f)
-        for name, c in view.items() for f in fleet.ClusterSummary.__struct_fields__)
+        getattr(got[name], f) == getattr(c, f) for name, c in view.items() for f in COUNTS
+    ) and all(sorted(got[name].models) == c.models for name, c in view.items())
 
 
 async def test_cluster_summaries_follow_heartbeats_drains_and_expiry(bus: Bus, uid: str) -> None:
@@ -55,36 +60,51 @@ async def test_cluster_summaries_follow_heartbeats_drains_and_expiry(bus: Bus, u
                            gpus_usable=8, gpus_free=free, models=models)
         await kv.put(subjects.node_key(cluster, node), msgspec.json.encode(hb))
 
-    watch = await fleet.FleetWatch(bus, ttl=1.5).start()
+    board = await ClusterBoard(bus, ttl=1.5).start()
     try:
         await beat(a, "n0", 8, ["digits"])
         await beat(a, "n1", 2, ["noop"])
         await beat(b, "n0", 4, ["digits"], Health.unhealthy)
-        await until(lambda: {a, b} <= set(watch.summaries())
-                    and watch.summaries()[a].nodes_up == 2, "both clusters seen")
-        s = watch.summaries()
-        assert (s[a].healthy, s[a].gpus_free, s[a].gpus_total, s[a].models) == (
-            True, 10, 16, ["digits", "noop"])
-        assert (s[b].healthy, s[b].nodes_serving, s[b].gpus_free) == (False, 0, 0)
-        assert summaries_match_view(watch)
+        await until(lambda: {a, b} <= set(board.clusters())
+                    and board.summary(a).nodes_up == 2, "both clusters seen")
+        sa, sb = board.summary(a), board.summary(b)
+        assert (sa.healthy, sa.gpus_free, sa.gpus_total, sa.models) == (
+            True, 10, 16, {"digits", "noop"})
+        assert (sb.healthy, sb.nodes_serving, sb.gpus_free) == (False, 0, 0)
+        assert summaries_match_view(board)
 
         await fleet.drain(bus, a, "n1", reason="test")
-        await until(lambda: watch.summaries()[a].nodes_drained == 1, "drain counted")
-        assert watch.summaries()[a].models == ["digits"] and watch.summaries()[a].gpus_free == 8
-        assert summaries_match_view(watch)
+        await until(lambda: board.summary(a).nodes_drained == 1, "drain counted")
+        assert board.summary(a).models == {"digits"} and board.summary(a).gpus_free == 8
+        assert summaries_match_view(board)
         await fleet.undrain(bus, a, "n1")
-        await until(lambda: watch.summaries()[a].nodes_drained == 0, "undrain counted")
+        await until(lambda: board.summary(a).nodes_drained == 0, "undrain counted")
 
         # Heartbeats stop: after the TTL every node counts as down, though nothing arrived.
-        await until(lambda: watch.summaries()[a].nodes_up == 0, "expired without an event")
-        assert not watch.summaries()[a].healthy and summaries_match_view(watch)
+        await until(lambda: board.summary(a).nodes_up == 0, "expired without an event")
+        assert not board.summary(a).healthy and summaries_match_view(board)
         await beat(a, "n0", 8, ["digits"])  # one comes back
-        await until(lambda: watch.summaries()[a].nodes_up == 1, "back up")
+        await until(lambda: board.summary(a).nodes_up == 1, "back up")
         await kv.delete(subjects.node_key(a, "n0"))  # a graceful stop removes the key
-        await until(lambda: watch.summaries()[a].nodes_total == 1, "deleted key forgotten")
-        assert summaries_match_view(watch)
+        await until(lambda: board.summary(a).nodes_total == 1, "deleted key forgotten")
+        assert summaries_match_view(board)
     finally:
-        await watch.stop()
+        await board.stop()
+
+
+async def test_a_node_silent_for_ten_ttls_is_forgotten(bus: Bus, uid: str) -> None:
+    # KV expiry is silent: without forgetting, a board would keep every node it ever saw.
+    await bus.provision(streams.core_streams())
+    kv = await bus.kv(KV_NODES)
+    cluster = f"f{uid}"
+    async with ClusterBoard(bus, ttl=0.2) as board:
+        hb = NodeHeartbeat(cluster=cluster, node="n0", gpus_total=1, gpus_usable=1)
+        await kv.put(subjects.node_key(cluster, "n0"), msgspec.json.encode(hb))
+        await until(lambda: board.summary(cluster).nodes_up == 1, "the node up")
+        await until(lambda: board.summary(cluster).nodes_up == 0
+                    and board.summary(cluster).nodes_total == 1, "down, still known")
+        await until(lambda: board.summary(cluster).nodes_total == 0, "forgotten")
+        assert not board.view().clusters and cluster in board.clusters()
 
 
 # ------------------------------------------------------------------------ a tiny fleet
@@ -107,16 +127,15 @@ async def test_multiplexed_agents_behind_leaves_report_every_node_and_leave_clea
                     env={"cluster": c, "fleet_nodes": "3", "fleet_first": "10",
                          "fleet_prefix": "sim", "sim_gpus": "2", "agent_interval": "0.2",
                          **topo.env_for(c)}).start() for c in ("east", "west")]
-    watch = await fleet.FleetWatch(hub).start()
+    board = await ClusterBoard(hub).start()
     try:
         for f in fleets:
             h = f.wait_healthy(lambda h: bool(h.get("started")))
             assert h["nodes"] == 3
-        await until(lambda: all(c in watch.summaries() and watch.summaries()[c].nodes_serving == 3
-                                for c in ("east", "west")), "six serving nodes")
-        s = watch.summaries()
-        assert s["east"].gpus_total == 6 and s["west"].gpus_total == 6
-        nodes = {(c.name, n.node) for c in watch.view().clusters for n in c.nodes}
+        await until(lambda: all(board.summary(c).nodes_serving == 3 for c in ("east", "west")),
+                    "six serving nodes")
+        assert board.summary("east").gpus_total == 6 and board.summary("west").gpus_total == 6
+        nodes = {(c.name, n.node) for c in board.view().clusters for n in c.nodes}
         assert nodes == {(c, f"sim{i}") for c in ("east", "west") for i in (10, 11, 12)}
         # Every node's telemetry is stored in the hub's stream.
         for c, node in nodes:
@@ -127,9 +146,10 @@ async def test_multiplexed_agents_behind_leaves_report_every_node_and_leave_clea
             f.proc.send_signal(signal.SIGTERM)
             assert f.proc.wait(30) == 0
         # A graceful stop removes each node's heartbeat: the clusters empty at once.
-        await until(lambda: not watch.summaries(), "heartbeats removed on stop")
+        await until(lambda: not any(s.nodes_total for s in board.summaries())
+                    and not board.view().clusters, "heartbeats removed on stop")
     finally:
-        await watch.stop()
+        await board.stop()
         for f in fleets:
             f.kill()
         await hub.drain()

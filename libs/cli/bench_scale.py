@@ -14,12 +14,13 @@ the hub: one gateway. Then:
    /proc) and memory (RSS), JetStream API requests/s, bytes in per node, the gateway's
    routing decision time (its ``tandem_gateway_routing_seconds`` histogram, p50/p99
    interpolated within buckets), task end-to-end latency (POST sent -> ``succeeded``
-   status seen), the work-queue and KV-watch backlogs at the start and end;
+   result seen), the work-queue and KV-watch backlogs at the start and end;
 2. burst (``--burst-seconds``): as many no-op tasks as ``--burst-conns`` connections get
    accepted: tasks/s through one gateway process, and their latency.
 
-Also, in the bench process, a ``FleetWatch`` over the live fleet: the cost of the
-routing input read as per-cluster summaries against building the whole fleet view.
+Also, in the bench process, a ``ClusterBoard`` over the live fleet (what the gateway's
+router reads): the cost of the routing input read as per-cluster summaries against
+building the whole fleet view.
 """
 
 from __future__ import annotations
@@ -513,7 +514,7 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
             "meets_goal": n / wall >= GOAL_TASKS_PER_S and not tasks.rejected}
 
 
-async def _routing_input(watch: Any, n: int = 200) -> dict[str, float]:
+async def _routing_input(board: Any, n: int = 200) -> dict[str, float]:
     """In this process: reading per-cluster summaries against building the full view."""
     def best(fn: Any, calls: int, batches: int = 5) -> float:
         # The fastest batch: on a shared box a slower one measures the other processes.
@@ -525,14 +526,15 @@ async def _routing_input(watch: Any, n: int = 200) -> dict[str, float]:
             times.append((time.perf_counter() - t0) / calls)
         return min(times)
 
-    up = sum(s.nodes_up for s in watch.summaries().values())
-    return {"summaries_us": round(best(watch.summaries, n) * 1e6, 2),
-            "full_view_us": round(best(watch.view, 3) * 1e6, 2), "nodes_up_seen": up}
+    up = sum(s.nodes_up for s in board.summaries())
+    return {"summaries_us": round(best(board.summaries, n) * 1e6, 2),
+            "full_view_us": round(best(board.view, 3) * 1e6, 2), "nodes_up_seen": up}
 
 
 async def _one(nodes: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from tandem.common import fleet, streams, subjects
+    from tandem.common import streams, subjects
     from tandem.common.bus import Bus
+    from tandem.common.clusters import ClusterBoard
     from tandem.common.settings import Settings, load
 
     f = _Fleet(root, nodes, args)
@@ -546,14 +548,14 @@ async def _one(nodes: int, args: argparse.Namespace, root: Path) -> dict[str, An
         sub = await bus.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=tasks.on_result)
         lag = HeartbeatLag()
         lag_sub = await bus.nc.subscribe(f"$KV.{streams.KV_NODES}.>", cb=lag.on_put)
-        watch = await fleet.FleetWatch(bus).start()
+        board = await ClusterBoard(bus).start()
         await asyncio.sleep(3 * args.interval)  # warm-up: every node ticked a few times
         steady = await _steady(f, bus, tasks, lag)
         await lag_sub.unsubscribe()
-        steady["routing_input"] = await _routing_input(watch)
+        steady["routing_input"] = await _routing_input(board)
         mem = f.memory()
         burst = await _burst(f, tasks)
-        await watch.stop()
+        await board.stop()
         await sub.unsubscribe()
         await bus.drain()
     finally:

@@ -1,9 +1,9 @@
-"""Per-cluster summaries for routing and failover, kept current at O(1) per heartbeat.
+"""The live fleet: per-cluster summaries for routing and failover, kept current at O(1)
+per heartbeat, and every node's view on demand.
 
-``fleet.FleetWatch.view()`` rebuilds every node's view on each call: right for an
-operator's screen, too slow for a decision taken on every request of a large fleet.
-``ClusterBoard`` follows the same KV watches (``nodes``, ``drains``) but keeps running
-sums per cluster, so a read costs O(clusters) whatever the number of nodes:
+``ClusterBoard`` follows KV ``nodes`` and ``drains`` by watches and keeps running sums
+per cluster, so a read costs O(clusters) whatever the number of nodes (``view()``, which
+builds every node's view as ``fleet.read_fleet`` does, is for an operator's screen):
 
 - each heartbeat or drain change replaces that node's contribution to its cluster's
   sums (serving nodes, usable and free GPUs, models loaded);
@@ -28,8 +28,8 @@ from typing import Any
 from tandem.common import log
 from tandem.common.bus import Bus
 from tandem.common.errors import EventDecodeError
-from tandem.common.events import Health, NodeHeartbeat, decode
-from tandem.common.fleet import _MapWatch
+from tandem.common.events import DrainRecord, Health, NodeHeartbeat, decode
+from tandem.common.fleet import FleetView, _MapWatch, summarize
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
 
 _log = log.get("tandem.clusters")
@@ -41,12 +41,16 @@ class ClusterSummary:
     """One cluster as routing sees it, at one instant (monotonic clock)."""
 
     name: str
-    healthy: bool
+    healthy: bool  # at least one node serving
     nodes_serving: int
-    gpus_usable: int
-    gpus_free: int
-    models: frozenset[str]
+    gpus_usable: int  # on serving nodes
+    gpus_free: int  # on serving nodes
+    models: frozenset[str]  # loaded on serving nodes
     unhealthy_since: float | None  # monotonic; None while healthy
+    nodes_total: int = 0  # with a heartbeat key or a drain record
+    nodes_up: int = 0  # heartbeat fresh
+    nodes_drained: int = 0
+    gpus_total: int = 0  # on up nodes
 
     def unhealthy_for(self, now: float | None = None) -> float:
         """Seconds this cluster has been unhealthy (0 while healthy)."""
@@ -55,10 +59,17 @@ class ClusterSummary:
         return max(0.0, (time.monotonic() if now is None else now) - self.unhealthy_since)
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
-        return {"name": self.name, "healthy": self.healthy, "nodes_serving": self.nodes_serving,
+        return {"name": self.name, "healthy": self.healthy, "nodes_total": self.nodes_total,
+                "nodes_up": self.nodes_up, "nodes_serving": self.nodes_serving,
+                "nodes_drained": self.nodes_drained, "gpus_total": self.gpus_total,
                 "gpus_usable": self.gpus_usable, "gpus_free": self.gpus_free,
                 "models": sorted(self.models),
                 "unhealthy_for_s": round(self.unhealthy_for(now), 3)}
+
+
+# A node's share of its cluster's counts, in this order.
+_TOTAL, _UP, _SERVING, _DRAINED, _GPUS_TOTAL, _GPUS_USABLE, _GPUS_FREE = range(7)
+_NOTHING = (0,) * 7
 
 
 @dataclass(slots=True)
@@ -66,27 +77,32 @@ class _Node:
     cluster: str
     hb: NodeHeartbeat | None = None
     seen: float = 0.0  # monotonic time the heartbeat was received
-    drained: bool = False  # a drain record exists
-    counted: bool = False  # contributes to its cluster's sums now
+    drain: DrainRecord | None = None
+    share: tuple[int, ...] = _NOTHING  # what it adds to its cluster's counts now
+    models: tuple[str, ...] = ()  # what it adds to its cluster's models now
     stamp: int = 0  # bumped on every change, so stale heap entries are recognised
 
 
 @dataclass(slots=True)
 class _Sums:
-    serving: int = 0
-    gpus_usable: int = 0
-    gpus_free: int = 0
+    counts: list[int] = field(default_factory=lambda: [0] * len(_NOTHING))
     models: Counter[str] = field(default_factory=Counter)
     unhealthy_since: float | None = 0.0
 
 
 class ClusterBoard:
-    """Live per-cluster health and capacity from KV ``nodes`` and ``drains``.
+    """Live per-cluster counts, health and capacity from KV ``nodes`` and ``drains``.
 
     ``clusters`` are reported even before (or without) any heartbeat. Use as
     ``async with ClusterBoard(bus, ttl) as board:`` or ``start()`` / ``stop()``;
-    ``summary(name)`` and ``summaries()`` are synchronous and cheap.
+    ``summary(name)`` and ``summaries()`` are synchronous and cost O(clusters); ``view()``
+    builds every node's view (``fleet.FleetView``) for an operator's screen.
+
+    A heartbeat stale for ten times the TTL is forgotten (KV expiry is silent), so a
+    fleet whose nodes come and go for months does not grow the board.
     """
+
+    FORGET_AFTER = 10  # TTLs after its heartbeat, a silent node is forgotten
 
     def __init__(self, bus: Bus, ttl: float = HEARTBEAT_TTL, clusters: tuple[str, ...] = ()
                  ) -> None:
@@ -122,9 +138,11 @@ class ClusterBoard:
         s = self._sums.get(name)
         if s is None:  # never heard of: down since this board started
             return ClusterSummary(name, False, 0, 0, 0, frozenset(), self.started)
-        return ClusterSummary(name, s.serving > 0, s.serving, s.gpus_usable, s.gpus_free,
-                              frozenset(m for m, n in s.models.items() if n > 0),
-                              s.unhealthy_since)
+        c = s.counts
+        return ClusterSummary(name, c[_SERVING] > 0, c[_SERVING], c[_GPUS_USABLE],
+                              c[_GPUS_FREE], frozenset(m for m, n in s.models.items() if n > 0),
+                              s.unhealthy_since, nodes_total=c[_TOTAL], nodes_up=c[_UP],
+                              nodes_drained=c[_DRAINED], gpus_total=c[_GPUS_TOTAL])
 
     def summaries(self, now: float | None = None) -> list[ClusterSummary]:
         """Every cluster known (configured or heard from), by name."""
@@ -135,6 +153,15 @@ class ClusterBoard:
     def clusters(self) -> list[str]:
         return sorted(self._sums)
 
+    def view(self) -> FleetView:
+        """Every node's view, as ``fleet.read_fleet`` builds it from a snapshot; ages
+        count from when this process received each heartbeat."""
+        now = time.monotonic()
+        self._expire(now)
+        nodes = list(self._nodes.values())
+        return summarize(((n.hb, now - n.seen) for n in nodes if n.hb is not None),
+                         [n.drain for n in nodes if n.drain is not None], ttl=self.ttl)
+
     # --------------------------------------------------------------------------- updates
 
     def _cluster(self, name: str) -> _Sums:
@@ -143,48 +170,61 @@ class ClusterBoard:
             s = self._sums[name] = _Sums(unhealthy_since=self.started)
         return s
 
-    def _contribute(self, node: _Node, sign: int, now: float) -> None:
+    def _share(self, node: _Node, at: float) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """``node``'s share of its cluster at ``at``: the rule of ``fleet``'s view."""
         hb = node.hb
-        assert hb is not None
+        if hb is None and node.drain is None:
+            return _NOTHING, ()
+        up = hb is not None and node.seen + self.ttl > at
+        drained = node.drain is not None or (hb is not None and hb.drained)
+        serving = up and not drained and hb is not None and hb.health not in _NOT_SERVING
+        if hb is None:
+            return (1, 0, 0, int(drained), 0, 0, 0), ()
+        return ((1, int(up), int(serving), int(drained), hb.gpus_total if up else 0,
+                 hb.gpus_usable if serving else 0, hb.gpus_free if serving else 0),
+                tuple(hb.models) if serving else ())
+
+    def _apply(self, node: _Node, sign: int, at: float) -> None:
         s = self._cluster(node.cluster)
-        was_healthy = s.serving > 0
-        s.serving += sign
-        s.gpus_usable += sign * hb.gpus_usable
-        s.gpus_free += sign * hb.gpus_free
-        for m in hb.models:
+        was_healthy = s.counts[_SERVING] > 0
+        for i, v in enumerate(node.share):
+            s.counts[i] += sign * v
+        for m in node.models:
             s.models[m] += sign
             if s.models[m] <= 0:
                 del s.models[m]
-        node.counted = sign > 0
-        if s.serving > 0:
+        if s.counts[_SERVING] > 0:
             s.unhealthy_since = None
         elif was_healthy:
-            s.unhealthy_since = now
+            s.unhealthy_since = at
 
-    def _set(self, key: str, node: _Node, now: float, **changes: Any) -> None:
-        """Apply ``changes`` to ``node`` and recount it; ``now`` dates a loss of health."""
-        if node.counted:  # take back what the node's previous state contributed
-            self._contribute(node, -1, now)
+    def _set(self, key: str, node: _Node, at: float, **changes: Any) -> None:
+        """Apply ``changes`` to ``node`` and recount its share as of ``at`` (which also
+        dates a loss of health); forget a node left with neither heartbeat nor drain."""
+        self._apply(node, -1, at)  # take back what its previous state contributed
         for name, value in changes.items():
             setattr(node, name, value)
         node.stamp += 1
-        hb = node.hb
-        if hb is None:
-            return
-        expires = node.seen + self.ttl
-        serving = (expires > now and not node.drained and not hb.drained
-                   and hb.health not in _NOT_SERVING)
-        if serving:
-            self._contribute(node, +1, now)
-            heapq.heappush(self._expiry, (expires, node.stamp, key))
+        node.share, node.models = self._share(node, at)
+        self._apply(node, +1, at)
+        if node.hb is None and node.drain is None:
+            del self._nodes[key]
+        elif node.hb is not None:
+            expires = node.seen + self.ttl
+            when = expires if expires > at else node.seen + self.FORGET_AFTER * self.ttl
+            heapq.heappush(self._expiry, (when, node.stamp, key))
 
     def _expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
-            expires, stamp, key = heapq.heappop(self._expiry)
+            when, stamp, key = heapq.heappop(self._expiry)
             node = self._nodes.get(key)
-            if node is not None and node.stamp == stamp and node.counted:
-                # Unhealthy since the heartbeat went stale, not since someone looked.
-                self._contribute(node, -1, expires)
+            if node is None or node.stamp != stamp:
+                continue  # changed since: a newer entry stands for it
+            if node.seen + self.ttl >= when:  # its heartbeat went stale at ``when``
+                # Unhealthy since then, not since someone looked.
+                self._set(key, node, when)
+            else:  # silent for FORGET_AFTER TTLs: drop the heartbeat
+                self._set(key, node, when, hb=None)
 
     def _node(self, key: str, cluster: str) -> _Node:
         node = self._nodes.get(key)
@@ -210,7 +250,7 @@ class ClusterBoard:
             if node.hb == hb:
                 return  # the same heartbeat again: no fresher than when it came
             # A value loaded by a (re)watch may be old: date it by the agent's clock.
-            seen = now - min(max(0.0, time.time() - hb.at), 10 * self.ttl)
+            seen = now - min(max(0.0, time.time() - hb.at), self.FORGET_AFTER * self.ttl)
         else:
             seen = now
         self._set(key, node, now, hb=hb, seen=seen, cluster=hb.cluster)
@@ -218,8 +258,16 @@ class ClusterBoard:
     def _on_drain(self, key: str, value: bytes | None, rewatch: bool) -> None:
         now = time.monotonic()
         self._expire(now)
-        cluster = key.split(".", 1)[0]  # drains are keyed <cluster>.<node>
+        cluster, _, name = key.partition(".")  # drains are keyed <cluster>.<node>
+        if value is None:
+            node = self._nodes.get(key)
+            if node is not None and node.drain is not None:
+                self._set(key, node, now, drain=None)
+            return
+        try:
+            drain = decode(value, DrainRecord)
+        except EventDecodeError as exc:  # an unreadable drain is still a drain
+            drain = DrainRecord(cluster=cluster, node=name, reason=f"unreadable: {exc.reason}")
         node = self._node(key, cluster)
-        drained = value is not None  # an unreadable drain is still a drain
-        if drained != node.drained:
-            self._set(key, node, now, drained=drained)
+        if drain != node.drain:
+            self._set(key, node, now, drain=drain)

@@ -5,8 +5,8 @@ JSON (``msgspec.to_builtins``) and routes on, and workers watch.
 
 - ``read_fleet(bus)``: one snapshot of every cluster and node (``tandem clusters``,
   ``GET /v1/clusters``).
-- ``FleetWatch``: the same view kept live by KV watches, for routing without polling;
-  ``summaries()`` gives each cluster's counts at a cost independent of its node count.
+- ``clusters.ClusterBoard`` keeps the same view live by KV watches (routing, failover,
+  benchmarks): each cluster's counts at a cost independent of its node count.
 - ``DrainWatch``: one node's drain flag, for a worker that must stop pulling when drained.
 - ``drain`` / ``undrain``: what ``tandem node drain|undrain`` (and the agent) write.
 - ``announce_models``: a worker tells its node's agent which models it has loaded.
@@ -24,7 +24,6 @@ import contextlib
 import getpass
 import socket
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -65,13 +64,9 @@ class NodeView(msgspec.Struct, kw_only=True):
     backend: str = ""
 
 
-class ClusterSummary(msgspec.Struct, kw_only=True):
-    """One cluster in a few numbers: what routing reads (``FleetWatch.summaries``).
-
-    The same counts as ``ClusterView`` without the per-node list, kept up to date by
-    each heartbeat and drain as it arrives, so reading it costs the same for a cluster
-    of 3 nodes or 3,000.
-    """
+class ClusterCounts(msgspec.Struct, kw_only=True):
+    """One cluster in a few numbers (``clusters.ClusterSummary`` keeps the same counts
+    live for routing)."""
 
     name: str
     healthy: bool  # at least one node serving
@@ -84,7 +79,7 @@ class ClusterSummary(msgspec.Struct, kw_only=True):
     models: list[str]  # loaded on serving nodes
 
 
-class ClusterView(ClusterSummary, kw_only=True):
+class ClusterView(ClusterCounts, kw_only=True):
     """A cluster's summary with its nodes (same fields, same order, plus two)."""
 
     health: dict[str, int]  # node count per status
@@ -486,139 +481,6 @@ class DrainBoard(_KeyWatch):
         view = self.views.get(key)
         if view is not None:
             await view.update(key, value)
-
-
-class FleetWatch:
-    """The fleet view kept live by watches on KV ``nodes`` and ``drains``.
-
-    Ages count from when this process received each heartbeat, so the hosts' clocks do
-    not matter; KV expiry is silent, so a node whose heartbeats stopped shows as down
-    once its age passes the TTL, and is forgotten later.
-    """
-
-    def __init__(self, bus: Bus, ttl: float = HEARTBEAT_TTL) -> None:
-        self.ttl = ttl
-        self._heartbeats: dict[str, tuple[NodeHeartbeat, float]] = {}
-        self._drains: dict[str, DrainRecord] = {}
-        self._tally = _Tally()
-        # Up nodes, least recently heard first: expiring them is popping from the front.
-        self._fresh: OrderedDict[str, float] = OrderedDict()
-        self._nodes = _MapWatch(bus, KV_NODES, self._on_node)
-        self._drain_watch = _MapWatch(bus, KV_DRAINS, self._on_drain)
-
-    async def start(self) -> FleetWatch:
-        await self._nodes.start()
-        await self._drain_watch.start()
-        return self
-
-    async def stop(self) -> None:
-        await self._nodes.stop()
-        await self._drain_watch.stop()
-
-    async def __aenter__(self) -> FleetWatch:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    def _on_node(self, key: str, value: bytes | None, rewatch: bool) -> None:
-        if value is None:
-            self._heartbeats.pop(key, None)
-            self._recount(key)
-            return
-        with contextlib.suppress(EventDecodeError):
-            hb = decode(value, NodeHeartbeat)
-            known = self._heartbeats.get(key)
-            if rewatch and known is not None and known[0] == hb:
-                return  # the same heartbeat again: it is no fresher than when it came
-            self._heartbeats[key] = (hb, time.monotonic())
-        self._recount(key)
-
-    def _on_drain(self, key: str, value: bytes | None, rewatch: bool) -> None:
-        if value is None:
-            self._drains.pop(key, None)
-            self._recount(key)
-            return
-        with contextlib.suppress(EventDecodeError):
-            self._drains[key] = decode(value, DrainRecord)
-        self._recount(key)
-
-    def _recount(self, key: str, now: float | None = None) -> None:
-        """Replace ``key``'s share of the cluster summaries with its current state."""
-        got = self._heartbeats.get(key)
-        drain = self._drains.get(key)
-        now = time.monotonic() if now is None else now
-        self._fresh.pop(key, None)
-        if got is None and drain is None:
-            self._tally.set(key, None)
-            return
-        hb, seen = got if got is not None else (None, 0.0)
-        cluster, node = (hb.cluster, hb.node) if hb is not None else (drain.cluster, drain.node)
-        age = now - seen if hb is not None else None
-        self._tally.set(key, _node(hb, drain, cluster, node, age, self.ttl))
-        if hb is not None and age is not None and age <= self.ttl:
-            self._fresh[key] = seen
-
-    def summaries(self) -> dict[str, ClusterSummary]:
-        """Every cluster's summary, by name: O(clusters) per call, whatever the node count
-        (plus the nodes whose heartbeat went stale since the last call, once each)."""
-        now = time.monotonic()
-        while self._fresh:
-            key, seen = next(iter(self._fresh.items()))
-            if now - seen <= self.ttl:
-                break
-            self._recount(key, now)  # stale: counted as down from now on
-        return self._tally.summaries()
-
-    def view(self) -> FleetView:
-        now = time.monotonic()
-        for key in [k for k, (_, seen) in self._heartbeats.items() if now - seen > 10 * self.ttl]:
-            del self._heartbeats[key]  # long expired: forget it
-            self._recount(key)
-        return summarize(((hb, now - seen) for hb, seen in self._heartbeats.values()),
-                         self._drains.values(), ttl=self.ttl)
-
-
-class _Tally:
-    """Per-cluster sums of nodes' contributions, updated one node at a time."""
-
-    _FIELDS = ("nodes_total", "nodes_up", "nodes_serving", "nodes_drained", "gpus_total",
-               "gpus_free")
-
-    def __init__(self) -> None:
-        self._nodes: dict[str, tuple[str, tuple[int, ...], tuple[str, ...]]] = {}
-        self._sums: dict[str, list[int]] = {}
-        self._models: dict[str, Counter[str]] = {}
-
-    def set(self, key: str, view: NodeView | None) -> None:
-        old = self._nodes.pop(key, None)
-        if old is not None:
-            cluster, counts, models = old
-            sums = self._sums[cluster]
-            for i, v in enumerate(counts):
-                sums[i] -= v
-            self._models[cluster].subtract(models)
-            if sums[0] == 0:  # no node left in it
-                del self._sums[cluster], self._models[cluster]
-        if view is None:
-            return
-        counts = (1, int(view.up), int(view.serving), int(view.drained),
-                  view.gpus_total if view.up else 0, view.gpus_free if view.serving else 0)
-        models = tuple(view.models) if view.serving else ()
-        self._nodes[key] = (view.cluster, counts, models)
-        sums = self._sums.setdefault(view.cluster, [0] * len(counts))
-        for i, v in enumerate(counts):
-            sums[i] += v
-        self._models.setdefault(view.cluster, Counter()).update(models)
-
-    def summaries(self) -> dict[str, ClusterSummary]:
-        out = {}
-        for name in sorted(self._sums):
-            sums = dict(zip(self._FIELDS, self._sums[name], strict=True))
-            models = sorted(m for m, n in self._models[name].items() if n > 0)
-            out[name] = ClusterSummary(name=name, healthy=sums["nodes_serving"] > 0,
-                                       models=models, **sums)
-        return out
 
 
 class _MapWatch(_KeyWatch):
