@@ -14,7 +14,7 @@ from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig, RunExists
 from tandem.common.events import RunState, TrainStatus, decode
-from tandem.common.runs import RunConfig, get_run, parse_run_config, submit_run
+from tandem.common.runs import DataSpec, RunConfig, get_run, parse_run_config, submit_run
 from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 from tandem.common.streams import core_streams
@@ -41,6 +41,25 @@ def test_run_config_errors_name_every_bad_field() -> None:
         parse_run_config({"model": {"sample_size": 10}})
     cfg = parse_run_config({"model": {"kind": "dit"}, "data": {"kind": "synthetic"}})
     assert cfg.model.kind == "dit" and cfg.ranks == 2 and cfg.device == "auto"
+
+
+def test_a_data_root_confines_image_folders_and_names_what_leaves_it(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "pets" / "cat").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    (root / "escape").symlink_to(tmp_path / "secret")
+
+    def data(path: str) -> DataSpec:
+        return DataSpec(kind="image_folder", path=path)
+
+    assert data("/anywhere").confined("").path == "/anywhere"  # no root: as given
+    assert DataSpec(kind="digits").confined(str(root)).path is None
+    assert data("pets").confined(str(root)).path == str(root.resolve() / "pets")
+    assert data(str(root / "pets")).confined(str(root)).path == str(root.resolve() / "pets")
+    for outside in ("../secret", str(tmp_path / "secret"), "escape", "/etc"):
+        with pytest.raises(ValueError, match="outside this trainer's data root") as err:
+            data(outside).confined(str(root))
+        assert repr(outside) in str(err.value) and "TANDEM_DATA_ROOT" in str(err.value)
 
 
 async def test_submit_is_idempotent_and_refuses_another_config_under_the_same_id(

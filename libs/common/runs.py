@@ -12,6 +12,7 @@ record; a different config under an existing id raises ``RunExists``.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -75,6 +76,20 @@ class DataSpec(_Spec):
         if self.kind == "image_folder" and not self.path:
             raise ValueError("data.path is required for an image_folder data set")
         return self
+
+    def confined(self, root: str) -> DataSpec:
+        """This spec with its image folder resolved under ``root`` (a trainer's
+        ``TANDEM_DATA_ROOT``): a relative path is taken from there, and a path that
+        leaves it, by ``..`` or a symlink, is refused. An empty ``root`` confines nothing.
+        """
+        if not root or self.kind != "image_folder" or self.path is None:
+            return self
+        base = Path(root).resolve()
+        path = (base / self.path).resolve()
+        if not path.is_relative_to(base):
+            raise ValueError(f"data.path {self.path!r} is outside this trainer's data root "
+                             f"{str(base)!r} (TANDEM_DATA_ROOT)")
+        return self.model_copy(update={"path": str(path)})
 
 
 class WatchdogSpec(_Spec):

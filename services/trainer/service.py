@@ -47,6 +47,9 @@ class TrainerSettings(Settings):
     restore_from_s3: bool = Field(
         True, description="Resume from S3 (the checkpointer's commits) when no local "
         "checkpoint is valid; needs TANDEM_S3_* settings.")
+    data_root: str = Field(
+        "", description="Directory every image_folder data set must be under (relative "
+        "data.path values start there); empty: any path this host can read.")
 
 
 class Trainer(Service):
@@ -124,6 +127,7 @@ class Trainer(Service):
     def _start(self, run_id: str, rec: RunRecord, adopted: bool = False) -> None:
         try:
             config = parse_run_config(rec.config)
+            config = config.model_copy(update={"data": config.data.confined(self.s.data_root)})
         except Exception as exc:
             self.tg.create_task(self._reject(run_id, str(exc)))
             return
