@@ -184,10 +184,8 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
         .emits(subjects.GEN_PROGRESS.wildcard, subjects.MODELS.wildcard)
         .listens(subjects.gen_cancel_all())
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
-        # Failover discovers the clusters' queues with js.streams_info(): the config and
-        # counters of every stream, never a message. STREAM.NAMES filtered on gen.> would
-        # reveal less; failover.work_queues would have to ask that way first.
-        .emits(f"{API}.STREAM.LIST")
+        # Failover discovers the clusters' queues by the names of the streams on gen.*.*
+        # (STREAM.NAMES, granted by follows()), then STREAM.INFO of each queue it may pull.
         .listens(subjects.ckpt_kind_filter("mirrored"))  # hot-swap wake-ups
     )
     for c in clusters:  # every cluster's queue: healthy clusters drain a dead one's backlog

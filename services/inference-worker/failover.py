@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,7 @@ from tandem.common.bus import Bus, Consumer
 from tandem.common.clusters import ClusterBoard
 from tandem.common.errors import StreamConflict
 from tandem.common.settings import Settings
-from tandem.common.streams import HEARTBEAT_TTL, ConsumerSpec, gen_consumer
+from tandem.common.streams import GEN_EVENTS, HEARTBEAT_TTL, ConsumerSpec, gen_consumer
 
 _log = log.get("tandem.inference_worker.failover")
 
@@ -80,11 +81,36 @@ def lane_of(spec: ConsumerSpec) -> str:
 
 
 async def work_queues(bus: Bus) -> list[str]:
-    """Clusters that have a work-queue stream (``GEN_<CLUSTER>`` on ``gen.<cluster>.>``)."""
+    """Clusters that have a work-queue stream (``GEN_<CLUSTER>`` on ``gen.<cluster>.*``).
+
+    Asks the server for the names of the streams on ``gen.*.*`` (``STREAM.NAMES``, paged),
+    then for the config of each ``GEN_`` one: a worker needs no right to list every
+    stream's config and counters (``STREAM.LIST``), and ``STREAM.INFO`` of a queue
+    outside its grants is simply refused.
+    """
+    names: list[str] = []
+    while True:
+        reply = await bus.nc.request(f"{bus.api_prefix}.STREAM.NAMES", json.dumps(
+            {"subject": "gen.*.*", "offset": len(names)}).encode(), timeout=5.0)
+        page = json.loads(reply.data)
+        if "error" in page:
+            raise RuntimeError(f"STREAM.NAMES refused: {page['error']}")
+        got = page.get("streams") or []
+        names += got
+        if not got or len(names) >= int(page.get("total", 0)):
+            break
     out = []
-    for info in await bus.js.streams_info():
-        subs = info.config.subjects or []
-        if len(subs) != 1 or not (info.config.name or "").startswith("GEN_"):
+    for name in names:
+        if not name.startswith("GEN_") or name == GEN_EVENTS:
+            continue
+        try:  # a queue outside this worker's grants is refused: it cannot pull it anyway
+            reply = await bus.nc.request(f"{bus.api_prefix}.STREAM.INFO.{name}", b"",
+                                         timeout=1.0)
+            subs = json.loads(reply.data)["config"]["subjects"] or []
+        except Exception as exc:
+            _log.warning("failover.queue_unreadable", stream=name, error=repr(exc))
+            continue
+        if len(subs) != 1:
             continue
         parts = subs[0].split(".")
         if len(parts) != 3 or parts[0] != "gen":
@@ -94,7 +120,7 @@ async def work_queues(bus: Bus) -> list[str]:
         except ValueError:
             continue
         if (subjects.gen_cluster_filter(cluster) == subs[0]
-                and subjects.gen_stream_name(cluster) == info.config.name):
+                and subjects.gen_stream_name(cluster) == name):
             out.append(cluster)
     return sorted(out)
 
