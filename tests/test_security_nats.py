@@ -214,9 +214,8 @@ async def test_what_the_dashboard_and_failover_read_is_allowed(
     gateway's dashboard, the worker's discovery of every cluster's queue."""
     from nats.js.api import DeliverPolicy
 
-    from tandem.inference_worker.failover import work_queues
-
     from tandem.common.events import TrainStep
+    from tandem.inference_worker.failover import work_queues
 
     srv, passwords = auth_nats
     await admin.publish(subjects.train("r1", "step"), TrainStep(run_id="r1", step=1, loss=0.5))
