@@ -20,7 +20,7 @@ from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.inference_worker.hotswap import HotSwapper, load_run_pipeline
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
-from tests.train_serve_support import TinyTrainer, mirror, rot
+from tests.train_serve_support import TINY_DIT, TinyTrainer, mirror, rot
 
 DEADLINE = 60.0
 
@@ -65,6 +65,27 @@ def test_a_trainer_checkpoint_loads_with_its_own_architecture_and_records_its_st
     png = pipe.generate([Item(seed=1, class_label=4)], Params(8, 8, 2, 1.0), lambda s, t: None)
     assert png[0].startswith(b"\x89PNG")
     assert load_step(spec_for(trainer.run_id), s3, uid, step=1).checkpoint_step == 1
+
+
+def test_a_trained_dit_is_served_and_a_size_it_cannot_make_is_a_clear_error(
+        tmp_path: Path, s3: Any, uid: str) -> None:
+    dit = TinyTrainer(tmp_path / "dit", f"dit-{uid}", model=TINY_DIT)
+    try:
+        mirror(s3, f"ts-{uid}", dit.checkpoint(2))
+    finally:
+        dit.close()
+    pipe = load_step(spec_for(dit.run_id), s3, uid)
+    assert pipe.checkpoint_step == 2 and type(pipe.cfg).__name__ == "DiTConfig"
+    steps: list[int] = []
+    pngs = pipe.generate([Item(seed=1, class_label=4), Item(seed=2, class_label=7)],
+                         Params(8, 8, 3, 1.0), lambda s, t: steps.append(s))
+    assert steps == [1, 2, 3] and len(pngs) == 2
+    assert all(p.startswith(b"\x89PNG") for p in pngs) and pngs[0] != pngs[1]
+    again = pipe.generate([Item(seed=1, class_label=4)], Params(8, 8, 3, 1.0),
+                          lambda s, t: None)
+    assert again[0] == pngs[0]  # same seed, same label: the same bytes
+    with pytest.raises(CheckpointError, match=r"must declare sizes \[8\].*makes 8x8 images"):
+        load_step(spec_for(dit.run_id, sizes=[8, 16]), s3, uid)
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -17,20 +17,23 @@ from tandem.common.events import CheckpointWritten
 TINY_UNET = {"sample_size": 8, "block_out_channels": [16, 32],
              "down_block_types": ["DownBlock2D", "DownBlock2D"],
              "up_block_types": ["UpBlock2D", "UpBlock2D"]}
+TINY_DIT = {"kind": "dit", "sample_size": 8, "num_layers": 1, "num_attention_heads": 2,
+            "attention_head_dim": 8, "patch_size": 2}
 
 
 class TinyTrainer:
     """A one-rank training run of a tiny class-conditional UNet, checkpointing on demand."""
 
-    def __init__(self, root: Path, run_id: str, seed: int = 0) -> None:
+    def __init__(self, root: Path, run_id: str, seed: int = 0,
+                 model: dict[str, Any] | None = None) -> None:
         from tandem.common.runs import parse_run_config
         from tandem.trainer.async_ckpt import AsyncCheckpointer
         from tandem.trainer.loop import TrainLoop
 
         self.run_id = run_id
         self.cfg = parse_run_config({
-            "run_id": run_id, "model": TINY_UNET, "ranks": 1, "batch_size": 4, "steps": 1000,
-            "device": "cpu", "seed": seed, "lr": 1e-2,
+            "run_id": run_id, "model": model or TINY_UNET, "ranks": 1, "batch_size": 4,
+            "steps": 1000, "device": "cpu", "seed": seed, "lr": 1e-2,
             "data": {"kind": "synthetic", "synthetic_size": 64}})
         self.loop = TrainLoop(self.cfg)
         self.writer = AsyncCheckpointer(root, run_id)

@@ -64,8 +64,19 @@ def build_unet(cfg: UNetConfig, seed: int | None = None) -> UNet2DModel:
     )
 
 
-def build_scheduler(cfg: UNetConfig) -> DDPMScheduler:
+def build_scheduler(cfg: UNetConfig | DiTConfig) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps)
+
+
+def predict_noise(model: Any, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
+                  *, dit: bool) -> torch.Tensor:
+    """One noise prediction for a batch, whichever family ``model`` is: a UNet2DModel takes
+    one timestep or one per sample; a DiT takes one per sample (``timestep=``)."""
+    if dit:
+        if t.dim() == 0 or t.numel() != x.shape[0]:
+            t = t.reshape(-1)[:1].expand(x.shape[0])
+        return model(x, timestep=t, class_labels=labels).sample
+    return model(x, t, class_labels=labels).sample
 
 
 @dataclass(kw_only=True)

@@ -60,13 +60,23 @@ SKIPPED = metrics.Counter("tandem_worker_checkpoint_skipped",
 
 def _check_conditioning(spec: ModelSpec, run_id: str, step: int, cfg: Any) -> None:
     """What the registry promises clients must be what the checkpoint can do."""
+    from tandem.common.diffusion import DiTConfig
+
     if spec.conditioning == Conditioning.text:
         raise CheckpointError(run_id, step, f"model {spec.name} is declared text-conditioned; "
-                              "a trainer checkpoint (UNet2DModel) takes class labels at most")
+                              "a trainer checkpoint (UNet2DModel or DiT) takes class labels "
+                              "at most")
     if spec.conditioning == Conditioning.class_label and not (
             1 <= spec.num_classes <= cfg.num_classes):
         raise CheckpointError(run_id, step, f"model {spec.name} declares num_classes="
                               f"{spec.num_classes}; the checkpoint has {cfg.num_classes} classes")
+    if isinstance(cfg, DiTConfig):  # its positional embedding fixes the image size
+        n = cfg.sample_size
+        if list(spec.sizes) != [n] or (spec.default_width, spec.default_height) != (n, n):
+            raise CheckpointError(run_id, step, f"model {spec.name} must declare sizes [{n}] "
+                                  f"and default {n}x{n}: a DiT checkpoint makes {n}x{n} "
+                                  f"images only (it declares sizes {list(spec.sizes)}, "
+                                  f"default {spec.default_width}x{spec.default_height})")
 
 
 def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
@@ -81,7 +91,7 @@ def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
         t = torch.tensor([cfg.num_train_timesteps // 2], device=pipe.device)
         labels = torch.zeros(1, dtype=torch.long, device=pipe.device) \
             if cfg.num_classes else None
-        out = pipe.unet(x, t, class_labels=labels).sample
+        out = pipe.predict(x, t, labels)
         finite = bool(torch.isfinite(out).all())
     if tuple(out.shape) != shape:
         raise CheckpointError(run_id, step, f"one denoising step gives shape "
@@ -102,9 +112,10 @@ def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | N
     run_id = spec.source_arg
     m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
                         fallback=step is None)
-    from tandem.common.diffusion import UNetConfig
+    from tandem.common.diffusion import DiTConfig, UNetConfig
 
-    cfg = UNetConfig.from_dict(m.config)
+    cfg = (DiTConfig.from_dict(m.config) if m.config.get("kind") == "dit"
+           else UNetConfig.from_dict(m.config))
     _check_conditioning(spec, run_id, m.step, cfg)
     pipe = ClassUnetPipeline(spec, device, dtype, unet=m.unet, scheduler=m.scheduler, cfg=cfg)
     pipe.checkpoint, pipe.checkpoint_step = m.label, m.step

@@ -106,7 +106,8 @@ def _png(array: Any) -> bytes:
 
 
 class ClassUnetPipeline(Pipeline):
-    """A class-conditional UNet2DModel sampled with DDPM (the trainer's model family)."""
+    """A class-conditional UNet2DModel, or a trainer's DiT (``cfg`` a ``DiTConfig``),
+    sampled with DDPM: the trainer's model families."""
 
     def __init__(self, spec: ModelSpec, device: str, dtype: Any, unet: Any = None,
                  scheduler: Any = None, cfg: Any = None) -> None:
@@ -123,6 +124,12 @@ class ClassUnetPipeline(Pipeline):
         self.scheduler = scheduler if scheduler is not None else build_scheduler(cfg)
         self.device = device
         self.dtype = dtype
+
+    def predict(self, x: Any, t: Any, labels: Any) -> Any:
+        """The model's noise prediction for ``x`` at timestep ``t``."""
+        from tandem.common.diffusion import DiTConfig, predict_noise
+
+        return predict_noise(self.unet, x, t, labels, dit=isinstance(self.cfg, DiTConfig))
 
     def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
         import torch
@@ -141,7 +148,7 @@ class ClassUnetPipeline(Pipeline):
                 labels = torch.tensor([it.class_label or 0 for it in items], device=self.device)
             total = len(sched.timesteps)
             for i, t in enumerate(sched.timesteps):
-                eps = self.unet(x, t, class_labels=labels).sample
+                eps = self.predict(x, t, labels)
                 x = sched.step(eps, t, x, generator=gens).prev_sample
                 on_step(i + 1, total)
             pixels = ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

@@ -29,6 +29,7 @@ from tandem.common.diffusion import (
     build_dit,
     build_scheduler,
     build_unet,
+    predict_noise,
 )
 from tandem.common.runs import RunConfig
 from tandem.trainer import data as data_mod
@@ -134,9 +135,7 @@ class TrainLoop:
 
     def _forward(self, xt: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         labels = y if self.cfg.model.num_classes else None
-        if self.is_dit:
-            return self.ddp(xt, timestep=t, class_labels=labels).sample
-        return self.ddp(xt, t, class_labels=labels).sample
+        return predict_noise(self.ddp, xt, t, labels, dit=self.is_dit)
 
     def train_step(self) -> StepResult:
         """One optimizer step over this rank's share of the next global batch.
