@@ -268,6 +268,26 @@ async def test_concurrent_sends_each_get_their_own_acks_and_errors(bus: Bus, uid
     assert seqs == [1, 2, 3, 4, 5]
 
 
+async def test_concurrent_sends_each_wait_only_for_their_own_acks_and_timeout(
+        bus: Bus, uid: str) -> None:
+    from nats.errors import TimeoutError as NatsTimeout
+
+    stream, _ = _work(uid)
+    await bus.provision([stream])
+    # A core subscriber that never answers: a publish there gets no ack at all.
+    silent = await bus.nc.subscribe(f"silent.{uid}")
+    quick = asyncio.ensure_future(bus.send([(f"silent.{uid}", b"{}", None)], timeout=0.3))
+    slow = asyncio.ensure_future(bus.send([(f"silent.{uid}", b"{}", None)], timeout=30))
+    good = asyncio.ensure_future(bus.send([(f"w.{uid}.a", b"{}", None)], timeout=30))
+    done, _ = await asyncio.wait({quick, slow, good}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {good} and good.result()[0].seq == 1  # its ack, not the group's end
+    done, _ = await asyncio.wait({quick, slow}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {quick} and isinstance(quick.exception(), NatsTimeout)
+    assert not slow.done()  # its own 30 s, not the shortest of the group
+    slow.cancel()
+    await silent.unsubscribe()
+
+
 async def test_publish_once_stores_a_subject_once_however_late_the_repeat(
         bus: Bus, uid: str) -> None:
     stream, _ = _work(uid)

@@ -117,16 +117,31 @@ class _AckWire(msgspec.Struct):
 _ACK_DECODER = msgspec.json.Decoder(_AckWire)
 
 
-class _Group:
-    """The sends of one loop turn (``Bus.send``): published together, acked on one inbox
-    key, with one timer; each send has its own slice of the slots and its own waiter.
+class _Send:
+    """One ``Bus.send`` within a group: its slots, how many are unsettled, its deadline."""
 
-    A slot holds its ack or its error. When every slot is settled, or the timer fires,
-    every waiter wakes and reads its slice: one send's error never fails another's.
+    __slots__ = ("deadline", "future", "left", "n", "start")
+
+    def __init__(self, start: int, n: int, deadline: float,
+                 future: asyncio.Future[None]) -> None:
+        self.start, self.n, self.left = start, n, n
+        self.deadline = deadline
+        self.future = future
+
+    def wake(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+class _Group:
+    """The sends of one loop turn (``Bus.send``): published together and acked on one
+    inbox key. A slot holds its ack or its error. Each send wakes when its own slots are
+    settled or its own timeout passes, so one send's error or wait never becomes
+    another's. One timer stands for every deadline: the earliest still waiting.
     """
 
-    __slots__ = ("acks", "errors", "items", "key", "left", "on_done", "timeout", "timer",
-                 "waiters")
+    __slots__ = ("acks", "errors", "items", "key", "left", "on_done", "owner", "sends",
+                 "timer")
 
     def __init__(self, key: str, on_done: Callable[[_Group], None]) -> None:
         self.key = key
@@ -134,22 +149,39 @@ class _Group:
         self.items: list[tuple[str, bytes, dict[str, str] | None]] = []
         self.acks: list[PubAck | None] = []
         self.errors: list[BaseException | None] = []
+        self.owner: list[_Send] = []  # per slot: the send it belongs to
+        self.sends: list[_Send] = []
         self.left = 0
-        self.waiters: list[asyncio.Future[None]] = []
-        self.timeout = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
     def join(self, items: Sequence[tuple[str, bytes, dict[str, str] | None]],
-             timeout: float) -> tuple[int, asyncio.Future[None]]:
-        start, n = len(self.items), len(items)
+             timeout: float) -> _Send:
+        loop = asyncio.get_running_loop()
+        send = _Send(len(self.items), len(items), loop.time() + timeout, loop.create_future())
+        n = len(items)
         self.items.extend(items)
         self.acks.extend([None] * n)
         self.errors.extend([None] * n)
+        self.owner.extend([send] * n)
+        self.sends.append(send)
         self.left += n
-        self.timeout = max(self.timeout, timeout)
-        waiter = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        return start, waiter
+        return send
+
+    def arm(self) -> None:
+        """Set the timer for the earliest deadline of a send still waiting."""
+        waiting = [s.deadline for s in self.sends if not s.future.done()]
+        if not waiting:
+            self.finish()
+            return
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_at(min(waiting), self._expire)
+
+    def _expire(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for send in self.sends:
+            if send.deadline <= now:
+                send.wake()  # its missing acks read as a timeout
+        self.arm()
 
     def settle(self, i: int, ack: PubAck | None, error: BaseException | None) -> None:
         if i >= len(self.acks) or self.acks[i] is not None or self.errors[i] is not None:
@@ -158,6 +190,10 @@ class _Group:
             self.errors[i] = error
         else:
             self.acks[i] = ack
+        send = self.owner[i]
+        send.left -= 1
+        if send.left == 0:
+            send.wake()
         self.left -= 1
         if self.left == 0:
             self.finish()
@@ -166,19 +202,19 @@ class _Group:
         """Every slot not yet settled gets ``error`` (the publish itself failed)."""
         for i, ack in enumerate(self.acks):
             if ack is None and self.errors[i] is None:
-                self.errors[i] = error
-        self.finish()
+                self.settle(i, None, error)
 
     def finish(self) -> None:
+        """Every send is answered (or gave up): wake any left, stop listening."""
         if self.timer is not None:
             self.timer.cancel()
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        for send in self.sends:
+            send.wake()
         self.on_done(self)
 
-    def result(self, start: int, n: int) -> list[PubAck]:
+    def result(self, send: _Send) -> list[PubAck]:
         """The acks of one send's slice; its first error, or a timeout if any is missing."""
+        start, n = send.start, send.n
         for error in self.errors[start:start + n]:
             if error is not None:
                 raise error
@@ -219,14 +255,14 @@ class _Acks:
             # Published once this loop turn's other sends have joined: a task of its own,
             # so no caller's cancellation can strand the group.
             asyncio.get_running_loop().call_soon(self._publish_soon, group)
-        start, waiter = group.join(items, timeout)
-        await waiter
-        return group.result(start, len(items))
+        send = group.join(items, timeout)
+        await send.future
+        return group.result(send)
 
     def _publish_soon(self, group: _Group) -> None:
         if self.open is group:
             self.open = None
-        group.timer = asyncio.get_running_loop().call_later(group.timeout, group.finish)
+        group.arm()
         task = asyncio.ensure_future(self._publish(group))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
@@ -415,10 +451,10 @@ class Bus:
         sends of one loop turn go out as one group (``_Group``) with one timer: a send
         costs a waiter future, not a future, a token and a semaphore wait per message as
         nats-py's ``publish_async`` does, nor a timer of its own. The workers' tasks
-        finishing together, or a gateway's concurrent requests, share one. Raises the
-        first error one of its own messages got (``APIError``, ``NoStreamResponseError``),
-        or nats' ``TimeoutError`` when acks are missing after ``timeout`` seconds (the
-        longest timeout of its group). Headers are sent as given.
+        finishing together, or a gateway's concurrent requests, share one. Returns once
+        its own acks are in. Raises the first error one of its own messages got
+        (``APIError``, ``NoStreamResponseError``), or nats' ``TimeoutError`` when acks
+        are missing after ``timeout`` seconds. Headers are sent as given.
         """
         if not items:
             return []
