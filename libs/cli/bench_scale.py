@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from tandem.cli.bench_serve import _get_json, _pct, _ready
-from tandem.common.servers import NatsServer, Process, Topology, free_port, proc_cpu
+from tandem.common.servers import NatsServer, Process, Topology, free_port
 
 GOAL_TASKS_PER_S = 1000.0
 GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"
@@ -335,8 +335,8 @@ class _Fleet:
             "t": time.perf_counter(), "machine": machine_cpu(), "load": os.getloadavg()[0],
             "telemetry_seq": tele.state.last_seq, "heartbeat_seq": beats.state.last_seq,
             "samples": sum((h or {}).get("samples", 0) for h in healths),
-            "cpu": {**{n: proc_cpu(s.pid or 0) for n, s in self._servers().items()},
-                    **{n: proc_cpu(p.pid or 0) for n, (p, _) in self.procs.items()}},
+            "cpu": {**{n: s.cpu_seconds() for n, s in self._servers().items()},
+                    **{n: p.cpu_seconds() for n, (p, _) in self.procs.items()}},
             "api": sum(((v or {}).get("jetstream", {}).get("stats", {}).get("api", {})
                         .get("total", 0)) for v in varz.values()),
             "leaf_in_bytes": sum((v or {}).get("in_bytes", 0) for n, v in varz.items()
@@ -432,7 +432,7 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
     a = f.args
     conns = [Http("127.0.0.1", f.gateway_port) for _ in range(a.burst_conns)]
     before = set(tasks.sent)
-    cpu0 = proc_cpu(f.procs["gateway"][0].pid or 0)
+    cpu0 = f.procs["gateway"][0].cpu_seconds()
     t0 = time.perf_counter()
     deadline = t0 + a.burst_seconds
 
@@ -442,7 +442,7 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
 
     await asyncio.gather(*(hammer(c) for c in conns))
     wall = time.perf_counter() - t0
-    cpu = proc_cpu(f.procs["gateway"][0].pid or 0) - cpu0
+    cpu = f.procs["gateway"][0].cpu_seconds() - cpu0
     for c in conns:
         await c.close()
     ids = [i for i in tasks.sent if i not in before]
@@ -490,7 +490,7 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
         tasks = Tasks()
         conns = [Http("127.0.0.1", port) for _ in range(args.burst_conns)]
         await asyncio.gather(*(tasks.submit(c) for c in conns))  # connections open, warm
-        cpu0, t0 = proc_cpu(gw.pid or 0), time.perf_counter()
+        cpu0, t0 = gw.cpu_seconds(), time.perf_counter()
         deadline = t0 + args.burst_seconds
         before = len(tasks.sent)
 
@@ -499,7 +499,7 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
                 await tasks.submit(c)
 
         await asyncio.gather(*(hammer(c) for c in conns))
-        wall, cpu = time.perf_counter() - t0, proc_cpu(gw.pid or 0) - cpu0
+        wall, cpu = time.perf_counter() - t0, gw.cpu_seconds() - cpu0
         n = len(tasks.sent) - before
         for c in conns:
             await c.close()

@@ -203,7 +203,7 @@ async def _raw_round_trips(bus: Bus, n: int) -> list[float]:
     return out
 
 
-async def _raw_fetch_ack(bus: Bus, n: int, meter: _Meter | None = None) -> float:
+async def _raw_fetch_ack(bus: Bus, n: int, meter: _Meter) -> float:
     spec = streams.StreamSpec("BENCH_TP", ("bench.tp",), retention=RetentionPolicy.WORK_QUEUE)
     consumer = streams.ConsumerSpec(spec.name, "tp", max_ack_pending=100_000)
     await bus.provision([spec, consumer])
@@ -213,16 +213,14 @@ async def _raw_fetch_ack(bus: Bus, n: int, meter: _Meter | None = None) -> float
         await asyncio.gather(*futs)
     sub = await bus.js.pull_subscribe_bind(durable="tp", stream=spec.name)
     got = 0
-    if meter:
-        meter.start()
+    meter.start()
     t0 = time.perf_counter()
     while got < n:
         for msg in await sub.fetch(64, timeout=5):
             await msg.ack()
             got += 1
     rate = n / (time.perf_counter() - t0)
-    if meter:
-        meter.stop(n)
+    meter.stop(n)
     await sub.unsubscribe()
     await bus.js.delete_stream(spec.name)
     return rate

@@ -439,13 +439,7 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
 
     from safetensors.torch import load_file
 
-    from tandem.common.diffusion import (
-        DiTConfig,
-        UNetConfig,
-        build_dit,
-        build_scheduler,
-        build_unet,
-    )
+    from tandem.common.diffusion import architecture, build_denoiser, build_scheduler
     from tandem.common.errors import CheckpointError
 
     if s3 is None or bucket is None:
@@ -464,20 +458,16 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
             mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
         except ValueError as exc:
             raise CheckpointError(run_id, r.step, f"{MODEL_CONFIG} is not JSON: {exc}") from None
-        kind = mc.get("kind", "unet")
-        cfg: UNetConfig | DiTConfig
-        if kind == "unet":
-            cfg = UNetConfig.from_dict(mc)
-        elif kind == "dit":
-            cfg = DiTConfig.from_dict(mc)
-        else:
-            raise CheckpointError(run_id, r.step, f"model kind {kind!r} cannot be served")
-        stored = {"kind": kind, **cfg.to_dict()}
+        try:
+            cfg = architecture(mc)
+        except ValueError as exc:
+            raise CheckpointError(run_id, r.step, str(exc)) from None
+        stored = {"kind": mc.get("kind", "unet"), **cfg.to_dict()}
         wrong = config_mismatch(declared, stored, stored)
         if wrong:
             raise CheckpointError(run_id, r.step, "the registry declares another architecture "
                                   f"than the checkpoint's {MODEL_CONFIG}: " + "; ".join(wrong))
-        unet = build_unet(cfg) if isinstance(cfg, UNetConfig) else build_dit(cfg)
+        unet = build_denoiser(cfg)
         try:
             unet.load_state_dict(load_file(str(r.path / MODEL_WEIGHTS)))
             ema = load_file(str(r.path / EMA_WEIGHTS)) if (r.path / EMA_WEIGHTS).exists() \

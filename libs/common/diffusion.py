@@ -68,6 +68,22 @@ def build_scheduler(cfg: UNetConfig | DiTConfig) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps)
 
 
+def architecture(mc: dict[str, Any]) -> UNetConfig | DiTConfig:
+    """The config a ``model_config.json`` describes: its ``kind`` picks the family (a
+    file without one is a UNet's). ``ValueError`` for a kind there is no model for."""
+    kind = mc.get("kind", "unet")
+    if kind == "unet":
+        return UNetConfig.from_dict(mc)
+    if kind == "dit":
+        return DiTConfig.from_dict(mc)
+    raise ValueError(f"model kind {kind!r} cannot be served")
+
+
+def build_denoiser(cfg: UNetConfig | DiTConfig, seed: int | None = None) -> torch.nn.Module:
+    """A randomly initialised model of either family from ``cfg``."""
+    return build_unet(cfg, seed) if isinstance(cfg, UNetConfig) else build_dit(cfg, seed)
+
+
 def predict_noise(model: Any, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
                   *, dit: bool) -> torch.Tensor:
     """One noise prediction for a batch, whichever family ``model`` is: a UNet2DModel takes

@@ -112,10 +112,9 @@ def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | N
     run_id = spec.source_arg
     m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
                         fallback=step is None)
-    from tandem.common.diffusion import DiTConfig, UNetConfig
+    from tandem.common.diffusion import architecture
 
-    cfg = (DiTConfig.from_dict(m.config) if m.config.get("kind") == "dit"
-           else UNetConfig.from_dict(m.config))
+    cfg = architecture(m.config)  # load_serving built the model from this same config
     _check_conditioning(spec, run_id, m.step, cfg)
     pipe = ClassUnetPipeline(spec, device, dtype, unet=m.unet, scheduler=m.scheduler, cfg=cfg)
     pipe.checkpoint, pipe.checkpoint_step = m.label, m.step

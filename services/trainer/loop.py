@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tandem.common.diffusion import (
     DiTConfig,
     UNetConfig,
-    build_dit,
+    architecture,
+    build_denoiser,
     build_scheduler,
-    build_unet,
     predict_noise,
 )
 from tandem.common.runs import RunConfig
@@ -69,10 +69,7 @@ def model_config(cfg: RunConfig) -> dict[str, Any]:
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
-    mc = model_config(cfg)
-    if mc["kind"] == "dit":
-        return build_dit(DiTConfig.from_dict(mc), seed=cfg.seed)
-    return build_unet(UNetConfig.from_dict(mc), seed=cfg.seed)
+    return build_denoiser(architecture(model_config(cfg)), seed=cfg.seed)
 
 
 def lr_factor(cfg: RunConfig, step: int) -> float:
