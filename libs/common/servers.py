@@ -8,7 +8,9 @@ once. Readiness always comes from the server itself (its ``/healthz``), never a 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tandem.common.errors import ServerStartError
 
@@ -52,14 +55,50 @@ def _binary(name: str) -> str:
     return found
 
 
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _fail_if_exited(proc: subprocess.Popen[bytes], what: str, log_path: Path | None) -> None:
+    if proc.poll() is not None:
+        tail = ""
+        if log_path and log_path.exists():
+            tail = log_path.read_text(errors="replace")[-2000:]
+        raise ServerStartError(what, f"exited with code {proc.returncode}: {tail}")
+
+
+def _read_ports(path: Path, deadline: float, proc: subprocess.Popen[bytes],
+                log_path: Path) -> dict[str, list[str]]:
+    """The ports a nats-server bound, from the ports file it writes once listening."""
+    while time.monotonic() < deadline:
+        _fail_if_exited(proc, "nats-server", log_path)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):  # not written yet, or half written
+            time.sleep(0.02)  # polling the server's own ports file
+    raise ServerStartError("nats-server", f"no ports file {path} in time: see {log_path}")
+
+
+def _read_logged_port(pattern: re.Pattern[bytes], deadline: float,
+                      proc: subprocess.Popen[bytes], what: str, log_path: Path,
+                      offset: int) -> int:
+    """The port a child server says it listens on in its log (it bound port 0 itself),
+    read from ``offset`` on: what this start wrote, not an earlier run's lines."""
+    while time.monotonic() < deadline:
+        _fail_if_exited(proc, what, log_path)
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            m = pattern.search(f.read())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.02)  # polling the server's own log
+    raise ServerStartError(what, f"no listening port in {log_path} in time")
+
+
 def _wait_http(url: str, deadline: float, proc: subprocess.Popen[bytes], what: str,
                log_path: Path | None = None) -> None:
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = ""
-            if log_path and log_path.exists():
-                tail = log_path.read_text(errors="replace")[-2000:]
-            raise ServerStartError(what, f"exited with code {proc.returncode}: {tail}")
+        _fail_if_exited(proc, what, log_path)
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status < 500:
@@ -140,37 +179,66 @@ class NatsServer(Process):
     host: str = "127.0.0.1"
     config_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    bound: dict[str, list[str]] = field(default_factory=dict)  # from its ports file
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20) -> NatsServer:
-        if not self.port:
-            self.port = free_port(self.host)
-        if not self.monitor_port:
-            self.monitor_port = free_port(self.host)
+        """Start and wait for JetStream; ports left at 0 are picked by the server itself.
+
+        A port of 0 is passed as ``-1`` (nats-server's "any free port"); the ports it
+        bound are read back from its ports file, so nothing else can take a port between
+        choosing it and binding it. The chosen ports are kept: a restart reuses them, so
+        clients reconnect to the same URL.
+        """
         for p, what in ((self.port, "client"), (self.monitor_port, "monitoring")):
-            if port_in_use(p, self.host):
+            if p and port_in_use(p, self.host):
                 raise ServerStartError(
                     "nats-server", f"{what} port {self.host}:{p} is already in use "
                     "(another nats-server or `tandem dev up` running? "
                     "stop it or pick another port)")
-        argv = [_binary("nats-server"), "-a", self.host, "-p", str(self.port),
-                "-m", str(self.monitor_port), "-n", self.name]
+        ports_dir = self.log_path.with_name(f"{self.log_path.stem}.ports.d")
+        ports_dir.mkdir(parents=True, exist_ok=True)
+        argv = [_binary("nats-server"), "-a", self.host, "-p", str(self.port or -1),
+                "-m", str(self.monitor_port or -1), "-n", self.name,
+                "--ports_file_dir", str(ports_dir)]
         if self.config_path is not None:
             argv += ["-c", str(self.config_path)]
         else:
             argv += ["-js", "-sd", str(self.store_dir)]
         self._spawn(argv + self.extra_args)
         assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        self.bound = _read_ports(ports_dir / f"nats-server_{self.proc.pid}.ports", deadline,
+                                 self.proc, self.log_path)
+        self.port = _port_of(self.bound["nats"][0])
+        self.monitor_port = _port_of(self.bound["monitoring"][0])
         _wait_http(f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true",
-                   time.monotonic() + timeout, self.proc, "nats-server", self.log_path)
+                   deadline, self.proc, "nats-server", self.log_path)
         return self
+
+    @property
+    def cluster_port(self) -> int:
+        """The route port this server listens on (0 outside a cluster)."""
+        return _port_of(self.bound["cluster"][0]) if self.bound.get("cluster") else 0
+
+    def varz(self) -> dict[str, Any]:
+        """The server's own /varz (configuration as it runs, with the ports it bound)."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/varz",
+                                    timeout=5) as resp:
+            return json.loads(resp.read())
 
     def restart(self, timeout: float = 20) -> NatsServer:
         self.stop()
         return self.start(timeout)
+
+    def reload(self) -> None:
+        """Re-read the config file (SIGHUP), as ``nats-server --signal reload`` does."""
+        if self.running:
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGHUP)
 
     def wait_jetstream(self, timeout: float = 30) -> None:
         """Wait until this server reports JetStream healthy (meta leader known in a cluster)."""
@@ -201,36 +269,64 @@ class NatsCluster:
     max_consumers: int = 0  # per stream; 0 keeps nats-server's default (1,000 since 2.15)
 
     def start(self, timeout: float = 30) -> NatsCluster:
+        """Start every server; each binds its own free ports (none is chosen for it).
+
+        Routes need a peer's port before that peer runs, so the first server starts as
+        the seed with a placeholder route (a socket bound but not listening: refused at
+        once, and nobody else can take it), the others route to the seed and learn each
+        other by gossip; then every config is rewritten with the ports actually bound and
+        the seed reloads its routes. A server restarted later reuses its ports.
+        """
         host = "127.0.0.1"
-        cports = [free_port(host) for _ in range(self.size)]
-        routes = ", ".join(f"nats-route://{host}:{p}" for p in cports)
+        placeholder = socket.socket()
+        placeholder.bind((host, 0))
+        try:
+            seed_route = [f"nats-route://{host}:{placeholder.getsockname()[1]}"]
+            for i in range(self.size):
+                port, monitor = self.ports[i] if i < len(self.ports) else (0, 0)
+                name = f"n{i}"
+                srv = NatsServer(name=name, log_path=self.root / f"{name}.log",
+                                 store_dir=self.root / name / "js",
+                                 config_path=self.root / f"{name}.conf",
+                                 port=port, monitor_port=monitor)
+                self.servers.append(srv)
+                routes = seed_route if i == 0 else [self._route(self.servers[0])]
+                self._write_conf(i, routes)
+                srv.start(timeout)
+        finally:
+            placeholder.close()
         if self.leafnodes:
-            self.leaf_ports = [free_port(host) for _ in range(self.size)]
-        for i in range(self.size):
-            name = f"n{i}"
-            conf = self.root / f"{name}.conf"
-            store = self.root / name / "js"
-            conf.parent.mkdir(parents=True, exist_ok=True)
-            domain = f", domain: {self.domain}" if self.domain else ""
-            if self.max_consumers:
-                domain += f", limits: {{ default_max_consumers: {self.max_consumers} }}"
-            text = (f"server_name: {name}\n"
-                    f"jetstream {{ store_dir: \"{store}\"{domain} }}\n")
-            if self.size > 1:
-                text += (f"cluster {{ name: {self.name}, listen: \"{host}:{cports[i]}\", "
-                         f"routes: [{routes}] }}\n")
-            if self.leafnodes:
-                text += f"leafnodes {{ listen: \"{host}:{self.leaf_ports[i]}\" }}\n"
-            conf.write_text(text)
-            port, monitor = self.ports[i] if i < len(self.ports) else (0, 0)
-            srv = NatsServer(name=name, log_path=self.root / f"{name}.log", store_dir=store,
-                             config_path=conf, port=port, monitor_port=monitor)
-            self.servers.append(srv)
-        for srv in self.servers:
-            srv.start(timeout)
+            self.leaf_ports = [srv.varz()["leaf"]["port"] for srv in self.servers]
+        for i, srv in enumerate(self.servers):
+            self._write_conf(i, [self._route(o) for o in self.servers if o is not srv])
+        self.servers[0].reload()
         for srv in self.servers:
             srv.wait_jetstream(timeout)
         return self
+
+    @staticmethod
+    def _route(srv: NatsServer) -> str:
+        return f"nats-route://{srv.host}:{srv.cluster_port}"
+
+    def _write_conf(self, i: int, routes: list[str]) -> None:
+        """Server ``i``'s config: its own bound ports once known, ``-1`` (any) before."""
+        srv = self.servers[i]
+        host = srv.host
+        domain = f", domain: {self.domain}" if self.domain else ""
+        if self.max_consumers:
+            domain += f", limits: {{ default_max_consumers: {self.max_consumers} }}"
+        text = (f"server_name: {srv.name}\n"
+                f"jetstream {{ store_dir: \"{srv.store_dir}\"{domain} }}\n")
+        if self.size > 1:
+            listen = srv.cluster_port if srv.bound else -1
+            text += (f"cluster {{ name: {self.name}, listen: \"{host}:{listen}\", "
+                     f"routes: [{', '.join(routes)}] }}\n")
+        if self.leafnodes:
+            leaf = self.leaf_ports[i] if i < len(self.leaf_ports) else -1
+            text += f"leafnodes {{ listen: \"{host}:{leaf}\" }}\n"
+        assert srv.config_path is not None
+        srv.config_path.parent.mkdir(parents=True, exist_ok=True)
+        srv.config_path.write_text(text)
 
     @property
     def urls(self) -> list[str]:
@@ -378,6 +474,9 @@ class Topology:
             self.hub.stop()
 
 
+_WERKZEUG_LISTENING = re.compile(rb"Running on http://[^\s:]+:(\d+)")
+
+
 @dataclass
 class S3Server(Process):
     """moto's standalone S3 server. In-memory: a restart starts empty."""
@@ -390,15 +489,19 @@ class S3Server(Process):
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30) -> S3Server:
-        if not self.port:
-            self.port = free_port(self.host)
-        if port_in_use(self.port, self.host):
+        """Start and wait for readiness. Port 0: moto binds a free port itself and logs
+        it; that port is kept, so a restart serves the same URL."""
+        if self.port and port_in_use(self.port, self.host):
             raise ServerStartError("s3", f"port {self.host}:{self.port} is already in use")
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._spawn([_binary("moto_server"), "-H", self.host, "-p", str(self.port)],
                     env={"AWS_ACCESS_KEY_ID": "tandem", "AWS_SECRET_ACCESS_KEY": "tandem"})
         assert self.proc is not None
-        _wait_http(f"{self.url}/moto-api/", time.monotonic() + timeout, self.proc, "s3",
-                   self.log_path)
+        deadline = time.monotonic() + timeout
+        if not self.port:
+            self.port = _read_logged_port(_WERKZEUG_LISTENING, deadline, self.proc, "s3",
+                                          self.log_path, offset)
+        _wait_http(f"{self.url}/moto-api/", deadline, self.proc, "s3", self.log_path)
         return self
 
     def restart(self, timeout: float = 30) -> S3Server:
