@@ -181,3 +181,43 @@ async def test_cluster_board_reads_cost_o_clusters_not_o_nodes(bus: Bus, uid: st
             await kv.put(subjects.node_key(f"x{uid}", f"n{i}"), encode(hb))
         await until(lambda: not board.summary(f"x{uid}").models)
         assert board.summary(f"x{uid}").gpus_usable == 100 * 8 + 99 * 4
+
+
+async def test_draining_one_node_keeps_its_cluster_queue_home_and_draining_all_hands_it_over(
+        bus: Bus, uid: str) -> None:
+    """The drain semantics of docs/failover.md, decided by the worker's own ``Failover``:
+    a cluster with one node drained still serves its queue with its other nodes, so no
+    other cluster adopts it; a cluster whose every node is drained serves nothing, so its
+    backlog is handed over after the grace period, and taken back when it is undrained."""
+    from tandem.inference_worker.failover import Failover
+
+    home, west = f"e{uid}", f"w{uid}"
+    await bus.provision([*core_streams(), gen_stream(home), gen_stream(west)])
+    grace = 2.0
+    east = Failover(bus, [home], [], lambda spec: None, grace=grace, ttl=30.0,  # type: ignore[arg-type, return-value]
+                    candidates=[west])
+    board = east.board
+    await board.start()
+    try:
+        await beat(bus, home)
+        await beat(bus, west, "n0")
+        await beat(bus, west, "n1")
+        await until(lambda: board.summary(home).healthy
+                    and board.summary(west).nodes_serving == 2)
+        # Judged as of well past the grace period, so no clock races the assertion.
+        later = lambda: time.monotonic() + grace + 5  # noqa: E731
+        await fleet.drain(bus, west, "n0", reason="one node out")
+        await until(lambda: board.summary(west).nodes_drained == 1)
+        assert board.summary(west).healthy and board.summary(west).nodes_serving == 1
+        assert east.wanted(later()) == []  # n1 still serves west's queue
+        await fleet.drain(bus, west, "n1", reason="whole cluster out")
+        await until(lambda: board.summary(west).nodes_drained == 2)
+        since = board.summary(west).unhealthy_since
+        assert since is not None
+        assert east.wanted(since + grace / 2) == []  # not before the grace period
+        assert east.wanted(later()) == [west]
+        await fleet.undrain(bus, west, "n1")
+        await until(lambda: board.summary(west).healthy)
+        assert east.wanted(later()) == []  # back home once a node serves it again
+    finally:
+        await board.stop()
