@@ -4,6 +4,7 @@ the model registry it is built from."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -109,6 +110,42 @@ async def test_cancelling_a_waiting_task_removes_it_from_the_batch() -> None:
     batcher.close()
     await loop
     assert pipe.calls == [[1]]
+
+
+class Gated(Pipeline):
+    """Runs in the batcher's thread; step 3 blocks until the test opens ``go``, so the
+    cancel lands while that step is in flight, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.completed = 0
+
+    def generate(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+        for i in range(params.steps):
+            if i == 2:
+                self.reached.set()
+                assert self.go.wait(60)
+            self.completed += 1
+            on_step(i + 1, params.steps)
+        return [b"done" for _ in items]
+
+
+async def test_cancelling_a_running_task_stops_it_after_the_step_in_flight() -> None:
+    pipe = Gated()
+    steps: list[int] = []
+    batcher = Batcher(lambda model: _ready(pipe), max_batch=1, linger=0,
+                      on_step=lambda jobs, step, total: steps.append(step))
+    job = batcher.enqueue(_task(1, steps=1000)).future
+    loop = asyncio.create_task(batcher.run())
+    assert await asyncio.to_thread(pipe.reached.wait, 60)
+    assert batcher.cancel("t1")
+    pipe.go.set()
+    with pytest.raises(JobCancelled):
+        await job
+    batcher.close()
+    await loop
+    assert pipe.completed == 3  # the step in flight finished; none after it began
+    assert steps == [1, 2]  # and no progress was reported for it
 
 
 async def _ready(pipe: Pipeline) -> Pipeline:
