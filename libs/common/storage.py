@@ -22,6 +22,9 @@ def s3_client(settings: Settings, *, connect_timeout: float = 5.0,
         read_timeout=read_timeout,
         max_pool_connections=max_pool,
         s3={"addressing_style": "path"},
+        # SigV4 for presigned URLs too: their lifetime is then stated in the URL
+        # (X-Amz-Expires), and every current S3 region and MinIO accept it.
+        signature_version="s3v4",
         # Checksums are computed for every upload; we verify them ourselves too,
         # because moto (tests) does not.
         request_checksum_calculation="when_supported",
