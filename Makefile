@@ -31,7 +31,7 @@ browser:
 	  else echo "note: chromium is missing; run 'apt-get install -y chromium' as root"; fi; }
 
 unit: $(STAMP) browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 test: lint unit
 
