@@ -107,7 +107,7 @@ class AttemptWatch:
         except EventDecodeError as exc:
             self.log.warning("relay.bad_message", rank=rank, reason=exc.reason,
                              line=exc.payload[:200].decode(errors="replace"))
-        except ConnectionError as exc:
+        except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
             self.log.warning("relay.bad_connection", rank=rank, error=repr(exc))
         finally:
             self.q.put_nowait(("closed", attempt, rank))
