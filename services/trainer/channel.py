@@ -1,11 +1,28 @@
 """Rank → coordinator messages: JSON lines over one TCP connection per rank (no torch).
 
+Every message is a msgspec Struct of the tagged union ``RankMessage``; ``kind`` names it
+on the wire (``{"kind": "step", ...}``). The rank sends them in this order::
+
+    hello                                   every rank, once connected
+    step / checkpoint / checkpoint_failed   rank 0, while training
+    anomaly                                 rank 0, instead of the step that ended in it
+    done                                    rank 0, after the last step
+    bye                                     every rank, just before it closes
+
+The coordinator decodes each line with one typed decoder (``decode``) and dispatches on
+the type (``supervisor``/``watch``); a line that does not decode raises
+``EventDecodeError`` with the reason, never a half-read dict.
+
+Rank and coordinator come from the same install (the coordinator launches the ranks),
+so the union is not versioned like bus events; fields the reader does not know are still
+ignored, as for every Tandem payload. ``checkpoint`` reuses the bus event
+``CheckpointWritten`` (the coordinator only completes ``run_id`` and ``cluster`` before
+publishing it); ``step`` is not ``TrainStep``: the rank reports what only it knows
+(``data_pos``, ``blocked_s``) and the coordinator adds the run and the attempt.
+
 The training step only enqueues; a background thread writes to the socket, so a slow
 coordinator never stalls a step. Losing the coordinator means nobody supervises the
 rank any more, so the rank exits (``ORPHANED``) rather than train unobserved.
-
-Messages are dicts with ``t`` naming the kind: ``hello``, ``step``, ``checkpoint``,
-``anomaly``, ``done``. The coordinator turns them into bus events.
 """
 
 from __future__ import annotations
@@ -15,12 +32,99 @@ import queue
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import msgspec
 
+from tandem.common.errors import EventDecodeError
+from tandem.common.events import CheckpointWritten
+
 ORPHANED = 17  # exit code of a rank whose coordinator went away
 _STOP = object()
+
+
+class _Message(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """Base of the rank's own messages; ``kind`` is the tag (``CheckpointWritten``'s too)."""
+
+
+class Hello(_Message, tag="hello"):
+    """Every rank, first thing after connecting: who it is. The coordinator learns the
+    pid (for stack dumps and kills) and, once every rank said hello, records the ranks in
+    KV ``runs``. Its ``attempt`` tells messages of a dying earlier attempt apart."""
+
+    rank: int  # global rank
+    pid: int
+    node: str  # the node the rank runs on
+    attempt: int  # the restart cycle that launched the rank (``LaunchSpec.attempt``)
+    world: int  # world size
+
+
+class StepReport(_Message, tag="step"):
+    """Rank 0, after every optimizer step that was applied. The coordinator feeds the
+    hang watch, goodput, stragglers and metrics, and publishes every
+    ``step_event_every``-th as ``TrainStep``."""
+
+    step: int  # steps done, this one included
+    data_pos: int  # position in the data order of the batch this step used
+    loss: float | None  # mean over ranks; None when not finite (JSON has no NaN)
+    grad_norm: float | None  # after clipping; None when not finite
+    lr: float
+    step_time: float  # seconds, wall time of the step on rank 0
+    samples_per_s: float  # over every rank
+    rank_step_times: list[float]  # seconds of local compute, index = rank
+    rank_nodes: list[str]  # node of each rank
+    blocked_s: float = 0.0  # seconds this step was blocked taking a checkpoint snapshot
+    at: float = msgspec.field(default_factory=time.time)  # when the rank sent it
+
+
+class CheckpointWriteFailed(_Message, tag="checkpoint_failed"):
+    """Rank 0's background checkpoint write failed; training goes on and the coordinator
+    logs it (the next checkpoint may succeed; a resume uses the newest whole one)."""
+
+    step: int
+    error: str  # repr of the exception
+
+
+class Anomaly(_Message, tag="anomaly"):
+    """Rank 0: the loss or grad norm of a step is NaN/inf or a spike, so every rank
+    stopped before applying the update. The coordinator restarts the run from the newest
+    checkpoint, skipping the data window that ends at ``data_pos``."""
+
+    step: int  # the step that was not applied
+    data_pos: int  # position in the data order of the bad batch
+    anomaly: str  # "nonfinite" or "spike"
+    loss: float | str  # a non-finite number is sent as its name ("nan", "inf")
+    grad_norm: float | str
+    evidence: dict[str, Any] = {}  # what the loss health check saw (z-score, median, ...)
+
+
+class Done(_Message, tag="done"):
+    """Rank 0: every step is trained and the last checkpoint written; the run succeeds
+    once the agents exit 0."""
+
+    step: int
+
+
+class Bye(_Message, tag="bye"):
+    """Every rank, last message before closing: the close that follows is not a death."""
+
+    rank: int
+    code: int  # the exit code the rank is about to return
+
+
+RankMessage = Hello | StepReport | CheckpointWritten | CheckpointWriteFailed | Anomaly | Done | Bye
+
+_decoder = msgspec.json.Decoder(RankMessage)
+
+
+def decode(line: bytes) -> RankMessage:
+    """One line from a rank as its message; ``EventDecodeError`` (with msgspec's reason,
+    e.g. an unknown ``kind`` or a field of the wrong type) when it is not one."""
+    try:
+        return _decoder.decode(line)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise EventDecodeError("rank message", str(exc), bytes(line[:1024])) from None
 
 
 class EventChannel:
@@ -40,9 +144,9 @@ class EventChannel:
             self._thread = threading.Thread(target=self._pump, name="tandem-events", daemon=True)
             self._thread.start()
 
-    def send(self, message: str, /, **fields: Any) -> None:
+    def send(self, message: RankMessage, /) -> None:
         if self._sock is not None:
-            self._q.put({**fields, "t": message})
+            self._q.put(message)
 
     def _pump(self) -> None:
         assert self._sock is not None

@@ -16,15 +16,23 @@ import faulthandler
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from tandem.common.events import CheckpointWritten
 from tandem.common.runs import RunConfig
-from tandem.trainer.channel import EventChannel
+from tandem.trainer.channel import (
+    Anomaly,
+    Bye,
+    CheckpointWriteFailed,
+    Done,
+    EventChannel,
+    Hello,
+    StepReport,
+)
 from tandem.trainer.spec import LaunchSpec
 
 ANOMALY = 3
@@ -57,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     channel = EventChannel(spec.events or None)
-    channel.send("hello", rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
-                 world=world)
+    channel.send(Hello(rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
+                       world=world))
 
     import torch
     import torch.distributed as dist
@@ -90,17 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         r = loop.train_step()
         if r.anomaly is not None:
             if rank == 0:
-                channel.send("anomaly", step=r.step + 1, data_pos=r.data_pos,
-                             kind=r.anomaly.kind, loss=_num(r.loss),
-                             grad_norm=_num(r.grad_norm), evidence=r.anomaly.evidence)
+                channel.send(Anomaly(step=r.step + 1, data_pos=r.data_pos,
+                                     anomaly=r.anomaly.kind, loss=_num(r.loss),
+                                     grad_norm=_num(r.grad_norm),
+                                     evidence=r.anomaly.evidence))
             code = ANOMALY
             break
         after_step(loop, r, channel, writer, samples, rank_nodes)
     if writer is not None:
         writer.close(timeout=None)
     if code == 0 and rank == 0:
-        channel.send("done", step=loop.step)
-    channel.send("bye", rank=rank, code=code)
+        channel.send(Done(step=loop.step))
+    channel.send(Bye(rank=rank, code=code))
     channel.close()
     if distributed:
         dist.destroy_process_group()
@@ -113,12 +122,12 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
     from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
 
     def written(w: Written) -> None:
-        channel.send("checkpoint", step=w.step, path=str(w.path),
-                     manifest=msgspec.to_builtins(w.manifest), blocked_s=w.blocked_s,
-                     write_s=w.write_s, node=node)
+        channel.send(CheckpointWritten(
+            run_id=spec.run_id, step=w.step, path=str(w.path), manifest=w.manifest,
+            blocked_s=w.blocked_s, write_s=w.write_s, node=node, cluster=spec.cluster))
 
     def failed(step: int, exc: BaseException) -> None:
-        channel.send("checkpoint_failed", step=step, error=repr(exc))
+        channel.send(CheckpointWriteFailed(step=step, error=repr(exc)))
 
     return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
                              on_error=failed)
@@ -134,11 +143,11 @@ def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: i
         snap = loop.checkpoint(writer)
         blocked = snap.blocked_s if snap is not None else 0.0
     if loop.rank == 0:
-        channel.send("step", step=r.step, data_pos=r.data_pos, loss=r.loss,
-                     grad_norm=r.grad_norm, lr=r.lr, step_time=r.wall_s,
-                     samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
-                     rank_step_times=r.rank_times, rank_nodes=rank_nodes,
-                     blocked_s=blocked, at=time.time())
+        channel.send(StepReport(
+            step=r.step, data_pos=r.data_pos, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
+            step_time=r.wall_s,
+            samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
+            rank_step_times=r.rank_times, rank_nodes=rank_nodes, blocked_s=blocked))
 
 
 def _num(x: float) -> float | str:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,39 +32,23 @@ import msgspec
 from tandem.common import subjects, tracing
 from tandem.common.bus import Bus, TypedKV, struct_replace
 from tandem.common.events import (
-    CheckpointManifest,
-    CheckpointWritten,
     Health,
     NodeHeartbeat,
     RunRecord,
     RunState,
     TrainStatus,
-    TrainStep,
 )
 from tandem.common.runs import RunConfig
 from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS
 from tandem.trainer import ckpt_store
-from tandem.trainer.health import Goodput, HangWatch, StragglerDetector
-from tandem.trainer.launcher import (
-    Attempt,
-    LocalLauncher,
-    Placement,
-    capture_stacks,
-    place,
-    proc_state,
-)
+from tandem.trainer.health import Goodput, StragglerDetector
+from tandem.trainer.launcher import LocalLauncher, Placement, place
 from tandem.trainer.run_metrics import RunMetrics
 from tandem.trainer.spec import LaunchSpec
+from tandem.trainer.watch import AttemptWatch, Outcome
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
 BAD_HEALTH = (Health.unhealthy, Health.drained)
-
-
-@dataclass
-class Outcome:
-    kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
-    #            no_healthy_nodes, stopping
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,7 +64,10 @@ class SupervisorConfig:
     restore: Any = None  # async (run_id, dest) -> ckpt_store.Resume | None (S3 restore)
 
 
-class RunSupervisor:
+class RunSupervisor(AttemptWatch):
+    """One run's coordinator: its life (here) and the watching of each attempt, the
+    rank channel included (``AttemptWatch``, in ``watch.py``)."""
+
     def __init__(self, bus: Bus, cfg: SupervisorConfig, run_id: str, config: RunConfig,
                  launcher: LocalLauncher, log: Any) -> None:
         self.bus = bus
@@ -370,207 +356,6 @@ class RunSupervisor:
             span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
                                  "tandem.corrupt_skipped": [r.step for r in rejected]})
             return resume
-
-    # --------------------------------------------------------------------------- watching
-
-    async def handle_connection(self, reader: asyncio.StreamReader,
-                                writer: asyncio.StreamWriter) -> None:
-        """One rank's connection: forward each line; a close without goodbye is a death."""
-        rank, attempt = -1, -1
-        try:
-            while line := await reader.readline():
-                msg = msgspec.json.decode(line)
-                if msg.get("t") == "hello":
-                    rank, attempt = int(msg["rank"]), int(msg["attempt"])
-                self.q.put_nowait(("msg", attempt, rank, msg))
-        except (ConnectionError, msgspec.DecodeError, ValueError) as exc:
-            self.log.warning("relay.bad_connection", rank=rank, error=repr(exc))
-        finally:
-            self.q.put_nowait(("closed", attempt, rank))
-            writer.close()
-
-    async def _watch(self, attempt: Attempt, attempt_dir: Path,
-                     stopping: asyncio.Event) -> Outcome:
-        wd = self.config.watchdog
-        hang = HangWatch(wd.hang_multiple, wd.hang_floor_s)
-        waiters = [asyncio.create_task(self._agent_exit(a.node, a.proc)) for a in attempt.agents]
-        stop_task = asyncio.create_task(self._on_stop(stopping))
-        started, last_step_at, done = time.monotonic(), None, False
-        anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
-        exits: dict[str, int] = {}
-        try:
-            while True:
-                now = time.monotonic()
-                finishing = done or anomaly is not None or self.latest_step >= self.config.steps
-                # Before the first step and after the last one, ranks import, load, write
-                # the final checkpoint and tear down: judged by the startup timeout.
-                limit = (wd.startup_timeout_s if last_step_at is None or finishing
-                         else hang.limit())
-                since = started if last_step_at is None else last_step_at
-                try:
-                    item = await asyncio.wait_for(self.q.get(), max(0.0, since + limit - now))
-                except TimeoutError:
-                    if anomaly is not None:
-                        return anomaly
-                    kind = "startup_timeout" if last_step_at is None else "hang"
-                    states = {r: proc_state(p) for r, p in sorted(self.pids.items())}
-                    stopped = [r for r, s in states.items() if s in ("T", "t")]
-                    stacks = await capture_stacks(self.pids, attempt_dir)
-                    return Outcome(kind, {
-                        "waited_s": round(time.monotonic() - since, 3), "limit_s": round(limit, 3),
-                        "median_step_s": hang.median(), "stopped_ranks": stopped,
-                        "detector": f"no step within {limit:.2f}s",
-                        "rank_states": {str(r): s for r, s in states.items()},
-                        "stacks": stacks})
-                tag = item[0]
-                if tag == "stop":
-                    return Outcome("stopping")
-                if item[1] != self.attempt_no:
-                    continue  # from an earlier attempt: its dying ranks or agents
-                if tag == "exit":
-                    node, code = item[2], item[3]
-                    exits[node] = code
-                    if anomaly is not None:
-                        if len(exits) == len(attempt.agents):
-                            return anomaly
-                        continue
-                    if code != 0:
-                        return Outcome("rank_exit", {
-                            "node": node, "exit_code": code,
-                            "detector": "torchrun agent exited non-zero"})
-                    if len(exits) == len(attempt.agents):
-                        if done:
-                            return Outcome("succeeded")
-                        return Outcome("rank_exit", {"detector": "ranks exited before the "
-                                                     "last step", "exit_code": 0})
-                elif tag == "health":
-                    _, _, node, current, reason = item
-                    return Outcome("node_lost", {"node": node, "health": current,
-                                                 "reason": reason,
-                                                 "detector": "health event / drain"})
-                elif tag == "closed":
-                    rank = item[2]
-                    if rank >= 0 and rank not in self._byes and anomaly is None:
-                        pid = self.pids.get(rank, 0)
-                        return Outcome("rank_exit", {
-                            "rank": rank, "pid": pid, "process": proc_state(pid),
-                            "node": self._node_of(rank),
-                            "detected_after_last_step_s": None if last_step_at is None else
-                            round(time.monotonic() - last_step_at, 3),
-                            "detector": "rank connection closed without goodbye"})
-                elif tag == "msg":
-                    msg = item[3]
-                    kind = msg.get("t")
-                    if kind == "hello":
-                        self.pids[int(msg["rank"])] = int(msg["pid"])
-                        if len(self.pids) == self.config.ranks:
-                            await self._record(ranks=[
-                                {"rank": r, "pid": p, "node": self._node_of(r),
-                                 "attempt": self.attempt_no}
-                                for r, p in sorted(self.pids.items())])
-                    elif kind == "bye":
-                        self._byes.add(int(msg["rank"]))
-                    elif kind == "done":
-                        done = True
-                    elif kind == "step":
-                        t = time.monotonic()
-                        if last_step_at is not None:
-                            hang.observe(t - last_step_at)
-                        else:
-                            await self._status(RunState.running,
-                                               f"attempt {self.attempt_no} training")
-                        last_step_at = t
-                        await self.relay(msg)
-                    elif kind == "checkpoint":
-                        await self.relay(msg)
-                    elif kind == "checkpoint_failed":
-                        self.log.error("run.checkpoint_failed", step=msg.get("step"),
-                                       error=msg.get("error"))
-                    elif kind == "anomaly":
-                        anomaly = Outcome("loss_anomaly", {
-                            "anomaly": msg.get("kind"), "data_pos": msg.get("data_pos"),
-                            "at_step": msg.get("step"), "loss": msg.get("loss"),
-                            "grad_norm": msg.get("grad_norm"),
-                            "evidence": msg.get("evidence", {}),
-                            "detector": "rank loss health (update not applied)"})
-        finally:
-            stop_task.cancel()
-            for w in waiters:
-                w.cancel()
-            await asyncio.gather(stop_task, *waiters, return_exceptions=True)
-
-    def _node_of(self, rank: int) -> str:
-        nodes = self.placement.rank_nodes if self.placement else []
-        return nodes[rank] if 0 <= rank < len(nodes) else ""
-
-    async def _agent_exit(self, node: str, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        self.q.put_nowait(("exit", self.attempt_no, node, code))
-
-    async def _on_stop(self, stopping: asyncio.Event) -> None:
-        await stopping.wait()
-        self.q.put_nowait(("stop", self.attempt_no))
-
-    async def relay(self, msg: dict[str, Any]) -> None:
-        """Turn a rank's ``step`` or ``checkpoint`` message into bus events and records."""
-        if msg.get("t") == "step":
-            await self._on_step(msg)
-        elif msg.get("t") == "checkpoint":
-            await self._on_checkpoint(msg)
-
-    async def _on_step(self, msg: dict[str, Any]) -> None:
-        step = int(msg["step"])
-        self.latest_step = step
-        self.goodput.step(step)
-        if msg.get("blocked_s"):
-            self.goodput.checkpoint_blocked(float(msg["blocked_s"]))
-        times = [float(x) for x in msg.get("rank_step_times", [])]
-        nodes = list(msg.get("rank_nodes", []))
-        for s in self.stragglers.observe(times, nodes):
-            record = {"kind": "straggler", "rank": s.rank, "node": s.node,
-                      "score": round(s.score, 3), "rank_time_s": s.rank_time,
-                      "median_time_s": s.median_time, "steps": s.steps, "step": step,
-                      "telemetry": await self._telemetry(s.node), "at": time.time()}
-            rec = await self._current()
-            before = rec.stragglers if rec else []
-            await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
-                               f"at {s.score:.2f}x the median step time", record,
-                               stragglers=[*before, record])
-        loss, step_time = _finite(msg.get("loss")), float(msg.get("step_time", 0.0))
-        samples_per_s = float(msg.get("samples_per_s", 0.0))
-        self.metrics.step(step, loss, samples_per_s, step_time)
-        every = self.config.step_event_every
-        if step % every == 0 or step == self.config.steps:
-            await self._publish(subjects.train(self.run_id, "step"), TrainStep(
-                run_id=self.run_id, step=step, loss=loss,
-                grad_norm=_finite(msg.get("grad_norm")), lr=float(msg.get("lr", 0.0)),
-                samples_per_s=samples_per_s, step_time=step_time, rank_step_times=times,
-                rank_nodes=nodes, attempt=self.attempt_no),
-                f"{self.run_id}-step-{step}-a{self.attempt_no}", retry_for=2.0)
-        if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
-            await self._record(latest_step=step)
-
-    async def _on_checkpoint(self, msg: dict[str, Any]) -> None:
-        step = int(msg["step"])
-        self.last_ckpt_step = max(self.last_ckpt_step, step)
-        manifest = msgspec.convert(msg["manifest"], CheckpointManifest)
-        event = CheckpointWritten(
-            run_id=self.run_id, step=step, path=str(msg["path"]), manifest=manifest,
-            blocked_s=float(msg.get("blocked_s", 0.0)), write_s=float(msg.get("write_s", 0.0)),
-            node=str(msg.get("node", "")), cluster=self.cluster)
-        self.metrics.checkpoint(event.blocked_s)
-        # A step rewritten after a resume is announced again (the checkpointer's mirror
-        # is idempotent), since the first copy may have been lost with the node.
-        await self._publish(subjects.train(self.run_id, "checkpoint"), event,
-                            f"{self.run_id}-ckpt-{step}-a{self.attempt_no}", retry_for=30.0)
-
-
-def _finite(x: Any) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return 0.0
-    return v if math.isfinite(v) else 0.0  # JSON has no NaN; anomalies are reported apart
 
 
 def _primitive(values: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -1,0 +1,295 @@
+"""Watching one attempt: the coordinator's end of the rank channel, and the watchdog.
+
+``AttemptWatch`` is the watching half of ``RunSupervisor`` (``supervisor.py`` holds the
+life of the run and its bookkeeping). It is a mixin, not a collaborator, because what it
+watches *is* the supervisor's state: the step it reports, the goodput it accumulates,
+the KV record and status events it writes (``_status``, ``_record``, ``_current``,
+``_publish``, ``_telemetry`` are the supervisor's). Split only to keep each file to one
+concern.
+
+What it does:
+
+- ``handle_connection``: one TCP connection per rank; each line is decoded into a
+  ``channel.RankMessage`` by its one typed decoder and queued. A line that does not
+  decode ends the connection, logged with the reason: the rank is treated as failing,
+  as a broken connection is (see the note there).
+- ``_watch``: one attempt's queue (rank messages, connections closing, agents exiting,
+  health, stop) with a deadline (the startup timeout, then the hang limit); it
+  dispatches each message by its type and returns the attempt's ``Outcome``.
+- ``relay``: a ``StepReport`` or ``CheckpointWritten`` becomes bus events, KV ``runs``
+  updates, goodput, stragglers and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tandem.common import subjects
+from tandem.common.errors import EventDecodeError
+from tandem.common.events import CheckpointWritten, RunRecord, RunState, TrainStep
+from tandem.common.runs import RunConfig
+from tandem.trainer import channel
+from tandem.trainer.channel import (
+    Anomaly,
+    Bye,
+    CheckpointWriteFailed,
+    Done,
+    Hello,
+    RankMessage,
+    StepReport,
+)
+from tandem.trainer.health import Goodput, HangWatch, StragglerDetector
+from tandem.trainer.launcher import Attempt, Placement, capture_stacks, proc_state
+from tandem.trainer.run_metrics import RunMetrics
+
+if TYPE_CHECKING:
+    from tandem.trainer.supervisor import SupervisorConfig
+
+
+@dataclass
+class Outcome:
+    kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
+    #            no_healthy_nodes, stopping
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class AttemptWatch:
+    """``RunSupervisor``'s watching half; see the module docstring."""
+
+    # The supervisor's state this half reads and writes (set in RunSupervisor.__init__).
+    run_id: str
+    config: RunConfig
+    cfg: SupervisorConfig
+    cluster: str
+    log: Any
+    q: asyncio.Queue[tuple[Any, ...]]
+    attempt_no: int
+    placement: Placement | None
+    pids: dict[int, int]
+    _byes: set[int]
+    latest_step: int
+    last_ckpt_step: int
+    goodput: Goodput
+    stragglers: StragglerDetector
+    metrics: RunMetrics
+    _last_kv: float
+
+    if TYPE_CHECKING:  # the supervisor's bookkeeping, which this half calls
+        async def _status(self, state: RunState, reason: str = "",
+                          incident: dict[str, Any] | None = None, **record: Any) -> None: ...
+        async def _record(self, **changes: Any) -> RunRecord | None: ...
+        async def _current(self) -> RunRecord | None: ...
+        async def _publish(self, subject: str, event: Any, msg_id: str,
+                           retry_for: float = 10.0) -> None: ...
+        async def _telemetry(self, node: str) -> dict[str, Any]: ...
+
+    async def handle_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        """One rank's connection: forward each message; a close without goodbye is a death."""
+        rank, attempt = -1, -1
+        try:
+            while line := await reader.readline():
+                message = channel.decode(line)
+                if isinstance(message, Hello):
+                    rank, attempt = message.rank, message.attempt
+                self.q.put_nowait(("msg", attempt, rank, message))
+        # NOTE: a line that does not decode ends the connection, as an unreadable line
+        # always did: the close is then a rank's death (no goodbye), so the attempt
+        # restarts, and the rank, its socket closed, exits ORPHANED. Reading on past a
+        # message we cannot understand could miss a ``bye`` or an ``anomaly``.
+        except EventDecodeError as exc:
+            self.log.warning("relay.bad_message", rank=rank, reason=exc.reason,
+                             line=exc.payload[:200].decode(errors="replace"))
+        except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
+            self.log.warning("relay.bad_connection", rank=rank, error=repr(exc))
+        finally:
+            self.q.put_nowait(("closed", attempt, rank))
+            writer.close()
+
+    async def _watch(self, attempt: Attempt, attempt_dir: Path,
+                     stopping: asyncio.Event) -> Outcome:
+        wd = self.config.watchdog
+        hang = HangWatch(wd.hang_multiple, wd.hang_floor_s)
+        waiters = [asyncio.create_task(self._agent_exit(a.node, a.proc)) for a in attempt.agents]
+        stop_task = asyncio.create_task(self._on_stop(stopping))
+        started, last_step_at, done = time.monotonic(), None, False
+        anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
+        exits: dict[str, int] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                finishing = done or anomaly is not None or self.latest_step >= self.config.steps
+                # Before the first step and after the last one, ranks import, load, write
+                # the final checkpoint and tear down: judged by the startup timeout.
+                limit = (wd.startup_timeout_s if last_step_at is None or finishing
+                         else hang.limit())
+                since = started if last_step_at is None else last_step_at
+                try:
+                    item = await asyncio.wait_for(self.q.get(), max(0.0, since + limit - now))
+                except TimeoutError:
+                    if anomaly is not None:
+                        return anomaly
+                    kind = "startup_timeout" if last_step_at is None else "hang"
+                    states = {r: proc_state(p) for r, p in sorted(self.pids.items())}
+                    stopped = [r for r, s in states.items() if s in ("T", "t")]
+                    stacks = await capture_stacks(self.pids, attempt_dir)
+                    return Outcome(kind, {
+                        "waited_s": round(time.monotonic() - since, 3), "limit_s": round(limit, 3),
+                        "median_step_s": hang.median(), "stopped_ranks": stopped,
+                        "detector": f"no step within {limit:.2f}s",
+                        "rank_states": {str(r): s for r, s in states.items()},
+                        "stacks": stacks})
+                tag = item[0]
+                if tag == "stop":
+                    return Outcome("stopping")
+                if item[1] != self.attempt_no:
+                    continue  # from an earlier attempt: its dying ranks or agents
+                if tag == "exit":
+                    node, code = item[2], item[3]
+                    exits[node] = code
+                    if anomaly is not None:
+                        if len(exits) == len(attempt.agents):
+                            return anomaly
+                        continue
+                    if code != 0:
+                        return Outcome("rank_exit", {
+                            "node": node, "exit_code": code,
+                            "detector": "torchrun agent exited non-zero"})
+                    if len(exits) == len(attempt.agents):
+                        if done:
+                            return Outcome("succeeded")
+                        return Outcome("rank_exit", {"detector": "ranks exited before the "
+                                                     "last step", "exit_code": 0})
+                elif tag == "health":
+                    _, _, node, current, reason = item
+                    return Outcome("node_lost", {"node": node, "health": current,
+                                                 "reason": reason,
+                                                 "detector": "health event / drain"})
+                elif tag == "closed":
+                    rank = item[2]
+                    if rank >= 0 and rank not in self._byes and anomaly is None:
+                        pid = self.pids.get(rank, 0)
+                        return Outcome("rank_exit", {
+                            "rank": rank, "pid": pid, "process": proc_state(pid),
+                            "node": self._node_of(rank),
+                            "detected_after_last_step_s": None if last_step_at is None else
+                            round(time.monotonic() - last_step_at, 3),
+                            "detector": "rank connection closed without goodbye"})
+                elif tag == "msg":
+                    message: RankMessage = item[3]
+                    match message:
+                        case Hello():
+                            await self._on_hello(message)
+                        case Bye():
+                            self._byes.add(message.rank)
+                        case Done():
+                            done = True
+                        case StepReport():
+                            t = time.monotonic()
+                            if last_step_at is not None:
+                                hang.observe(t - last_step_at)
+                            else:
+                                await self._status(RunState.running,
+                                                   f"attempt {self.attempt_no} training")
+                            last_step_at = t
+                            await self._on_step(message)
+                        case CheckpointWritten():
+                            await self._on_checkpoint(message)
+                        case CheckpointWriteFailed():
+                            self.log.error("run.checkpoint_failed", step=message.step,
+                                           error=message.error)
+                        case Anomaly():
+                            anomaly = Outcome("loss_anomaly", {
+                                "anomaly": message.anomaly, "data_pos": message.data_pos,
+                                "at_step": message.step, "loss": message.loss,
+                                "grad_norm": message.grad_norm, "evidence": message.evidence,
+                                "detector": "rank loss health (update not applied)"})
+        finally:
+            stop_task.cancel()
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(stop_task, *waiters, return_exceptions=True)
+
+    def _node_of(self, rank: int) -> str:
+        nodes = self.placement.rank_nodes if self.placement else []
+        return nodes[rank] if 0 <= rank < len(nodes) else ""
+
+    async def _agent_exit(self, node: str, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.q.put_nowait(("exit", self.attempt_no, node, code))
+
+    async def _on_stop(self, stopping: asyncio.Event) -> None:
+        await stopping.wait()
+        self.q.put_nowait(("stop", self.attempt_no))
+
+    # ------------------------------------------------------------------- the relay
+
+    async def relay(self, message: RankMessage) -> None:
+        """Turn a rank's ``StepReport`` or ``CheckpointWritten`` into bus events and
+        records; other kinds are the watchdog's (``_watch``)."""
+        match message:
+            case StepReport():
+                await self._on_step(message)
+            case CheckpointWritten():
+                await self._on_checkpoint(message)
+
+    async def _on_hello(self, hello: Hello) -> None:
+        self.pids[hello.rank] = hello.pid
+        if len(self.pids) == self.config.ranks:
+            await self._record(ranks=[
+                {"rank": r, "pid": p, "node": self._node_of(r), "attempt": self.attempt_no}
+                for r, p in sorted(self.pids.items())])
+
+    async def _on_step(self, report: StepReport) -> None:
+        step = report.step
+        self.latest_step = step
+        self.goodput.step(step)
+        if report.blocked_s:
+            self.goodput.checkpoint_blocked(report.blocked_s)
+        times, nodes = list(report.rank_step_times), list(report.rank_nodes)
+        for s in self.stragglers.observe(times, nodes):
+            record = {"kind": "straggler", "rank": s.rank, "node": s.node,
+                      "score": round(s.score, 3), "rank_time_s": s.rank_time,
+                      "median_time_s": s.median_time, "steps": s.steps, "step": step,
+                      "telemetry": await self._telemetry(s.node), "at": time.time()}
+            rec = await self._current()
+            before = rec.stragglers if rec else []
+            await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
+                              f"at {s.score:.2f}x the median step time", record,
+                              stragglers=[*before, record])
+        loss = _finite(report.loss)
+        self.metrics.step(step, loss, report.samples_per_s, report.step_time)
+        every = self.config.step_event_every
+        if step % every == 0 or step == self.config.steps:
+            await self._publish(subjects.train(self.run_id, "step"), TrainStep(
+                run_id=self.run_id, step=step, loss=loss, grad_norm=_finite(report.grad_norm),
+                lr=report.lr, samples_per_s=report.samples_per_s, step_time=report.step_time,
+                rank_step_times=times, rank_nodes=nodes, attempt=self.attempt_no),
+                f"{self.run_id}-step-{step}-a{self.attempt_no}", retry_for=2.0)
+        if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
+            await self._record(latest_step=step)
+
+    async def _on_checkpoint(self, written: CheckpointWritten) -> None:
+        step = written.step
+        self.last_ckpt_step = max(self.last_ckpt_step, step)
+        # The run and cluster are the coordinator's to say; ``at`` is when it relays,
+        # as it always was (the checkpointer measures written -> committed from it).
+        event = msgspec.structs.replace(written, run_id=self.run_id, cluster=self.cluster,
+                                        at=time.time())
+        self.metrics.checkpoint(event.blocked_s)
+        # A step rewritten after a resume is announced again (the checkpointer's mirror
+        # is idempotent), since the first copy may have been lost with the node.
+        await self._publish(subjects.train(self.run_id, "checkpoint"), event,
+                           f"{self.run_id}-ckpt-{step}-a{self.attempt_no}", retry_for=30.0)
+
+
+def _finite(x: float | None) -> float:
+    # Non-finite values arrive as None (JSON has no NaN); anomalies are reported apart.
+    return x if x is not None and math.isfinite(x) else 0.0
