@@ -18,8 +18,15 @@ from tandem.common.models import ModelSpec
 from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
-from tandem.inference_worker.hotswap import HotSwapper, load_run_pipeline
-from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
+from tandem.inference_worker.hotswap import HotSwapper
+from tandem.inference_worker.pipelines import (
+    Item,
+    ModelLoadError,
+    Params,
+    Pipeline,
+    build,
+    load_run_pipeline,
+)
 from tests.train_serve_support import TINY_DIT, TinyTrainer, mirror, rot
 
 DEADLINE = 60.0

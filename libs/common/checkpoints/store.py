@@ -224,11 +224,9 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
         skipped.append((s, reason))
         if on_skip is not None:
             on_skip(s, reason)
-    if committed is None:  # what there is, to say why nothing verified
-        committed = committed_steps(s3, bucket, run_id)
     why = "; ".join(f"step {s}: {r}" for s, r in skipped) or "none committed"
     raise CheckpointNotFound(run_id, step, f"no committed checkpoint verifies ({why})",
-                             committed)
+                             committed)  # None (not listed) when the caller named the step
 
 
 # ---------------------------------------------------------------------------------- delete
