@@ -69,6 +69,19 @@ def test_retention_keeps_the_newest_n_and_every_multiple_of_k() -> None:
     assert ck.retention([10, 20, 30], keep_last=1) == [10, 20]
 
 
+def test_layout_names_local_and_s3_sides_alike(tmp_path: Path) -> None:
+    assert ck.step_dir(tmp_path, "r", 7).name == ck.step_prefix("r", 7).split("/")[-2]
+    assert ck.parse_step(ck.incomplete_dir(tmp_path, "r", 7).name) is None
+    for name in ("step-3", "step-10", "step-10.incomplete", "step-9.corrupt", "latest"):
+        (tmp_path / "r" / name).mkdir(parents=True)
+    assert [s for s, _ in ck.local_steps(tmp_path / "r")] == [10, 3]
+    keys = [ck.object_key("r", 5, "a.bin"), ck.manifest_key("r", 5),
+            ck.object_key("r", 6, "a.bin")]
+    assert ck.steps_in_listing(keys, "r") == {5: True, 6: False}
+    assert ck.local_retention([1, 2, 3, 4], committed={1, 3, 4}, keep=2) == [1]
+    assert ck.local_retention([1, 2], committed={1, 2}, keep=0) == [1, 2]
+
+
 def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
         s3: Any, bucket: str, tmp_path: Path) -> None:
     from safetensors.numpy import load_file

@@ -154,7 +154,7 @@ def made_by(stack: Stack, name: str, step: int, rec: TaskRecord) -> bytes:
     import torch
 
     from tandem.common.models import ModelSpec
-    from tandem.inference_worker.hotswap import load_run_pipeline
+    from tandem.inference_worker.pipelines import load_run_pipeline
 
     run_id = stack.hot.run_id if name == "hot" else stack.rot.run_id
     spec = ModelSpec.model_validate(model(name, run_id))

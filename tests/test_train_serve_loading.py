@@ -1,6 +1,9 @@
 """Train -> serve in-process: a trainer checkpoint loads with its own architecture,
 mismatches are clear errors, and the hot-swapper finds new checkpoints by polling and
-skips the ones that fail while the served one stays."""
+skips the ones that fail while the served one stays. It learns the newest step from
+``ckpt.<run>.mirrored`` and KV ``runs`` and lists S3 only on start without a record, on
+a poll, or to verify after a failure: list requests are counted with a hook on the
+real boto3 client (real moto, real nats-server)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,25 @@ from typing import Any
 
 import pytest
 
+from tandem.common import checkpoints as ck
+from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import CheckpointError
+from tandem.common.events import CheckpointMirrored, RunRecord, encode
 from tandem.common.models import ModelSpec
 from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
-from tandem.inference_worker.hotswap import HotSwapper, load_run_pipeline
-from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
+from tandem.common.streams import KV_RUNS, core_streams
+from tandem.inference_worker.hotswap import HotSwapper
+from tandem.inference_worker.pipelines import (
+    Item,
+    ModelLoadError,
+    Params,
+    Pipeline,
+    build,
+    load_run_pipeline,
+)
 from tests.train_serve_support import TINY_DIT, TinyTrainer, mirror, rot
 
 DEADLINE = 60.0
@@ -31,6 +45,24 @@ def s3(s3_server: S3Server, uid: str) -> Any:
                             s3_secret_key="tandem"))
     ensure_bucket(client, f"ts-{uid}")
     return client
+
+
+@pytest.fixture
+def worker_s3(s3_server: S3Server) -> Any:
+    """The worker's own client: only its requests are counted (the test's mirror lists)."""
+    return s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                          s3_secret_key="tandem"))
+
+
+class ListCounter:
+    """Counts the ListObjectsV2 requests a client sends (a boto3 event hook, no fake)."""
+
+    def __init__(self, s3: Any) -> None:
+        self.n = 0
+        s3.meta.events.register("before-call.s3.ListObjectsV2", self._count)
+
+    def _count(self, **_: Any) -> None:
+        self.n += 1
 
 
 @pytest.fixture
@@ -174,3 +206,62 @@ async def test_newer_checkpoints_that_fail_are_skipped_and_the_served_one_stays(
     mirror(s3, bucket, trainer.checkpoint(1))
     assert await hs.check("trained") == 4 and hs.swaps == 1
     assert pipelines["trained"].checkpoint == f"{trainer.run_id}/step-4"
+
+
+async def announced(s3: Any, bucket: str, trainer: TinyTrainer, bus: Bus) -> int:
+    """Commit the trainer's next checkpoint and announce it as the checkpointer does."""
+    ev = trainer.checkpoint(1)
+    await asyncio.to_thread(mirror, s3, bucket, ev)
+    await bus.nc.publish(subjects.ckpt(ev.run_id, "mirrored"), encode(CheckpointMirrored(
+        run_id=ev.run_id, step=ev.step, uri=ck.checkpoint_uri(bucket, ev.run_id, ev.step),
+        seconds=0.0, bytes=sum(f.size for f in ev.manifest.files))))
+    return ev.step
+
+
+def served(pipelines: dict[str, Pipeline], step: int) -> bool:
+    p = pipelines.get("trained")
+    return p is not None and p.checkpoint_step == step
+
+
+async def test_a_mirrored_event_is_served_without_listing_s3(
+        trainer: TinyTrainer, s3: Any, worker_s3: Any, uid: str, bus: Bus) -> None:
+    bucket = f"ts-{uid}"
+    mirror(s3, bucket, trainer.checkpoint(1))  # committed before the worker starts
+    lists = ListCounter(worker_s3)
+    pipelines: dict[str, Pipeline] = {}
+    hs = swapper(spec_for(trainer.run_id), worker_s3, uid, pipelines, poll=0)  # events only
+    task = asyncio.create_task(hs.run(bus.nc))
+    try:
+        await until(lambda: served(pipelines, 1), "step 1 served")
+        assert lists.n == 1  # on start, with no KV record: one listing finds step 1
+        for _ in range(2):
+            step = await announced(s3, bucket, trainer, bus)
+            await until(lambda s=step: served(pipelines, s), f"step {step} served")
+        assert lists.n == 1, "the worker listed S3 for a step the event named"
+        assert hs.swaps == 2
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_kv_runs_names_the_newest_on_start_and_a_failed_step_is_verified_by_listing(
+        trainer: TinyTrainer, s3: Any, worker_s3: Any, uid: str, bus: Bus) -> None:
+    bucket = f"ts-{uid}"
+    await bus.provision(core_streams())
+    for _ in range(2):
+        mirror(s3, bucket, trainer.checkpoint(1))
+    runs = await bus.typed(KV_RUNS, RunRecord)
+    await runs.put(trainer.run_id, RunRecord(run_id=trainer.run_id, latest_checkpoint_step=2))
+    lists = ListCounter(worker_s3)
+    pipelines: dict[str, Pipeline] = {}
+    hs = swapper(spec_for(trainer.run_id), worker_s3, uid, pipelines, poll=0)
+    await hs.attach(bus)
+    assert await hs.check("trained", await hs.recorded("trained")) == 2
+    assert lists.n == 0  # KV runs said step 2: loaded without a listing
+    mirror(s3, bucket, trainer.checkpoint(1))
+    mirror(s3, bucket, trainer.checkpoint(1))
+    rot(s3, bucket, trainer.run_id, 4)  # the step the event names is corrupt
+    assert await hs.check("trained", 4) == 3  # listed to find the newest that verifies
+    assert lists.n == 1 and "sha256" in hs.status()["trained"]["skipped"]["4"]
+    assert await hs.check("trained", 4) == 3 and lists.n == 1  # a known failure: no listing

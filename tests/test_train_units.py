@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig, RunExists
@@ -18,7 +19,6 @@ from tandem.common.runs import DataSpec, RunConfig, get_run, parse_run_config, s
 from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 from tandem.common.streams import core_streams
-from tandem.trainer import ckpt_store
 from tandem.trainer.health import Goodput, LossHealth, StragglerDetector
 from tandem.trainer.launcher import place
 
@@ -187,11 +187,11 @@ def test_placement_keeps_the_world_size() -> None:
 
 
 def _fake_checkpoint(root: Path, run: str, step: int) -> Path:
-    tmp = ckpt_store.incomplete_dir(root, run, step)
+    tmp = ck.incomplete_dir(root, run, step)
     tmp.mkdir(parents=True)
     (tmp / "model.safetensors").write_bytes(bytes(range(256)) * 4)
     (tmp / "trainer.pt").write_bytes(b"state %d" % step)
-    path, manifest = ckpt_store.commit(run, step, tmp)
+    path, manifest = ck.commit(run, step, tmp)
     assert [f.name for f in manifest.files] == ["model.safetensors", "trainer.pt"]
     return path
 
@@ -199,19 +199,19 @@ def _fake_checkpoint(root: Path, run: str, step: int) -> Path:
 def test_newest_valid_skips_incomplete_and_quarantines_corrupt(tmp_path: Path) -> None:
     for step in (3, 6, 9):
         _fake_checkpoint(tmp_path, "r", step)
-    ckpt_store.incomplete_dir(tmp_path, "r", 12).mkdir()  # a write a crash interrupted
+    ck.incomplete_dir(tmp_path, "r", 12).mkdir()  # a write a crash interrupted
     data = bytearray((tmp_path / "r/step-9/model.safetensors").read_bytes())
     data[10] ^= 1
     (tmp_path / "r/step-9/model.safetensors").write_bytes(bytes(data))
     (tmp_path / "r/step-6/trainer.pt").unlink()
-    resume, rejected = ckpt_store.newest_valid(tmp_path, "r")
+    resume, rejected = ck.newest_valid(tmp_path, "r")
     assert resume is not None and resume.step == 3
     assert [(r.step, r.reason.split(" ")[0]) for r in rejected] == [
         (9, "model.safetensors"), (6, "trainer.pt")]
     assert (tmp_path / "r/step-9.corrupt").is_dir() and not (tmp_path / "r/step-9").exists()
-    assert ckpt_store.remove_incomplete(tmp_path, "r") == ["step-12.incomplete"]
+    assert ck.remove_incomplete(tmp_path, "r") == ["step-12.incomplete"]
     shutil.rmtree(tmp_path / "r/step-3")
-    assert ckpt_store.newest_valid(tmp_path, "r") == (None, [])
+    assert ck.newest_valid(tmp_path, "r") == (None, [])
 
 
 # ------------------------------------------------------------------------ data and training
@@ -249,7 +249,7 @@ def test_async_checkpoint_blocks_only_for_the_copy_and_loads_back_weights_only(
     writer.close()
     (written,) = writer.written
     assert written.path == tmp_path / "r" / "step-1"
-    assert ckpt_store.verify(written.path).step == 1
+    assert ck.verify(written.path).step == 1
     assert {f.name for f in written.manifest.files} == {
         "model.safetensors", "ema.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt",
         "trainer.pt", "model_config.json"}

@@ -184,6 +184,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
         .emits(subjects.GEN_PROGRESS.wildcard, subjects.MODELS.wildcard)
         .listens(subjects.gen_cancel_all())
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+        .kv(streams.KV_RUNS)  # a run: model's newest committed checkpoint, on start
         # Failover discovers the clusters' queues by the names of the streams on gen.*.*
         # (STREAM.NAMES, granted by follows()), then STREAM.INFO of each queue it may pull.
         .listens(subjects.ckpt_kind_filter("mirrored"))  # hot-swap wake-ups

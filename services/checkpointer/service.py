@@ -8,7 +8,8 @@ For every ``train.<run>.checkpoint`` (durable consumer ``checkpointer``):
    a local checkpoint that is missing or does not match its manifest is not;
 3. committed → ``ckpt.<run>.mirrored``, KV ``runs`` ``latest_checkpoint_*`` (by CAS,
    only forward), retention in S3 (``ckpt.<run>.pruned``), then local copies of
-   committed checkpoints beyond ``local_keep`` are deleted;
+   committed checkpoints beyond ``local_keep`` are deleted (``delete_local``: the only
+   service that deletes a whole local checkpoint);
    not committed after ``attempts`` → ``ckpt.<run>.failed`` with the reason; the local
    copy is kept.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -261,18 +261,17 @@ def _record_latest(rec: RunRecord | None, run: str, step: int, uri: str) -> RunR
 def delete_local(parent: Path, committed: set[int], keep: int, lg: Any) -> list[int]:
     """Delete ``parent/step-N`` directories beyond the newest ``keep`` — only those whose
     commit this checkpointer has seen (``committed`` was listed before pruning, so a
-    pruned step counts). A checkpoint that failed to mirror is never deleted here."""
-    if not parent.is_dir():
-        return []
-    local = sorted((s, p) for p in parent.iterdir()
-                   if p.is_dir() and (s := ck.parse_step(p.name)) is not None)
-    newest = {s for s, _ in local[max(0, len(local) - keep):]} if keep else set()
-    gone = []
-    for step, path in local:
-        if step in newest or step not in committed:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        gone.append(step)
+    pruned step counts). A checkpoint that failed to mirror is never deleted here.
+
+    NOTE: this is the one place that decides a whole local checkpoint may go (the rule
+    is ``checkpoints.local_retention``). It is the checkpointer's because only the
+    checkpointer knows, at the moment it matters, that the S3 copy is committed: the
+    trainer would have to learn it back from ``ckpt.<run>.mirrored``, and a local copy
+    deleted on a guess is a checkpoint lost. The trainer removes only its own
+    unfinished ``.incomplete`` writes (``checkpoints.local``).
+    """
+    local = [s for s, _ in ck.local_steps(parent)]
+    gone = ck.remove_steps(parent, ck.local_retention(local, committed, keep))
     if gone:
         lg.info("checkpoint.local_deleted", steps=gone, dir=str(parent))
     return gone

@@ -3,16 +3,17 @@
 A registry model whose source is ``run:<run_id>`` is served from the run's checkpoints
 in S3 (``tandem.common.checkpoints``):
 
-- **load** (``load_run_pipeline``): every byte is checked against the manifest's sha256;
+- **load** (``pipelines.load_run_pipeline``): every byte is checked against the manifest's sha256;
   the architecture is the checkpoint's own ``model_config.json`` and a field the registry
   declares differently, or a conditioning the checkpoint cannot take, is a
   ``CheckpointError`` naming it; weights come from safetensors only (model, then EMA);
   then one denoising step on one sample must give finite values of the right shape. The
   first load falls back to the previous committed checkpoint when the newest fails.
-- **watch** (``HotSwapper``): a subscription to ``ckpt.<run>.mirrored`` wakes the
-  model's watcher the moment the checkpointer commits; a poll of the committed steps
-  every ``checkpoint_poll`` seconds catches what a subscription misses (a reconnect, a
-  worker started after the event).
+- **watch** (``HotSwapper``): the newest committed step comes from the checkpointer
+  itself: KV ``runs`` (``latest_checkpoint_step``) on start, then each
+  ``ckpt.<run>.mirrored`` event, whose step is loaded directly without listing S3. A
+  poll of the committed steps every ``checkpoint_poll`` seconds verifies and catches
+  what a subscription misses (a reconnect, a worker started after the event).
 - **swap**: a newer checkpoint is loaded in a thread while batches go on, verified, and
   then replaces the model's entry in the worker's ``pipelines``. The batcher looks a
   model's pipeline up once per batch and every job keeps the pipeline that ran it, so
@@ -35,95 +36,24 @@ from typing import Any
 
 from tandem.common import checkpoints as ck
 from tandem.common import log, metrics, subjects
+from tandem.common.bus import Bus, TypedKV
 from tandem.common.errors import CheckpointError
-from tandem.common.events import CheckpointMirrored, decode
-from tandem.common.models import Conditioning, ModelSpec
+from tandem.common.events import CheckpointMirrored, RunRecord, decode
+from tandem.common.models import ModelSpec
+from tandem.common.streams import KV_RUNS
 from tandem.inference_worker.pipelines import (
-    ClassUnetPipeline,
     Pipeline,
+    load_run_pipeline,
     resolve_device,
     resolve_dtype,
 )
 
 _log = log.get("tandem.inference_worker.hotswap")
 
-LOADED_STEP = metrics.Gauge("tandem_worker_checkpoint_step",
-                            "Checkpoint step a run model is served from", ["model"])
 SWAPS = metrics.Counter("tandem_worker_checkpoint_swaps", "Checkpoints hot-swapped in",
                         ["model"])
 SKIPPED = metrics.Counter("tandem_worker_checkpoint_skipped",
                           "Newer checkpoints that failed to load and were skipped", ["model"])
-
-
-# ---------------------------------------------------------------------------------- loading
-
-
-def _check_conditioning(spec: ModelSpec, run_id: str, step: int, cfg: Any) -> None:
-    """What the registry promises clients must be what the checkpoint can do."""
-    from tandem.common.diffusion import DiTConfig
-
-    if spec.conditioning == Conditioning.text:
-        raise CheckpointError(run_id, step, f"model {spec.name} is declared text-conditioned; "
-                              "a trainer checkpoint (UNet2DModel or DiT) takes class labels "
-                              "at most")
-    if spec.conditioning == Conditioning.class_label and not (
-            1 <= spec.num_classes <= cfg.num_classes):
-        raise CheckpointError(run_id, step, f"model {spec.name} declares num_classes="
-                              f"{spec.num_classes}; the checkpoint has {cfg.num_classes} classes")
-    if isinstance(cfg, DiTConfig):  # its positional embedding fixes the image size
-        n = cfg.sample_size
-        if list(spec.sizes) != [n] or (spec.default_width, spec.default_height) != (n, n):
-            raise CheckpointError(run_id, step, f"model {spec.name} must declare sizes [{n}] "
-                                  f"and default {n}x{n}: a DiT checkpoint makes {n}x{n} "
-                                  f"images only (it declares sizes {list(spec.sizes)}, "
-                                  f"default {spec.default_width}x{spec.default_height})")
-
-
-def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
-    """One denoising step on one sample gives finite values of the input's shape."""
-    import torch
-
-    cfg = pipe.cfg
-    size = cfg.sample_size
-    shape = (1, cfg.in_channels, size, size)
-    with torch.inference_mode():
-        x = torch.zeros(shape, device=pipe.device, dtype=pipe.dtype)
-        t = torch.tensor([cfg.num_train_timesteps // 2], device=pipe.device)
-        labels = torch.zeros(1, dtype=torch.long, device=pipe.device) \
-            if cfg.num_classes else None
-        out = pipe.predict(x, t, labels)
-        finite = bool(torch.isfinite(out).all())
-    if tuple(out.shape) != shape:
-        raise CheckpointError(run_id, step, f"one denoising step gives shape "
-                              f"{tuple(out.shape)}, expected {shape}")
-    if not finite:
-        raise CheckpointError(run_id, step, "one denoising step gives non-finite values "
-                              "(NaN or inf in the weights)")
-
-
-def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | None = None,
-                      s3: Any = None, bucket: str | None = None) -> ClassUnetPipeline:
-    """The run's committed checkpoint ``step`` (default: the newest that verifies, falling
-    back), loaded and verified as a pipeline that records its step. Blocking.
-
-    Raises ``CheckpointError`` (naming run, step and what is wrong) when it cannot be
-    served; anything else (S3 unreachable) is not about the checkpoint.
-    """
-    run_id = spec.source_arg
-    m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
-                        fallback=step is None)
-    from tandem.common.diffusion import architecture
-
-    cfg = architecture(m.config)  # load_serving built the model from this same config
-    _check_conditioning(spec, run_id, m.step, cfg)
-    pipe = ClassUnetPipeline(spec, device, dtype, unet=m.unet, scheduler=m.scheduler, cfg=cfg)
-    pipe.checkpoint, pipe.checkpoint_step = m.label, m.step
-    verify(pipe, run_id, m.step)
-    LOADED_STEP.labels(spec.name).set(m.step)
-    for s, reason in m.skipped:
-        _log.error("worker.checkpoint_skipped", model=spec.name, run=run_id, step=s,
-                   reason=reason, serving=m.step)
-    return pipe
 
 
 # -------------------------------------------------------------------------------- hot-swap
@@ -134,6 +64,7 @@ class _Watched:
     spec: ModelSpec
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     skipped: dict[int, str] = field(default_factory=dict)  # step -> why it was passed over
+    told: int | None = None  # newest committed step a mirrored event said, not yet checked
 
     @property
     def run_id(self) -> str:
@@ -147,7 +78,14 @@ class HotSwapper:
     and loads of one model (the worker's first load, a swap) hold ``locks[model]`` so they
     never race. ``poll`` seconds between checks without an event (0: events only).
     ``load_missing``: a model not loaded yet is loaded once a checkpoint exists
-    (the worker preloads); otherwise its first task loads it.
+    (the worker preloads); otherwise its first task loads it. ``runs``: KV ``runs``
+    (``attach``), read on start for the newest committed step of each run.
+
+    S3 is listed only to verify: on start when KV ``runs`` has no record, at each poll,
+    after an event that could not be decoded, and when the step an event named fails to
+    load (to find an older one that still is newer than the loaded one). A
+    ``ckpt.<run>.mirrored`` event names the newest committed step, so it is loaded
+    directly.
     """
 
     def __init__(self, specs: Iterable[ModelSpec], pipelines: dict[str, Pipeline],
@@ -162,6 +100,7 @@ class HotSwapper:
         self.bucket = bucket
         self.poll = poll
         self.load_missing = load_missing
+        self.runs: TypedKV[RunRecord] | None = None
         self.swaps = 0
 
     def serves(self, model: str) -> bool:
@@ -176,6 +115,30 @@ class HotSwapper:
                          "step": pipe.checkpoint_step if pipe is not None else None,
                          "skipped": {str(s): r for s, r in w.skipped.items()}}
         return out
+
+    async def attach(self, bus: Bus) -> None:
+        """Read KV ``runs`` through ``bus`` from now on; without it (a bus that may not
+        read it) every first check lists S3, as a poll does."""
+        if not self.watched:
+            return
+        try:
+            self.runs = await bus.typed(KV_RUNS, RunRecord)
+        except Exception as exc:
+            _log.warning("worker.run_records_unavailable", error=repr(exc))
+
+    async def recorded(self, model: str) -> int | None:
+        """The newest committed step KV ``runs`` records for ``model``'s run; None without
+        ``runs``, without a record, or when the bus cannot answer (S3 is listed then)."""
+        if self.runs is None:
+            return None
+        run_id = self.watched[model].run_id
+        try:
+            got = await self.runs.get(run_id)
+        except Exception as exc:
+            _log.warning("worker.run_record_unavailable", model=model, run=run_id,
+                         error=repr(exc))
+            return None
+        return got[0].latest_checkpoint_step if got is not None else None
 
     async def run(self, nc: Any) -> None:
         """Watch every run model until cancelled."""
@@ -198,35 +161,55 @@ class HotSwapper:
         async def cb(msg: Any) -> None:
             try:
                 ev = decode(msg.data, CheckpointMirrored)
-            except Exception as exc:  # the poll still finds it; the event is only a hint
+                if ev.run_id != w.run_id:
+                    raise ValueError(f"event for run {ev.run_id!r} on {msg.subject}")
+            except Exception as exc:  # a check that lists S3 still finds it
                 _log.warning("worker.checkpoint_event_invalid", run=w.run_id, error=repr(exc))
             else:
                 _log.info("worker.checkpoint_mirrored", model=w.spec.name, run=ev.run_id,
                           step=ev.step)
+                w.told = ev.step if w.told is None else max(w.told, ev.step)
             w.wake.set()
 
         return cb
 
     async def _watch(self, w: _Watched) -> None:
+        told = await self.recorded(w.spec.name)  # on start: what KV runs says is newest
         while True:
             w.wake.clear()  # before the check: an event during it makes another check
             try:
-                await self.check(w.spec.name)
+                await self.check(w.spec.name, told)
             except Exception as exc:  # never let one bad round stop the watcher
                 _log.warning("worker.checkpoint_check_failed", model=w.spec.name,
                              error=repr(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(w.wake.wait(), self.poll or None)
+            # An event names the newest step; a poll or an undecodable event lists S3.
+            told, w.told = w.told, None
 
-    async def check(self, model: str) -> int | None:
+    async def check(self, model: str, told: int | None = None) -> int | None:
         """Swap ``model`` to its newest committed checkpoint newer than the loaded one
-        that loads and verifies; return the step it serves afterwards (None: none)."""
+        that loads and verifies; return the step it serves afterwards (None: none).
+
+        ``told`` is the newest committed step as a ``mirrored`` event or KV ``runs`` said
+        it: loaded without listing S3. Without it, or when that step fails to load as a
+        checkpoint, the committed steps are listed and tried newest first.
+        """
         w = self.watched[model]
         async with self.locks.setdefault(model, asyncio.Lock()):
             current = self.pipelines.get(model)
             have = current.checkpoint_step if current is not None else None
             if current is None and not self.load_missing:
                 return None
+            if told is not None:
+                if (have is not None and told <= have) or told in w.skipped:
+                    return have
+                pipe = await self._load(w, told, have)
+                if pipe is not None:
+                    self.pipelines[model] = pipe
+                    return told
+                if told not in w.skipped:  # S3 unreachable: the next event or poll retries
+                    return have
             try:
                 steps = await asyncio.to_thread(ck.committed_steps, self.s3, self.bucket,
                                                 w.run_id)
@@ -272,4 +255,4 @@ class HotSwapper:
         return pipe
 
 
-__all__ = ["HotSwapper", "load_run_pipeline", "verify"]
+__all__ = ["HotSwapper"]

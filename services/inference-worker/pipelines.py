@@ -6,7 +6,9 @@ bytes per item. ``on_step(step, total)`` is called after each denoising step, fr
 thread the pipeline runs in; it raises ``Interrupted`` to stop the call between steps.
 
 torch and diffusers are imported inside the builders: a worker that serves only the
-no-op (or fault) models starts without them.
+no-op (or fault) models starts without them. A ``run:<run_id>`` model is loaded here
+from the run's committed checkpoint (``load_run_pipeline``); ``hotswap`` keeps it on the
+newest one and imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.common.errors import TandemError
+from tandem.common import checkpoints as ck
+from tandem.common import log, metrics
+from tandem.common.errors import CheckpointError, TandemError
 from tandem.common.models import Conditioning, ModelSpec
+
+_log = log.get("tandem.inference_worker.pipelines")
+
+LOADED_STEP = metrics.Gauge("tandem_worker_checkpoint_step",
+                            "Checkpoint step a run model is served from", ["model"])
 
 StepHook = Callable[[int, int], None]
 
@@ -231,14 +240,83 @@ def resolve_dtype(dtype: str, device: str) -> Any:
     return getattr(torch, dtype)
 
 
+# ------------------------------------------------------------------------- run: models
+
+
+def _check_conditioning(spec: ModelSpec, run_id: str, step: int, cfg: Any) -> None:
+    """What the registry promises clients must be what the checkpoint can do."""
+    from tandem.common.diffusion import DiTConfig
+
+    if spec.conditioning == Conditioning.text:
+        raise CheckpointError(run_id, step, f"model {spec.name} is declared text-conditioned; "
+                              "a trainer checkpoint (UNet2DModel or DiT) takes class labels "
+                              "at most")
+    if spec.conditioning == Conditioning.class_label and not (
+            1 <= spec.num_classes <= cfg.num_classes):
+        raise CheckpointError(run_id, step, f"model {spec.name} declares num_classes="
+                              f"{spec.num_classes}; the checkpoint has {cfg.num_classes} classes")
+    if isinstance(cfg, DiTConfig):  # its positional embedding fixes the image size
+        n = cfg.sample_size
+        if list(spec.sizes) != [n] or (spec.default_width, spec.default_height) != (n, n):
+            raise CheckpointError(run_id, step, f"model {spec.name} must declare sizes [{n}] "
+                                  f"and default {n}x{n}: a DiT checkpoint makes {n}x{n} "
+                                  f"images only (it declares sizes {list(spec.sizes)}, "
+                                  f"default {spec.default_width}x{spec.default_height})")
+
+
+def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
+    """One denoising step on one sample gives finite values of the input's shape."""
+    import torch
+
+    cfg = pipe.cfg
+    size = cfg.sample_size
+    shape = (1, cfg.in_channels, size, size)
+    with torch.inference_mode():
+        x = torch.zeros(shape, device=pipe.device, dtype=pipe.dtype)
+        t = torch.tensor([cfg.num_train_timesteps // 2], device=pipe.device)
+        labels = torch.zeros(1, dtype=torch.long, device=pipe.device) \
+            if cfg.num_classes else None
+        out = pipe.predict(x, t, labels)
+        finite = bool(torch.isfinite(out).all())
+    if tuple(out.shape) != shape:
+        raise CheckpointError(run_id, step, f"one denoising step gives shape "
+                              f"{tuple(out.shape)}, expected {shape}")
+    if not finite:
+        raise CheckpointError(run_id, step, "one denoising step gives non-finite values "
+                              "(NaN or inf in the weights)")
+
+
+def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | None = None,
+                      s3: Any = None, bucket: str | None = None) -> ClassUnetPipeline:
+    """The run's committed checkpoint ``step`` (default: the newest that verifies, falling
+    back), loaded and verified as a pipeline that records its step. Blocking. With
+    ``step`` nothing is listed in S3 (``checkpoints.restore``): the hot-swapper knows it.
+
+    Raises ``CheckpointError`` (naming run, step and what is wrong) when it cannot be
+    served; anything else (S3 unreachable) is not about the checkpoint.
+    """
+    run_id = spec.source_arg
+    m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
+                        fallback=step is None)
+    from tandem.common.diffusion import architecture
+
+    cfg = architecture(m.config)  # load_serving built the model from this same config
+    _check_conditioning(spec, run_id, m.step, cfg)
+    pipe = ClassUnetPipeline(spec, device, dtype, unet=m.unet, scheduler=m.scheduler, cfg=cfg)
+    pipe.checkpoint, pipe.checkpoint_step = m.label, m.step
+    verify(pipe, run_id, m.step)
+    LOADED_STEP.labels(spec.name).set(m.step)
+    for s, reason in m.skipped:
+        _log.error("worker.checkpoint_skipped", model=spec.name, run=run_id, step=s,
+                   reason=reason, serving=m.step)
+    return pipe
+
+
 def load_run_checkpoint(spec: ModelSpec, device: str, dtype: Any) -> Pipeline:
     """``run:<run_id>``: the run's newest committed checkpoint that verifies.
 
-    Loading, verification and hot-swapping to newer checkpoints live in ``hotswap``.
+    Hot-swapping to newer checkpoints lives in ``hotswap``.
     """
-    from tandem.common.errors import CheckpointError
-    from tandem.inference_worker.hotswap import load_run_pipeline
-
     try:
         return load_run_pipeline(spec, device, dtype)
     except CheckpointError as exc:

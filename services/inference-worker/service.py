@@ -194,12 +194,13 @@ class InferenceWorker(Service):
         self.tasks = await bus.typed(KV_TASKS, TaskRecord)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
+        await self.hotswap.attach(bus)  # KV runs: the newest committed step of each run
         if self.s.preload:
             for model in self.served:
                 if self.hotswap.serves(model):
                     # A run without a good checkpoint yet must not stop the worker: the
                     # hot-swapper loads the first one the checkpointer commits.
-                    await self.hotswap.check(model)
+                    await self.hotswap.check(model, await self.hotswap.recorded(model))
                 else:
                     await self.pipeline(model)
         consumers = [

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from tandem.common import checkpoints as ck
 from tandem.common.events import CheckpointManifest
-from tandem.trainer import ckpt_store
 
 
 @dataclass
@@ -150,17 +149,14 @@ class AsyncCheckpointer:
     def write(self, snap: Snapshot) -> Written:
         """Write ``snap`` to ``step-<N>.incomplete/`` and commit it (any thread)."""
         t0 = time.perf_counter()
-        tmp = ckpt_store.incomplete_dir(self.root, snap.run_id, snap.step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp = ck.prepare_incomplete(self.root, snap.run_id, snap.step)
         for stem, tensors in snap.tensors.items():
             save_file(tensors, str(tmp / f"{stem}.safetensors"))
         for stem, obj in snap.objects.items():
             torch.save(obj, tmp / f"{stem}.pt")
         for name, obj in snap.jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
-        path, manifest = ckpt_store.commit(snap.run_id, snap.step, tmp)
+        path, manifest = ck.commit(snap.run_id, snap.step, tmp)
         return Written(run_id=snap.run_id, step=snap.step, path=path, manifest=manifest,
                        blocked_s=snap.blocked_s, write_s=time.perf_counter() - t0)
 

@@ -20,14 +20,13 @@ from typing import Any
 
 from pydantic import Field
 
-from tandem.common import events, subjects
+from tandem.common import checkpoints, events, storage, subjects
 from tandem.common.bus import Delivery, struct_replace
 from tandem.common.events import HealthTransition, RunRecord, RunState, TrainStatus
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings
 from tandem.common.streams import KV_RUNS, Spec, core_streams, trainer_consumer
-from tandem.trainer import ckpt_store
 from tandem.trainer.launcher import LocalLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
 
@@ -177,12 +176,8 @@ class Trainer(Service):
 
     # --------------------------------------------------------------------------- restore
 
-    async def _restore(self, run_id: str, dest: Path) -> ckpt_store.Resume | None:
+    async def _restore(self, run_id: str, dest: Path) -> checkpoints.Resume | None:
         """Seam to the checkpointer: the newest committed checkpoint in S3, verified."""
-        try:
-            from tandem.common import checkpoints, storage
-        except ImportError:
-            return None
 
         def fetch() -> Any:
             s3 = storage.s3_client(self.settings)
@@ -194,5 +189,5 @@ class Trainer(Service):
             self.ctx.log.warning("trainer.s3_restore_failed", run_id=run_id, error=repr(exc))
             return None
         self.ctx.log.info("trainer.s3_restored", run_id=run_id, step=restored.step)
-        return ckpt_store.Resume(step=restored.step, path=restored.path,
-                                 manifest=restored.manifest)
+        return checkpoints.Resume(step=restored.step, path=restored.path,
+                                  manifest=restored.manifest)

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from tandem.common import checkpoints as ck
 from tandem.common import subjects, tracing
 from tandem.common.bus import Bus, TypedKV, struct_replace
 from tandem.common.events import (
@@ -40,7 +41,6 @@ from tandem.common.events import (
 )
 from tandem.common.runs import RunConfig
 from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS
-from tandem.trainer import ckpt_store
 from tandem.trainer.health import Goodput, StragglerDetector
 from tandem.trainer.launcher import LocalLauncher, Placement, place
 from tandem.trainer.run_metrics import RunMetrics
@@ -61,7 +61,7 @@ class SupervisorConfig:
     threads_per_rank: int = 1
     status_every_s: float = 2.0
     record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
-    restore: Any = None  # async (run_id, dest) -> ckpt_store.Resume | None (S3 restore)
+    restore: Any = None  # async (run_id, dest) -> ck.Resume | None (S3 restore)
 
 
 class RunSupervisor(AttemptWatch):
@@ -262,7 +262,7 @@ class RunSupervisor(AttemptWatch):
             return RunState.restarting
         # The ranks are gone: the newest whole checkpoint is where the next attempt
         # resumes (unless it fails verification, which is reported then).
-        on_disk = ckpt_store.complete_steps(self.cfg.checkpoint_root, self.run_id)
+        on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id)
         resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
         self.goodput.failed(resume_from)
         incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
@@ -298,7 +298,7 @@ class RunSupervisor(AttemptWatch):
         if placement is None:
             return Outcome("no_healthy_nodes", {"excluded": why})
         resume = await self._resume_point()
-        ckpt_store.remove_incomplete(self.cfg.checkpoint_root, self.run_id)
+        ck.remove_incomplete(self.cfg.checkpoint_root, self.run_id)
         self.last_ckpt_step = resume.step if resume else 0
         self.latest_step = self.last_ckpt_step
         attempt_dir = self.cfg.work_root / self.run_id / f"attempt-{self.attempt_no}"
@@ -334,11 +334,11 @@ class RunSupervisor(AttemptWatch):
             outcome.detail.setdefault("logs", [str(a.log_path) for a in attempt.agents])
         return outcome
 
-    async def _resume_point(self) -> ckpt_store.Resume | None:
+    async def _resume_point(self) -> ck.Resume | None:
         """The newest checkpoint that verifies, local else from S3; corrupt ones skipped
         are recorded and reported."""
         with tracing.tracer().start_as_current_span("restore") as span:
-            resume, rejected = ckpt_store.newest_valid(self.cfg.checkpoint_root, self.run_id)
+            resume, rejected = ck.newest_valid(self.cfg.checkpoint_root, self.run_id)
             if rejected:
                 corrupt = [{"step": r.step, "path": r.path, "reason": r.reason,
                             "at": time.time()} for r in rejected]
@@ -351,8 +351,7 @@ class RunSupervisor(AttemptWatch):
                                    corrupt_checkpoints=[*before, *corrupt])
             if resume is None and self.cfg.restore is not None:
                 resume = await self.cfg.restore(self.run_id,
-                                                ckpt_store.run_dir(self.cfg.checkpoint_root,
-                                                                   self.run_id))
+                                                ck.run_dir(self.cfg.checkpoint_root, self.run_id))
             span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
                                  "tandem.corrupt_skipped": [r.step for r in rejected]})
             return resume

@@ -1,63 +1,42 @@
-"""The local checkpoint layout, manifests, verification and "newest valid" (no torch).
+"""Local checkpoints: the atomic commit, verification, the newest valid, and removal.
 
-Layout under ``<checkpoint_root>/<run>/``::
+The trainer writes ``step-<N>.incomplete/`` and calls ``commit``; on restart it resumes
+from ``newest_valid``. Names and the manifest come from ``layout``. Every removal of a
+local checkpoint folder is a function here, and each says who may call it:
 
-    step-<N>.incomplete/   being written; never loaded, removed when the step is rewritten
-    step-<N>/              whole: renamed from .incomplete after every file is fsynced
-        model.safetensors  ema.safetensors  optimizer.pt  scheduler.pt  rng.pt
-        trainer.pt  model_config.json  manifest.json
-    step-<N>.corrupt/      failed verification; kept for forensics, never loaded
+- ``commit`` replaces a ``step-<N>`` the same step is rewritten over (a deterministic
+  rewrite after a resume) and ``newest_valid`` a stale ``.corrupt`` copy;
+- ``prepare_incomplete`` / ``remove_incomplete`` delete the trainer's own unfinished
+  writes, never a whole checkpoint;
+- ``remove_steps`` deletes whole, committed copies: only the checkpointer calls it
+  (see ``tandem.checkpointer.service.delete_local`` for why it is that one).
 
-``manifest.json`` lists every other file with its size and sha256; it is written last,
-before the rename, so a directory named ``step-<N>`` always has one.
+No torch: the files are bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.common import events
-from tandem.common.events import CheckpointManifest, FileEntry
+from tandem.common.events import CheckpointManifest
 
-MANIFEST = "manifest.json"
-INCOMPLETE = ".incomplete"
-CORRUPT = ".corrupt"
-_STEP = re.compile(r"step-(\d+)")
-
-
-def run_dir(root: str | Path, run_id: str) -> Path:
-    return Path(root) / run_id
-
-
-def step_dir(root: str | Path, run_id: str, step: int) -> Path:
-    return run_dir(root, run_id) / f"step-{step}"
-
-
-def incomplete_dir(root: str | Path, run_id: str, step: int) -> Path:
-    return run_dir(root, run_id) / f"step-{step}{INCOMPLETE}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def build_manifest(run_id: str, step: int, directory: Path) -> CheckpointManifest:
-    """The manifest of every file under ``directory`` except the manifest itself."""
-    files = []
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files.append(FileEntry(name=p.relative_to(directory).as_posix(),
-                                   size=p.stat().st_size, sha256=sha256_file(p)))
-    return CheckpointManifest(run_id=run_id, step=step, files=files)
+from .layout import (
+    INCOMPLETE,
+    MANIFEST,
+    corrupt_dir,
+    encode_manifest,
+    incomplete_dir,
+    local_steps,
+    parse_manifest,
+    run_dir,
+    scan,
+    sha256_file,
+    step_name,
+)
 
 
 def _fsync(path: Path) -> None:
@@ -68,6 +47,16 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def prepare_incomplete(root: str | Path, run_id: str, step: int) -> Path:
+    """An empty ``step-<N>.incomplete/`` to write a checkpoint into (a leftover of an
+    interrupted write of the same step is removed first)."""
+    tmp = incomplete_dir(root, run_id, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
 def commit(run_id: str, step: int, tmp: Path) -> tuple[Path, CheckpointManifest]:
     """Write the manifest into ``tmp``, fsync everything and rename it to ``step-<N>``.
 
@@ -75,12 +64,12 @@ def commit(run_id: str, step: int, tmp: Path) -> tuple[Path, CheckpointManifest]
     ``step-<N>``. An existing ``step-<N>`` (a deterministic rewrite after a resume) is
     replaced.
     """
-    manifest = build_manifest(run_id, step, tmp)
-    (tmp / MANIFEST).write_bytes(events.encode(manifest))
+    manifest = scan(tmp, run_id, step)
+    (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
     for p in tmp.rglob("*"):
         if p.is_file():
             _fsync(p)
-    final = tmp.with_name(f"step-{step}")
+    final = tmp.with_name(step_name(step))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -100,7 +89,7 @@ class CorruptCheckpoint(Exception):
 def verify(path: Path) -> CheckpointManifest:
     """Check every file of the checkpoint at ``path`` against its manifest."""
     try:
-        manifest = events.decode((path / MANIFEST).read_bytes(), CheckpointManifest)
+        manifest = parse_manifest((path / MANIFEST).read_bytes())
     except FileNotFoundError:
         raise CorruptCheckpoint(path, "manifest.json missing") from None
     except Exception as exc:
@@ -121,15 +110,7 @@ def verify(path: Path) -> CheckpointManifest:
 
 def complete_steps(root: str | Path, run_id: str) -> list[tuple[int, Path]]:
     """Whole checkpoints of the run, newest first (``.incomplete``/``.corrupt`` excluded)."""
-    d = run_dir(root, run_id)
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.iterdir():
-        m = _STEP.fullmatch(p.name)
-        if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return sorted(out, reverse=True)
+    return local_steps(run_dir(root, run_id))
 
 
 @dataclass
@@ -160,7 +141,7 @@ def newest_valid(root: str | Path, run_id: str,
         try:
             manifest = verify(path)
         except CorruptCheckpoint as exc:
-            moved = path.with_name(f"step-{step}{CORRUPT}")
+            moved = corrupt_dir(path)
             if moved.exists():
                 shutil.rmtree(moved)
             os.replace(path, moved)
@@ -179,4 +160,14 @@ def remove_incomplete(root: str | Path, run_id: str) -> list[str]:
             if p.name.endswith(INCOMPLETE):
                 shutil.rmtree(p, ignore_errors=True)
                 gone.append(p.name)
+    return gone
+
+
+def remove_steps(parent: Path, steps: Iterable[int]) -> list[int]:
+    """Delete the whole ``parent/step-<N>`` folders of ``steps`` (``parent`` is one run's
+    folder); return the steps deleted. The caller has decided they are committed."""
+    gone = []
+    for step in steps:
+        shutil.rmtree(parent / step_name(step), ignore_errors=True)
+        gone.append(step)
     return gone

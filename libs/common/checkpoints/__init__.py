@@ -1,0 +1,90 @@
+"""The one owner of the checkpoint layout, local and in S3 (torchtitan's
+``CheckpointManager`` in Tandem's shape: the commit stays manifest-last in S3).
+
+- ``layout``: ``step-<N>`` names, S3 keys and local paths, the manifest, retention;
+  the only place that builds or parses a name or reads or writes a manifest.
+- ``local``: the trainer's atomic local commit, verification, the newest valid, removal.
+- ``store``: S3 listing, verified download and restore (with fallback), deletion.
+- ``serving``: a committed checkpoint loaded as a model (torch imported inside).
+
+Imports only ``tandem.common``; never a service. The names below are the public API
+(``from tandem.common import checkpoints as ck``; ``ck.restore(...)``).
+"""
+
+from .layout import (
+    CHUNK,
+    CORRUPT,
+    INCOMPLETE,
+    MANIFEST,
+    b64,
+    check_name,
+    checkpoint_uri,
+    corrupt_dir,
+    decode_manifest,
+    encode_manifest,
+    incomplete_dir,
+    local_retention,
+    local_steps,
+    manifest_key,
+    object_key,
+    parse_manifest,
+    parse_step,
+    retention,
+    run_dir,
+    run_prefix,
+    same_files,
+    scan,
+    sha256_file,
+    step_dir,
+    step_name,
+    step_prefix,
+    steps_in_listing,
+    validate_manifest,
+)
+from .local import (
+    CorruptCheckpoint,
+    Rejected,
+    Resume,
+    commit,
+    complete_steps,
+    newest_valid,
+    prepare_incomplete,
+    remove_incomplete,
+    remove_steps,
+    verify,
+)
+from .serving import (
+    EMA_WEIGHTS,
+    MODEL_CONFIG,
+    MODEL_WEIGHTS,
+    ServingModel,
+    config_mismatch,
+    load_serving,
+    load_serving_model,
+    serving_files,
+)
+from .store import (
+    FileChoice,
+    Restored,
+    committed_steps,
+    delete,
+    download,
+    list_steps,
+    newest_committed,
+    read_manifest,
+    restore,
+)
+
+__all__ = [
+    "CHUNK", "CORRUPT", "EMA_WEIGHTS", "INCOMPLETE", "MANIFEST", "MODEL_CONFIG",
+    "MODEL_WEIGHTS", "CorruptCheckpoint", "FileChoice", "Rejected", "Restored", "Resume",
+    "ServingModel", "b64", "check_name", "checkpoint_uri", "commit", "committed_steps",
+    "complete_steps", "config_mismatch", "corrupt_dir", "decode_manifest", "delete",
+    "download", "encode_manifest", "incomplete_dir", "list_steps", "load_serving",
+    "load_serving_model", "local_retention", "local_steps", "manifest_key",
+    "newest_committed", "newest_valid", "object_key", "parse_manifest", "parse_step",
+    "prepare_incomplete", "read_manifest", "remove_incomplete", "remove_steps", "restore",
+    "retention", "run_dir", "run_prefix", "same_files", "scan", "serving_files",
+    "sha256_file", "step_dir", "step_name", "step_prefix", "steps_in_listing", "validate_manifest",
+    "verify",
+]

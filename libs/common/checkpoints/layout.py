@@ -1,0 +1,249 @@
+"""The checkpoint layout, local and in S3: names, the manifest, the newest, retention.
+
+The one place that builds and parses ``step-<N>`` names and writes and reads manifests;
+the trainer (``local``), the checkpointer (``store``, its mirror) and the inference
+worker (``serving``) all go through it. No I/O here beyond hashing a local file and
+listing a local run folder.
+
+Locally, under ``<checkpoint_root>/<run>/``::
+
+    step-<N>.incomplete/   being written; never loaded, removed when the step is rewritten
+    step-<N>/              whole: renamed from .incomplete after every file is fsynced
+        model.safetensors  ema.safetensors  optimizer.pt  scheduler.pt  rng.pt
+        trainer.pt  model_config.json  manifest.json
+    step-<N>.corrupt/      failed verification; kept for forensics, never loaded
+
+In S3 (``run`` and file names are validated; nothing can escape the prefix)::
+
+    runs/<run>/checkpoints/step-<N>/<file>            every file of the checkpoint
+    runs/<run>/checkpoints/step-<N>/manifest.json     names, sizes, sha256; written LAST
+
+``manifest.json`` lists every other file with its size and sha256. Locally it is
+written before the rename, so a folder named ``step-<N>`` always has one; in S3 it is
+the commit: a step without one is an upload in progress (or abandoned) and is never
+listed as committed or loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+from tandem.common.errors import CheckpointCorrupt
+from tandem.common.events import CheckpointManifest, FileEntry
+from tandem.common.storage import s3_uri
+from tandem.common.subjects import token
+
+MANIFEST = "manifest.json"
+INCOMPLETE = ".incomplete"
+CORRUPT = ".corrupt"
+CHUNK = 1 << 20
+_STEP = re.compile(r"step-(0|[1-9][0-9]{0,17})")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NAME_PART = re.compile(r"[A-Za-z0-9_.+=-]{1,128}")
+MAX_NAME = 512
+
+
+# ----------------------------------------------------------------------------------- names
+
+
+def step_name(step: int) -> str:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    return f"step-{step}"
+
+
+def parse_step(name: str) -> int | None:
+    """``step-12`` -> 12; anything else (``step-12.incomplete``, ``latest``) -> None."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def check_name(name: str) -> str:
+    """A file name inside a checkpoint: relative, '/'-separated, no '..', not the manifest."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+        raise ValueError(f"invalid checkpoint file name {name!r}: 1..{MAX_NAME} characters")
+    parts = name.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or not _NAME_PART.fullmatch(part):
+            raise ValueError(
+                f"invalid checkpoint file name {name!r}: each '/'-separated part must be "
+                "letters, digits, '_', '.', '+', '=', '-' and not '.' or '..'")
+    if name == MANIFEST:
+        raise ValueError(f"invalid checkpoint file name {name!r}: reserved for the manifest")
+    return name
+
+
+# -------------------------------------------------------------------------------- S3 keys
+
+
+def run_prefix(run_id: str) -> str:
+    return f"runs/{token(run_id, 'run id')}/checkpoints/"
+
+
+def step_prefix(run_id: str, step: int) -> str:
+    return f"{run_prefix(run_id)}{step_name(step)}/"
+
+
+def object_key(run_id: str, step: int, name: str) -> str:
+    return step_prefix(run_id, step) + (name if name == MANIFEST else check_name(name))
+
+
+def manifest_key(run_id: str, step: int) -> str:
+    return step_prefix(run_id, step) + MANIFEST
+
+
+def checkpoint_uri(bucket: str, run_id: str, step: int) -> str:
+    return s3_uri(bucket, step_prefix(run_id, step))
+
+
+def steps_in_listing(keys: Iterable[str], run_id: str) -> dict[int, bool]:
+    """The steps that S3 keys under ``run_prefix(run_id)`` belong to -> whether each is
+    committed (its manifest is among the keys), oldest first."""
+    prefix = run_prefix(run_id)
+    out: dict[int, bool] = {}
+    for key in keys:
+        head, _, rest = key[len(prefix):].partition("/")
+        step = parse_step(head)
+        if key.startswith(prefix) and step is not None:
+            out[step] = out.get(step, False) or rest == MANIFEST
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------- local paths
+
+
+def run_dir(root: str | Path, run_id: str) -> Path:
+    return Path(root) / run_id
+
+
+def step_dir(root: str | Path, run_id: str, step: int) -> Path:
+    return run_dir(root, run_id) / step_name(step)
+
+
+def incomplete_dir(root: str | Path, run_id: str, step: int) -> Path:
+    return run_dir(root, run_id) / (step_name(step) + INCOMPLETE)
+
+
+def corrupt_dir(path: Path) -> Path:
+    """Where a whole ``step-<N>`` folder that failed verification is moved."""
+    return path.with_name(path.name + CORRUPT)
+
+
+def local_steps(parent: str | Path) -> list[tuple[int, Path]]:
+    """The whole ``step-<N>`` folders in ``parent`` (one run's folder), newest first;
+    ``.incomplete`` and ``.corrupt`` ones are not steps."""
+    d = Path(parent)
+    if not d.is_dir():
+        return []
+    return sorted(((s, p) for p in d.iterdir()
+                   if (s := parse_step(p.name)) is not None and p.is_dir()), reverse=True)
+
+
+# -------------------------------------------------------------------------------- manifest
+
+
+def validate_manifest(manifest: CheckpointManifest, run_id: str | None = None,
+                      step: int | None = None) -> CheckpointManifest:
+    """Return ``manifest`` if it is well formed (and for ``run_id``/``step``), else ValueError."""
+    token(manifest.run_id, "run id")
+    if run_id is not None and manifest.run_id != run_id:
+        raise ValueError(f"manifest is for run {manifest.run_id!r}, expected {run_id!r}")
+    if step is not None and manifest.step != step:
+        raise ValueError(f"manifest is for step {manifest.step}, expected {step}")
+    step_name(manifest.step)
+    if not manifest.files:
+        raise ValueError("manifest lists no files")
+    seen: set[str] = set()
+    for f in manifest.files:
+        check_name(f.name)
+        if f.name in seen:
+            raise ValueError(f"manifest lists {f.name!r} twice")
+        seen.add(f.name)
+        if f.size < 0:
+            raise ValueError(f"{f.name}: negative size {f.size}")
+        if not _SHA256.fullmatch(f.sha256):
+            raise ValueError(f"{f.name}: sha256 must be 64 lowercase hex digits, got {f.sha256!r}")
+    return manifest
+
+
+def encode_manifest(manifest: CheckpointManifest) -> bytes:
+    return msgspec.json.encode(manifest)
+
+
+def parse_manifest(data: bytes, run_id: str | None = None,
+                   step: int | None = None) -> CheckpointManifest:
+    """Decode and validate a stored manifest; ValueError (saying why) if it is not one."""
+    try:
+        manifest = msgspec.json.decode(data, type=CheckpointManifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(str(exc)) from None
+    return validate_manifest(manifest, run_id, step)
+
+
+def decode_manifest(data: bytes, run_id: str, step: int) -> CheckpointManifest:
+    """``parse_manifest`` for a stored commit; ``CheckpointCorrupt`` if it is not one."""
+    try:
+        return parse_manifest(data, run_id, step)
+    except ValueError as exc:
+        raise CheckpointCorrupt(run_id, step, MANIFEST, f"invalid manifest: {exc}") from None
+
+
+def same_files(a: CheckpointManifest, b: CheckpointManifest) -> bool:
+    """Whether two manifests describe the same bytes (timestamps aside)."""
+    key = lambda m: sorted((f.name, f.size, f.sha256) for f in m.files)  # noqa: E731
+    return (a.run_id, a.step, key(a)) == (b.run_id, b.step, key(b))
+
+
+def sha256_file(path: Path, chunk: int = 8 * CHUNK) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def b64(hex_digest: str) -> str:
+    """A hex sha256 as S3's ``ChecksumSHA256`` (base64 of the raw digest)."""
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
+
+
+def scan(directory: Path, run_id: str, step: int) -> CheckpointManifest:
+    """Build the manifest of a local checkpoint directory (every file but a manifest)."""
+    files = []
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            name = p.relative_to(directory).as_posix()
+            if name == MANIFEST:
+                continue
+            files.append(FileEntry(name=check_name(name), size=p.stat().st_size,
+                                   sha256=sha256_file(p)))
+    return validate_manifest(CheckpointManifest(run_id=run_id, step=step, files=files))
+
+
+# ------------------------------------------------------------------------------- retention
+
+
+def retention(steps: Iterable[int], keep_last: int, keep_every: int = 0) -> list[int]:
+    """The committed steps retention removes: all but the newest ``keep_last`` and every
+    step that is a multiple of ``keep_every`` (0: none kept that way). The newest is
+    always kept."""
+    ordered = sorted(set(steps))
+    keep = set(ordered[-max(keep_last, 1):])
+    if keep_every > 0:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    return [s for s in ordered if s not in keep]
+
+
+def local_retention(local: Iterable[int], committed: set[int], keep: int) -> list[int]:
+    """The local steps that may go: all but the newest ``keep`` on disk (0: none kept),
+    and of those only the ones committed in S3. A step that never committed (a mirror
+    that failed) is never on this list: the local copy is then the only one."""
+    ordered = sorted(set(local))
+    kept = set(ordered[max(0, len(ordered) - keep):]) if keep else set()
+    return [s for s in ordered if s not in kept and s in committed]

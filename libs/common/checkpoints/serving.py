@@ -1,0 +1,138 @@
+"""What the inference worker loads from a trainer checkpoint, verified, as a model.
+
+``load_serving`` goes through ``store.restore`` (every byte checked, fallback to the
+previous committed checkpoint); the architecture is the checkpoint's own
+``model_config.json``. torch is imported inside ``load_serving`` only, so importing
+this module (the checkpointer does, through the package) needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.common.errors import CheckpointCorrupt
+from tandem.common.events import CheckpointManifest
+
+from .layout import step_name
+from .store import restore
+
+MODEL_WEIGHTS = "model.safetensors"
+EMA_WEIGHTS = "ema.safetensors"
+MODEL_CONFIG = "model_config.json"
+
+
+def serving_files(manifest: CheckpointManifest) -> list[str]:
+    """What a worker needs from a trainer checkpoint: weights (model, EMA) and config."""
+    names = {f.name for f in manifest.files}
+    if MODEL_WEIGHTS not in names:
+        raise CheckpointCorrupt(manifest.run_id, manifest.step, MODEL_WEIGHTS,
+                                "missing from the manifest")
+    return [n for n in (MODEL_WEIGHTS, EMA_WEIGHTS, MODEL_CONFIG) if n in names]
+
+
+@dataclass
+class ServingModel:
+    """A committed checkpoint loaded for serving (``load_serving``)."""
+
+    unet: Any  # the denoiser: a UNet2DModel or a DiTTransformer2DModel (config["kind"])
+    scheduler: Any
+    config: dict[str, Any]  # the architecture it was built from (its model_config.json)
+    run_id: str
+    step: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # newer ones passed over
+
+    @property
+    def label(self) -> str:
+        return f"{self.run_id}/{step_name(self.step)}"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def config_mismatch(declared: dict[str, Any], stored: dict[str, Any],
+                    fields: Iterable[str]) -> list[str]:
+    """The architecture ``fields`` that ``declared`` (a registry entry's config) sets to
+    something other than ``stored`` (a checkpoint's ``model_config.json``), each as
+    ``"<field>: declared <x>, checkpoint has <y>"``. Fields ``declared`` leaves out are
+    taken from the checkpoint and never differ."""
+    out = []
+    for k in fields:
+        if k in declared and _plain(declared[k]) != _plain(stored.get(k)):
+            out.append(f"{k}: declared {declared[k]!r}, checkpoint has {stored.get(k)!r}")
+    return out
+
+
+def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any = None,
+                 bucket: str | None = None, step: int | None = None,
+                 fallback: bool = True) -> ServingModel:
+    """The newest committed checkpoint of ``run_id`` (or ``step``), verified, as a model.
+
+    The architecture comes from the checkpoint's ``model_config.json`` (else ``config``);
+    an architecture field that ``config`` declares differently is a ``CheckpointError``
+    naming each field, never a model of the wrong shape. The weights are
+    ``model.safetensors`` with the EMA weights laid over it when the checkpoint has
+    them; weights that do not fit the architecture are a ``CheckpointError`` too.
+    Tensors only, from safetensors: nothing is unpickled. A corrupt checkpoint is
+    skipped for the previous committed one unless ``fallback`` is False (``restore``).
+    Imports torch, so only the inference worker calls it. S3 comes from ``TANDEM_S3_*``
+    unless given.
+    """
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from tandem.common.diffusion import architecture, build_denoiser, build_scheduler
+    from tandem.common.errors import CheckpointError
+
+    if s3 is None or bucket is None:
+        from tandem.common.settings import Settings, load
+        from tandem.common.storage import s3_client
+
+        settings = load(Settings, "checkpoint loader")
+        s3 = s3 if s3 is not None else s3_client(settings)
+        bucket = bucket or settings.s3_bucket
+    declared = dict(config or {})
+    with tempfile.TemporaryDirectory(prefix="tandem-serving-") as tmp:
+        r = restore(s3, bucket, run_id, Path(tmp), step=step, fallback=fallback,
+                    files=serving_files)
+        cfg_path = r.path / MODEL_CONFIG
+        try:
+            mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
+        except ValueError as exc:
+            raise CheckpointError(run_id, r.step, f"{MODEL_CONFIG} is not JSON: {exc}") from None
+        try:
+            cfg = architecture(mc)
+        except ValueError as exc:
+            raise CheckpointError(run_id, r.step, str(exc)) from None
+        stored = {"kind": mc.get("kind", "unet"), **cfg.to_dict()}
+        wrong = config_mismatch(declared, stored, stored)
+        if wrong:
+            raise CheckpointError(run_id, r.step, "the registry declares another architecture "
+                                  f"than the checkpoint's {MODEL_CONFIG}: " + "; ".join(wrong))
+        unet = build_denoiser(cfg)
+        try:
+            unet.load_state_dict(load_file(str(r.path / MODEL_WEIGHTS)))
+            ema = load_file(str(r.path / EMA_WEIGHTS)) if (r.path / EMA_WEIGHTS).exists() \
+                else {}
+            _, unexpected = unet.load_state_dict(ema, strict=False)
+        except RuntimeError as exc:  # missing/unexpected keys, shapes that do not fit
+            raise CheckpointError(run_id, r.step, f"weights do not fit the architecture of "
+                                  f"{MODEL_CONFIG}: {str(exc)[:500]}") from None
+        if unexpected:
+            raise CheckpointError(run_id, r.step, f"EMA weights for unknown parameters: "
+                                  f"{sorted(unexpected)[:5]}")
+    return ServingModel(unet=unet.eval(), scheduler=build_scheduler(cfg), config=stored,
+                        run_id=run_id, step=r.step, skipped=r.skipped)
+
+
+def load_serving_model(run_id: str, config: dict[str, Any] | None = None, *,
+                       s3: Any = None, bucket: str | None = None,
+                       step: int | None = None) -> tuple[Any, Any, str, int]:
+    """``load_serving`` as ``(unet, scheduler, label, step)``, ``label`` = ``<run>/step-<N>``."""
+    m = load_serving(run_id, config, s3=s3, bucket=bucket, step=step)
+    return m.unet, m.scheduler, m.label, m.step

@@ -1,0 +1,249 @@
+"""Checkpoints in S3: listing, the verified download and restore, deletion.
+
+Keys and the manifest come from ``layout``. The manifest is the commit: a step without
+one is an upload in progress (or abandoned) and is never listed as committed or loaded.
+The checkpointer writes it once, with a conditional put, and never overwrites it
+(``tandem.checkpointer.mirror``).
+
+Readers (``tandem checkpoints restore``, the trainer resuming without local copies, the
+inference worker loading a run's weights) call ``restore`` or ``download``: every byte
+is checked against the manifest's size and sha256 before the directory is handed over,
+and ``restore`` falls back to the previous committed checkpoint when one is corrupt.
+A reader that already knows the step (the worker, told by ``ckpt.<run>.mirrored``)
+passes it with ``fallback=False`` and nothing is listed.
+
+Blocking (boto3); call from a thread in async code. No torch here: the files are bytes;
+what loads them uses safetensors (tensors) or ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.common.errors import CheckpointCorrupt, CheckpointNotFound
+from tandem.common.events import CheckpointManifest, FileEntry
+
+from .layout import (
+    CHUNK,
+    INCOMPLETE,
+    MANIFEST,
+    decode_manifest,
+    encode_manifest,
+    manifest_key,
+    object_key,
+    run_prefix,
+    step_name,
+    step_prefix,
+    steps_in_listing,
+)
+
+# --------------------------------------------------------------------------------- listing
+
+
+def _is_missing(exc: Exception) -> bool:
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
+
+
+def list_steps(s3: Any, bucket: str, run_id: str) -> dict[int, bool]:
+    """Every step with objects under the run's prefix -> whether it is committed."""
+    keys: list[str] = []
+    paginator = s3.get_paginator("list_objects_v2")
+    try:
+        for page in paginator.paginate(Bucket=bucket, Prefix=run_prefix(run_id)):
+            keys += [obj["Key"] for obj in page.get("Contents", [])]
+    except Exception as exc:
+        if _is_missing(exc):
+            return {}
+        raise
+    return steps_in_listing(keys, run_id)
+
+
+def committed_steps(s3: Any, bucket: str, run_id: str) -> list[int]:
+    """Committed steps of a run (those whose manifest is stored), oldest first."""
+    return [s for s, done in list_steps(s3, bucket, run_id).items() if done]
+
+
+def newest_committed(s3: Any, bucket: str, run_id: str) -> int | None:
+    """The newest committed step of a run, or None. (Not yet verified: see ``download``.)"""
+    steps = committed_steps(s3, bucket, run_id)
+    return steps[-1] if steps else None
+
+
+class _NotCommitted(CheckpointNotFound):
+    """The step has no manifest (``read_manifest``), as opposed to lacking a file."""
+
+
+def read_manifest(s3: Any, bucket: str, run_id: str, step: int) -> CheckpointManifest:
+    """The committed manifest of ``step``; ``CheckpointNotFound`` / ``CheckpointCorrupt``."""
+    try:
+        data = s3.get_object(Bucket=bucket, Key=manifest_key(run_id, step))["Body"].read()
+    except Exception as exc:
+        if _is_missing(exc):
+            raise _NotCommitted(run_id, step, "not committed (no manifest.json)",
+                                committed_steps(s3, bucket, run_id)) from None
+        raise
+    return decode_manifest(data, run_id, step)
+
+
+# -------------------------------------------------------------------------------- download
+
+
+def _download_file(s3: Any, bucket: str, run_id: str, step: int, entry: FileEntry,
+                   dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    size = 0
+    try:
+        body = s3.get_object(Bucket=bucket, Key=object_key(run_id, step, entry.name))["Body"]
+    except Exception as exc:
+        if _is_missing(exc):
+            raise CheckpointCorrupt(run_id, step, entry.name, "missing from S3") from None
+        raise
+    with open(dest, "wb") as f:
+        for chunk in body.iter_chunks(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+            f.write(chunk)
+    if size != entry.size:
+        raise CheckpointCorrupt(run_id, step, entry.name,
+                                f"size {size} bytes, manifest says {entry.size}")
+    got = h.hexdigest()
+    if got != entry.sha256:
+        raise CheckpointCorrupt(run_id, step, entry.name,
+                                f"sha256 {got}, manifest says {entry.sha256}")
+
+
+def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
+             files: Iterable[str] | None = None, manifest: CheckpointManifest | None = None,
+             concurrency: int = 8) -> Path:
+    """Download committed ``step`` into ``dest/step-<N>/`` and verify every byte.
+
+    Files land in ``step-<N>.incomplete/`` first and the directory is renamed only when
+    every file matches the manifest's size and sha256, so ``dest/step-<N>`` is always
+    whole (a previous copy there is replaced). ``files`` limits the download to some
+    names (the inference worker needs only the weights). Writes the manifest beside the
+    files. Raises ``CheckpointNotFound`` or ``CheckpointCorrupt`` (naming the file).
+    """
+    manifest = manifest or read_manifest(s3, bucket, run_id, step)
+    entries = manifest.files
+    if files is not None:
+        wanted = set(files)
+        missing = wanted - {f.name for f in entries}
+        if missing:
+            raise CheckpointNotFound(run_id, step, f"no file(s) {sorted(missing)} in manifest")
+        entries = [f for f in entries if f.name in wanted]
+    dest = Path(dest)
+    final = dest / step_name(step)
+    tmp = dest / (step_name(step) + INCOMPLETE)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with ThreadPoolExecutor(max(1, min(concurrency, len(entries)))) as pool:
+            futures = [pool.submit(_download_file, s3, bucket, run_id, step, e, tmp / e.name)
+                       for e in entries]
+            for fut in futures:
+                fut.result()
+        (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+@dataclass
+class Restored:
+    """What ``restore`` handed over, and which newer checkpoints it had to skip."""
+
+    run_id: str
+    step: int
+    path: Path
+    manifest: CheckpointManifest
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, reason)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
+
+
+def _asked_not_committed(run_id: str, step: int, committed: list[int]) -> CheckpointNotFound:
+    return CheckpointNotFound(run_id, step, f"not committed; committed steps: {committed}",
+                              committed)
+
+
+FileChoice = Iterable[str] | Callable[[CheckpointManifest], Iterable[str]]
+
+
+def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None = None,
+            fallback: bool = True, files: FileChoice | None = None,
+            on_skip: Callable[[int, str], None] | None = None) -> Restored:
+    """Download and verify the newest committed checkpoint (or ``step``), falling back.
+
+    Tries ``step`` (default: the newest committed) and, when a file or the manifest is
+    corrupt or missing, each older committed checkpoint in turn (unless ``fallback`` is
+    False). ``files`` limits the download (names, or a function of the manifest that
+    may raise ``CheckpointCorrupt`` when the checkpoint lacks what is needed).
+    ``on_skip(step, reason)`` is called for each checkpoint passed over. Raises
+    ``CheckpointNotFound`` when no committed checkpoint verifies.
+
+    With ``step`` and ``fallback=False`` nothing is listed unless it fails: the caller
+    knows which step it wants (the worker, from ``ckpt.<run>.mirrored``).
+    """
+    committed: list[int] | None = None  # listed only when needed
+    if step is not None and not fallback:
+        candidates = [step]
+    else:
+        committed = committed_steps(s3, bucket, run_id)
+        if step is not None and step not in committed:
+            raise _asked_not_committed(run_id, step, committed)
+        candidates = [s for s in reversed(committed) if step is None or s <= step]
+        if not fallback:
+            candidates = candidates[:1]
+    skipped: list[tuple[int, str]] = []
+    for s in candidates:
+        try:
+            manifest = read_manifest(s3, bucket, run_id, s)
+            wanted = files(manifest) if callable(files) else files
+            path = download(s3, bucket, run_id, s, dest, files=wanted, manifest=manifest)
+            return Restored(run_id, s, path, manifest, skipped)
+        except CheckpointNotFound as exc:
+            if committed is None and isinstance(exc, _NotCommitted):
+                raise _asked_not_committed(run_id, s, exc.available) from None
+            reason = exc.reason
+        except CheckpointCorrupt as exc:
+            reason = exc.reason
+        skipped.append((s, reason))
+        if on_skip is not None:
+            on_skip(s, reason)
+    why = "; ".join(f"step {s}: {r}" for s, r in skipped) or "none committed"
+    raise CheckpointNotFound(run_id, step, f"no committed checkpoint verifies ({why})",
+                             committed)  # None (not listed) when the caller named the step
+
+
+# ---------------------------------------------------------------------------------- delete
+
+
+def delete(s3: Any, bucket: str, run_id: str, step: int) -> int:
+    """Delete a checkpoint: the manifest first (it stops being committed), then its files.
+
+    Returns the number of objects deleted. Idempotent.
+    """
+    s3.delete_object(Bucket=bucket, Key=manifest_key(run_id, step))
+    prefix = step_prefix(run_id, step)
+    n = 1
+    paginator = s3.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            n += len(keys)
+    return n
