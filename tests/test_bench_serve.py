@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli import bench_serve
+from tandem.cli.bench import serve as bench_serve
 
 
 async def test_serve_bench_runs_every_side_and_reports_every_figure() -> None:

@@ -24,7 +24,7 @@ def test_every_service_folder_is_a_namespaced_package_with_its_own_entry_points(
         module = "tandem." + svc.replace("-", "_")
         assert mapping[module] == f"services/{svc}"
         folder = ROOT / "services" / svc
-        for name in ("__main__.py", "service.py", "README.md", "Dockerfile"):
+        for name in ("__main__.py", "service.py", "README.md"):
             assert (folder / name).is_file(), f"services/{svc}/{name} is missing"
 
 

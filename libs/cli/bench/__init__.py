@@ -8,13 +8,13 @@ import json
 
 # benchmark name -> module with `async def run(args) -> dict` and `add_arguments(p)`.
 BENCHES = {
-    "bus": "tandem.cli.bench_bus",
-    "checkpoint": "tandem.cli.bench_checkpoint",
-    "serve": "tandem.cli.bench_serve",
-    "agent": "tandem.cli.bench_agent",
-    "train": "tandem.cli.bench_train",
-    "failover": "tandem.cli.bench_failover",
-    "scale": "tandem.cli.bench_scale",
+    "bus": "tandem.cli.bench.bus",
+    "checkpoint": "tandem.cli.bench.checkpoint",
+    "serve": "tandem.cli.bench.serve",
+    "agent": "tandem.cli.bench.agent",
+    "train": "tandem.cli.bench.train",
+    "failover": "tandem.cli.bench.failover",
+    "scale": "tandem.cli.bench.scale",
 }
 
 
