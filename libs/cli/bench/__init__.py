@@ -1,4 +1,9 @@
-"""``tandem bench <what>``: Tandem against the raw baseline, in the same run."""
+"""tandem.cli.bench: ``tandem bench <what>``, Tandem against the raw baseline in the same run.
+
+One module per benchmark (``bus``, ``serve``, ...), their shared ``children`` helpers, and
+what only benches and scale tests run (``simfleet``, ``train_rank``). Bench code stays
+here, never in a service: services do not import it.
+"""
 
 from __future__ import annotations
 
