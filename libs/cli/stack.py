@@ -27,13 +27,12 @@ import sys
 import threading
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from tandem.cli import http
 from tandem.common import subjects
 from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
 from tandem.common.permissions import ADMIN
@@ -624,7 +623,7 @@ class Stack:
                 if not child.running:
                     code = child.proc.returncode if child.proc else None
                     result[name] = f"exited with code {code}"
-                elif child.spec.health_url is None or _http_ok(child.spec.health_url):
+                elif child.spec.health_url is None or http.is_ok(child.spec.health_url):
                     result[name] = "healthy"
                 else:
                     continue
@@ -708,11 +707,3 @@ def _run_async(coro: Any) -> Any:
 
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False

@@ -483,7 +483,10 @@ class DrainBoard(_KeyWatch):
             await view.update(key, value)
 
 
-class _MapWatch(_KeyWatch):
+class MapWatch(_KeyWatch):
+    """Every key of a KV bucket, kept current: ``apply(key, value or None, replayed)`` for
+    each key at start and after a rewatch (``replayed`` true), then for each change."""
+
     def __init__(self, bus: Bus, bucket: str,
                  apply: Callable[[str, bytes | None, bool], None]) -> None:
         super().__init__(bus, bucket, ">")

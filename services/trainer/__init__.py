@@ -1,7 +1,9 @@
-"""Tandem trainer: the coordinator service and the torchrun rank entry point.
+"""tandem.trainer: the coordinator service and the torchrun rank entry point.
 
+Imports only ``tandem.common`` (never another service, never the CLI).
 Modules without torch (the coordinator imports only these): ``service``,
 ``supervisor``, ``watch``, ``launcher``, ``health``, ``channel``, ``spec``,
 ``run_metrics``.
-With torch (ranks and benchmarks): ``rank``, ``loop``, ``data``, ``async_ckpt``.
+With torch (the ranks; ``tandem bench train`` drives them too): ``rank``, ``loop``,
+``data``, ``async_ckpt``.
 """

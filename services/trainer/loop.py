@@ -205,7 +205,9 @@ class TrainLoop:
 
     # ----------------------------------------------------------------------- checkpoints
 
-    def _rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's RNG states (generator, torch, python, numpy, cuda): what a
+        checkpoint keeps per rank so a resumed run draws the same numbers."""
         import numpy as np
 
         np_state = np.random.get_state()
@@ -241,7 +243,7 @@ class TrainLoop:
 
         Collective: every rank must call it at the same step.
         """
-        rng = self._rng_state()
+        rng = self.rng_state()
         if self.distributed:
             all_rng: list[Any] = [None] * self.world
             dist.all_gather_object(all_rng, rng)

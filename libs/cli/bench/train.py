@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             spec_path.with_suffix(".bench.json").write_text(json.dumps(
                 {"steps": args.steps, "rounds": args.rounds, "warmup": 5}))
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tandem.trainer.bench", str(spec_path),
+                sys.executable, "-m", "tandem.cli.bench.train_rank", str(spec_path),
                 str(root / "out.json"), env={**_env(), "OMP_NUM_THREADS": str(args.threads)})
             code = await proc.wait()
             if code != 0:

@@ -4,7 +4,7 @@ For each fleet size (default 10, 100 and 1,000 nodes of 8 simulated GPUs, 1 Hz),
 production topology on loopback: a control-plane JetStream cluster (``--hub-size``
 servers, domain ``hub``) holding every stream and KV bucket, one leaf-node server per
 GPU cluster (``--clusters``, default 4). Behind each leaf: that cluster's simulated
-nodes (``tandem.cluster_agent.fleet``: real ``NodeAgent``s multiplexed, at most
+nodes (``tandem.cli.bench.simfleet``: real ``NodeAgent``s multiplexed, at most
 ``--nodes-per-proc`` per process) and an inference worker serving the no-op model; on
 the hub: one gateway. Then:
 
@@ -34,13 +34,13 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from tandem.cli.bench_serve import _get_json, _pct, _ready
+from tandem.cli import http
+from tandem.cli.bench.children import ServiceProcess, child_env, ms, wait_ready
 from tandem.common.servers import NatsServer, Process, Topology, free_port
 
 GOAL_TASKS_PER_S = 1000.0
@@ -123,14 +123,6 @@ def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, 
             return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
         lower, below = le, cum
     return None
-
-
-def _http_text(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.read().decode()
-    except OSError:
-        return ""
 
 
 class Http:
@@ -218,21 +210,7 @@ class HeartbeatLag:
                 self.seen.append((time.perf_counter(), time.time() - at))
 
     def between(self, t0: float, t1: float) -> dict[str, float | None]:
-        return _ms([lag for t, lag in self.seen if t0 <= t < t1])
-
-
-def _ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50_ms": None, "p99_ms": None}
-    return {"p50_ms": round(_pct(values, 0.5) * 1e3, 3),
-            "p99_ms": round(_pct(values, 0.99) * 1e3, 3)}
-
-
-def _env(**values: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update({f"TANDEM_{k.upper()}": v for k, v in values.items()})
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+        return ms([lag for t, lag in self.seen if t0 <= t < t1])
 
 
 # ------------------------------------------------------------------------------- the run
@@ -256,8 +234,8 @@ class _Fleet:
         base = {"s3_endpoint": "http://127.0.0.1:9", "s3_access_key": "x", "s3_secret_key": "x",
                 "log_level": "warning", "log_format": "json", "metrics_port": str(port),
                 "cluster": cluster or "control", **self.topo.env_for(cluster)}
-        p = Process(name=name, log_path=self.root / f"{name}.log")
-        p._spawn([sys.executable, "-m", module], env=_env(**{**base, **values}))
+        p = ServiceProcess(name=name, log_path=self.root / f"{name}.log").start(
+            module, child_env(**{**base, **values}))
         self.procs[name] = (p, port)
 
     def split(self) -> dict[str, list[tuple[int, int]]]:
@@ -283,7 +261,7 @@ class _Fleet:
             await self._ready(f"worker-{c}", lambda h: bool(h.get("models_loaded")))
         for c, chunks in self.split().items():
             for j, (first, count) in enumerate(chunks):
-                self.spawn(f"agents-{c}-{j}", "tandem.cluster_agent.fleet", c,
+                self.spawn(f"agents-{c}-{j}", "tandem.cli.bench.simfleet", c,
                            fleet_nodes=str(count), fleet_first=str(first), fleet_prefix="n",
                            sim_gpus=str(a.gpus), sim_load="0.9", agent_interval=str(a.interval))
         for name in self.agent_procs():
@@ -293,7 +271,7 @@ class _Fleet:
                      timeout: float = 120) -> None:
         proc, port = self.procs[name]
         try:
-            await _ready(url or f"http://127.0.0.1:{port}/healthz", proc, pred, timeout)
+            await wait_ready(url or f"http://127.0.0.1:{port}/healthz", proc, pred, timeout)
         except RuntimeError:
             if proc.running or self.restarts.get(name):
                 raise
@@ -325,12 +303,12 @@ class _Fleet:
         tele = await bus.js.stream_info(TELEMETRY)
         beats = await bus.js.stream_info(f"KV_{KV_NODES}")
         healths = await asyncio.gather(*(asyncio.to_thread(
-            _get_json, f"http://127.0.0.1:{self.procs[n][1]}/healthz")
+            http.get_json, f"http://127.0.0.1:{self.procs[n][1]}/healthz")
             for n in self.agent_procs()))
-        varz = {name: await asyncio.to_thread(_get_json, f"http://127.0.0.1:{s.monitor_port}/varz")
+        varz = {name: await asyncio.to_thread(http.get_json, f"http://127.0.0.1:{s.monitor_port}/varz")
                 for name, s in self._servers().items()}
         metrics_text = await asyncio.to_thread(
-            _http_text, f"http://127.0.0.1:{self.procs['gateway'][1]}/metrics")
+            http.get_text, f"http://127.0.0.1:{self.procs['gateway'][1]}/metrics")
         return {
             "t": time.perf_counter(), "machine": machine_cpu(), "load": os.getloadavg()[0],
             "telemetry_seq": tele.state.last_seq, "heartbeat_seq": beats.state.last_seq,
@@ -424,7 +402,7 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
         "tasks": {"offered_per_s": a.task_rate, "accepted": len(ids), "rejected": tasks.rejected,
                   "not_done_30s_after": lost,
                   "throughput_per_s": round(len(ids) / dt, 1),
-                  "latency": _ms(tasks.latencies(ids))},
+                  "latency": ms(tasks.latencies(ids))},
     }
 
 
@@ -453,7 +431,7 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
             "accepted_per_s": round(accepted, 1),
             "completed_per_s": round((len(ids) - lost) / (last - t0), 1) if last > t0 else 0.0,
             "not_done_60s_after": lost, "gateway_cpu_cores": round(cpu / wall, 3),
-            "latency": _ms(tasks.latencies(ids)),
+            "latency": ms(tasks.latencies(ids)),
             "meets_goal": accepted >= GOAL_TASKS_PER_S and lost == 0}
 
 
@@ -467,7 +445,7 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
 
     srv = NatsServer(name="alone", log_path=root / "nats.log", store_dir=root / "js").start()
     port, metrics_port = free_port(), free_port()
-    gw = Process(name="gateway-alone", log_path=root / "gateway.log")
+    gw = ServiceProcess(name="gateway-alone", log_path=root / "gateway.log")
     try:
         bus = await Bus.connect(load(Settings, nats_url=srv.url), "bench")
         await bus.provision([*streams.core_streams(), streams.gen_stream("c0")])
@@ -481,12 +459,12 @@ async def _gateway_alone(args: argparse.Namespace, root: Path) -> dict[str, Any]
                 await asyncio.sleep(1.0)  # the node's heartbeat interval
 
         beating = asyncio.create_task(heartbeat())
-        gw._spawn([sys.executable, "-m", "tandem.gateway"], env=_env(
+        gw.start("tandem.gateway", child_env(
             nats_url=srv.url, http_port=str(port), metrics_port=str(metrics_port),
             cluster="c0", clusters="c0", max_backlog=str(BACKLOG_UNCAPPED),
             s3_endpoint="http://127.0.0.1:9", s3_access_key="x",
             s3_secret_key="x", log_level="warning", log_format="json"))
-        await _ready(f"http://127.0.0.1:{port}/healthz", gw)
+        await wait_ready(f"http://127.0.0.1:{port}/healthz", gw)
         tasks = Tasks()
         conns = [Http("127.0.0.1", port) for _ in range(args.burst_conns)]
         await asyncio.gather(*(tasks.submit(c) for c in conns))  # connections open, warm

@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 from nats.js.api import RetentionPolicy
 
+from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
@@ -60,36 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="max_batch of the batched side of (c)")
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
-def _ms(values: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(_pct(values, 0.5) * 1000, 3),
-            "p99_ms": round(_pct(values, 0.99) * 1000, 3)}
-
-
-def _get_json(url: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
-        return None
-
-
-async def _ready(url: str, proc: Process, pred: Any = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.running:
-            raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
-        got = await asyncio.to_thread(_get_json, url)
-        if got is not None and (pred is None or pred(got)):
-            return
-        await asyncio.sleep(0.05)  # polling the child's readiness endpoint
-    raise RuntimeError(f"{proc.name} not ready at {url}; see {proc.log_path}")
-
-
 class _Bench:
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.root = root
@@ -104,13 +72,10 @@ class _Bench:
         base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url, "s3_bucket": "bench",
                 "s3_access_key": "tandem", "s3_secret_key": "tandem", "log_level": "warning",
                 "log_format": "json", "metrics_port": str(free_port())}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-        env.update({f"TANDEM_{k.upper()}": v for k, v in {**base, **values}.items()})
-        return env
+        return child_env(**{**base, **values})
 
     def spawn(self, name: str, module: str, env: dict[str, str]) -> Process:
-        p = Process(name=name, log_path=self.root / f"{name}.log")
-        p._spawn([sys.executable, "-m", module], env=env)
+        p = ServiceProcess(name=name, log_path=self.root / f"{name}.log").start(module, env)
         self.procs.append(p)
         return p
 
@@ -118,7 +83,7 @@ class _Bench:
         env = self.env(cluster=cluster, node=name, worker_id=name, **values)
         p = self.spawn(name, "tandem.inference_worker", env)
         port = env["TANDEM_METRICS_PORT"]
-        await _ready(f"http://127.0.0.1:{port}/healthz", p,
+        await wait_ready(f"http://127.0.0.1:{port}/healthz", p,
                      lambda h: h.get("status") == "ok" and h.get("models_loaded"))
         return p
 
@@ -315,7 +280,7 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
     gw = b.spawn("gateway", "tandem.gateway", b.env(http_port=str(gw_port), clusters="lat",
                                                     cluster="lat", routing="static"))
     base = f"http://127.0.0.1:{gw_port}"
-    await _ready(f"{base}/healthz", gw)
+    await wait_ready(f"{base}/healthz", gw)
     await b.worker("w-lat", "lat", serve="noop")
     loop = asyncio.get_running_loop()
     tandem, hop = [], []
@@ -336,10 +301,10 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
                 hop.append(t1 - t0)
                 tandem.append(done - t1)
     raw = (await _raw_round_trips(bus, n + 20))[20:]
-    p50 = _pct(tandem, 0.5)
-    bound = GOAL_LATENCY * (_pct(raw, 0.5) + _pct(hop, 0.5))
-    return {"requests": n, "tandem": _ms(tandem), "raw_round_trip": _ms(raw),
-            "http_hop": _ms(hop), "goal_p50_ms": round(bound * 1000, 3),
+    p50 = pct(tandem, 0.5)
+    bound = GOAL_LATENCY * (pct(raw, 0.5) + pct(hop, 0.5))
+    return {"requests": n, "tandem": ms(tandem), "raw_round_trip": ms(raw),
+            "http_hop": ms(hop), "goal_p50_ms": round(bound * 1000, 3),
             "ratio_to_raw_plus_hop": round(p50 / (bound / GOAL_LATENCY), 3),
             "meets_goal": p50 <= bound}
 

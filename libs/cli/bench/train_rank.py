@@ -1,6 +1,9 @@
 """The measuring side of ``tandem bench train``: one process, one model, one data set.
 
-``python -m tandem.trainer.bench <launch.json> <out.json>`` trains segments of steps in
+Bench code, kept out of the trainer service: it drives the trainer's own ``TrainLoop``
+and rank helpers (``after_step``, ``checkpoint_writer``) as a rank would.
+
+``python -m tandem.cli.bench.train_rank <launch.json> <out.json>`` trains segments of steps in
 turn: *plain* (just ``train_step``) and *tandem* (the same step plus what a rank adds:
 the step report to the coordinator's relay, which publishes it to NATS, and an
 asynchronous checkpoint every ``checkpoint_every`` steps, whose background write must
@@ -93,7 +96,7 @@ def _state(loop: Any) -> dict[str, Any]:
     """What a checkpoint holds, as one object for a synchronous ``torch.save``."""
     return {"model": loop.model.state_dict(), "ema": loop.ema,
             "optimizer": loop.optimizer.state_dict(), "scheduler": loop.lr_sched.state_dict(),
-            "rng": {"ranks": [loop._rng_state()]}, "trainer": loop.trainer_state()}
+            "rng": {"ranks": [loop.rng_state()]}, "trainer": loop.trainer_state()}
 
 
 if __name__ == "__main__":

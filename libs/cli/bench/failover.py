@@ -25,12 +25,11 @@ import shutil
 import statistics
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from tandem.cli import http
 from tandem.cli.stack import ClusterConfig, ProcessKind, Stack, StackConfig
 from tandem.common import subjects
 from tandem.common.bus import Bus
@@ -72,14 +71,6 @@ def stack_config(*, ttl: float, grace: float, agent_interval: float, ack_wait: f
                 "HEARTBEAT_TTL": str(ttl), "FAILOVER_GRACE": str(grace),
                 **(worker_env or {})}),
         ))
-
-
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
 
 
 class Drill:
@@ -188,7 +179,7 @@ class Drill:
         child = self.stack.children[name]
         if not child.running or child.spec.health_url is None:
             return None
-        return _get(child.spec.health_url.replace("/healthz", path))
+        return http.get_bytes(child.spec.health_url.replace("/healthz", path))
 
     def health(self, name: str) -> dict[str, Any]:
         raw = self._endpoint(name, "/healthz")

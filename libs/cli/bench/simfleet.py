@@ -1,12 +1,13 @@
 """Many simulated nodes in one process: the agent's own ``NodeAgent``, N times, one bus.
 
-A simulated fleet for scale tests and ``tandem bench scale``: each node is a real
+A simulated fleet for scale tests and ``tandem bench scale`` (bench code: it lives with
+the CLI, not in the cluster agent's image): each node is a real
 ``NodeAgent`` (the same sampling, health rules, transitions, heartbeat and drain watch
 as ``python -m tandem.cluster_agent``) over a ``sim`` backend; only the process and the
 NATS connection are shared. Nodes are named ``<prefix><index>`` and their first ticks
 are spread over one interval, as independent hosts' would be.
 
-    TANDEM_CLUSTER=east TANDEM_FLEET_NODES=250 python -m tandem.cluster_agent.fleet
+    TANDEM_CLUSTER=east TANDEM_FLEET_NODES=250 python -m tandem.cli.bench.simfleet
 """
 
 from __future__ import annotations

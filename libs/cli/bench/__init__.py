@@ -1,4 +1,9 @@
-"""``tandem bench <what>``: Tandem against the raw baseline, in the same run."""
+"""tandem.cli.bench: ``tandem bench <what>``, Tandem against the raw baseline in the same run.
+
+One module per benchmark (``bus``, ``serve``, ...), their shared ``children`` helpers, and
+what only benches and scale tests run (``simfleet``, ``train_rank``). Bench code stays
+here, never in a service: services do not import it.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,13 @@ import json
 
 # benchmark name -> module with `async def run(args) -> dict` and `add_arguments(p)`.
 BENCHES = {
-    "bus": "tandem.cli.bench_bus",
-    "checkpoint": "tandem.cli.bench_checkpoint",
-    "serve": "tandem.cli.bench_serve",
-    "agent": "tandem.cli.bench_agent",
-    "train": "tandem.cli.bench_train",
-    "failover": "tandem.cli.bench_failover",
-    "scale": "tandem.cli.bench_scale",
+    "bus": "tandem.cli.bench.bus",
+    "checkpoint": "tandem.cli.bench.checkpoint",
+    "serve": "tandem.cli.bench.serve",
+    "agent": "tandem.cli.bench.agent",
+    "train": "tandem.cli.bench.train",
+    "failover": "tandem.cli.bench.failover",
+    "scale": "tandem.cli.bench.scale",
 }
 
 
