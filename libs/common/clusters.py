@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.common import log
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, MapWatch
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DrainRecord, Health, NodeHeartbeat, decode
-from tandem.common.fleet import FleetView, _MapWatch, summarize
+from tandem.common.fleet import FleetView, summarize
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
 
 _log = log.get("tandem.clusters")
@@ -111,8 +111,8 @@ class ClusterBoard:
         self._nodes: dict[str, _Node] = {}
         self._sums: dict[str, _Sums] = {c: _Sums(unhealthy_since=self.started) for c in clusters}
         self._expiry: list[tuple[float, int, str]] = []
-        self._watches = [_MapWatch(bus, KV_NODES, self._on_heartbeat),
-                         _MapWatch(bus, KV_DRAINS, self._on_drain)]
+        self._watches = [MapWatch(bus, KV_NODES, self._on_heartbeat),
+                         MapWatch(bus, KV_DRAINS, self._on_drain)]
 
     async def start(self) -> ClusterBoard:
         """Return once the current heartbeats and drains are loaded."""
