@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.common import log
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, MapWatch
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DrainRecord, Health, NodeHeartbeat, decode
-from tandem.common.fleet import FleetView, MapWatch, summarize
+from tandem.common.fleet import FleetView, summarize
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
 
 _log = log.get("tandem.clusters")

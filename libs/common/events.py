@@ -52,6 +52,11 @@ def now() -> float:
     return time.time()
 
 
+def struct_replace(obj: E, **changes: Any) -> E:
+    """A copy of the event ``obj`` with ``changes`` (KV compare-and-set updates)."""
+    return msgspec.structs.replace(obj, **changes)  # type: ignore[type-var]
+
+
 # ---------------------------------------------------------------------------- bus plumbing
 
 

@@ -28,12 +28,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from tandem.common import log, subjects
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, KeyWatch
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DrainRecord, GpuBrief, Health, ModelsLoaded, NodeHeartbeat, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
@@ -275,92 +274,7 @@ async def announce_models(bus: Bus, cluster: str, node: str, worker: str,
 OnDrain = Callable[[DrainRecord | None], Awaitable[None]]
 
 
-class _KeyWatch:
-    """Follows the keys of one KV pattern: the current values, then every change.
-
-    A KV watch is an ordered consumer. When it has been quiet for ``resync`` seconds the
-    watch checks that the server still has its consumer (a restarted server does not)
-    and, if not, watches again: the new watch's initial values replace the state, so an
-    update missed in between is not lost. Subclasses implement ``replace`` and ``update``.
-    """
-
-    def __init__(self, bus: Bus, bucket: str, pattern: str, resync: float = 5.0) -> None:
-        self.bus, self.bucket, self.pattern, self.resync = bus, bucket, pattern, resync
-        self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.rewatches = 0
-
-    async def replace(self, values: dict[str, bytes], first: bool) -> None: ...
-    async def update(self, key: str, value: bytes | None) -> None: ...
-
-    async def start(self) -> None:
-        """Return once the current values are loaded; raise if the bucket cannot be read."""
-        self._task = asyncio.create_task(self._run(), name=f"watch {self.bucket}")
-        ready = asyncio.create_task(self.ready.wait())
-        await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        if self._task.done():
-            self._task.result()  # raise what went wrong
-
-    async def stop(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-
-    async def _run(self) -> None:
-        backoff, failures = 0.2, 0
-        while not self._stop.is_set():
-            watcher = None
-            try:
-                kv = await self.bus.kv(self.bucket)
-                watcher = await kv.watch(self.pattern)
-                await self._follow(watcher)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a reconnect, a server restart: watch again
-                failures += 1
-                if not self.ready.is_set() and failures >= 5:
-                    raise
-                _log.warning("fleet.watch_failed", bucket=self.bucket, error=repr(exc))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                if watcher is not None:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
-
-    async def _follow(self, watcher: Any) -> None:
-        initial: dict[str, bytes] = {}
-        live = False
-        while not self._stop.is_set():
-            try:
-                entry = await watcher.updates(timeout=self.resync)
-            except NatsTimeout:
-                # Quiet: is the watch still there? Raises once the server has lost it.
-                await watcher._sub.consumer_info()
-                continue
-            if entry is None:  # the end of the current values
-                if not live:
-                    live = True
-                    first = not self.ready.is_set()
-                    self.rewatches += not first
-                    await self.replace(initial, first)
-                    self.ready.set()
-                continue
-            value = None if entry.operation in _DELETED or not entry.value else entry.value
-            if live:
-                await self.update(entry.key, value)
-            elif value is None:
-                initial.pop(entry.key, None)
-            else:
-                initial[entry.key] = value
-
-
-class DrainWatch(_KeyWatch):
+class DrainWatch(KeyWatch):
     """Whether one node is drained, kept current by a KV watch on ``drains``.
 
     ``drained`` is valid once ``start()`` returns. ``on_change(record)`` runs for every
@@ -441,7 +355,7 @@ class DrainWatch(_KeyWatch):
         await self._set(self._parse(value), notify=True)
 
 
-class DrainBoard(_KeyWatch):
+class DrainBoard(KeyWatch):
     """One watch on KV ``drains`` for every node of one cluster hosted by a process.
 
     A process that runs many nodes' agents (the simulated fleet multiplexes hundreds)
@@ -481,28 +395,3 @@ class DrainBoard(_KeyWatch):
         view = self.views.get(key)
         if view is not None:
             await view.update(key, value)
-
-
-class MapWatch(_KeyWatch):
-    """Every key of a KV bucket, kept current: ``apply(key, value or None, replayed)`` for
-    each key at start and after a rewatch (``replayed`` true), then for each change."""
-
-    def __init__(self, bus: Bus, bucket: str,
-                 apply: Callable[[str, bytes | None, bool], None]) -> None:
-        super().__init__(bus, bucket, ">")
-        self.apply = apply
-        self.keys: set[str] = set()
-
-    async def replace(self, values: dict[str, bytes], first: bool) -> None:
-        for key in self.keys - set(values):
-            self.apply(key, None, True)
-        for key, value in values.items():
-            self.apply(key, value, True)
-        self.keys = set(values)
-
-    async def update(self, key: str, value: bytes | None) -> None:
-        if value is None:
-            self.keys.discard(key)
-        else:
-            self.keys.add(key)
-        self.apply(key, value, False)

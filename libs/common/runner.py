@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tandem.common import log, metrics, tracing
+from tandem.common.backoff import Backoff
 from tandem.common.bus import Bus
 from tandem.common.errors import SettingsError, StreamConflict
 from tandem.common.settings import Settings, load
@@ -130,9 +131,12 @@ class HttpEndpoint:
 # --------------------------------------------------------------------------------- the life
 
 
+CONNECT_BACKOFF = Backoff(0.2, max_delay=5.0)  # between connects while NATS is unreachable
+
+
 async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: Any) -> Bus | None:
-    delay = 0.2
-    while not stopping.is_set():
+    retries = CONNECT_BACKOFF.retries(stop=stopping)
+    async for _ in retries:  # ends when stopping is set
         # Race each attempt against stopping: a SIGTERM while NATS is unreachable must
         # still end the process promptly.
         attempt = asyncio.create_task(Bus.connect(settings, name))
@@ -148,10 +152,7 @@ async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: A
             return attempt.result()
         except Exception as exc:
             lg.warning("runner.connect_failed", servers=settings.nats_servers, error=repr(exc),
-                       retry_in=delay)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stopping.wait(), delay)
-            delay = min(delay * 2, 5.0)
+                       retry_in=retries.delay)
     return None
 
 

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.common.bus import struct_replace
-from tandem.common.events import TASK_ORDER, GenerationTask, TaskRecord, TaskState, now
+from tandem.common.events import (
+    TASK_ORDER,
+    GenerationTask,
+    TaskRecord,
+    TaskState,
+    now,
+    struct_replace,
+)
 
 Move = Callable[[TaskRecord | None], TaskRecord | None]
 

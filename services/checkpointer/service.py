@@ -30,6 +30,7 @@ from pydantic import Field
 
 from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
+from tandem.common.backoff import Backoff
 from tandem.common.bus import Delivery, struct_replace
 from tandem.common.errors import Reject, Retry
 from tandem.common.events import (
@@ -185,9 +186,10 @@ class Checkpointer(Service):
     async def _mirror(self, ev: CheckpointWritten, directory: Path,
                       lg: Any) -> tuple[MirrorResult | None, str, int]:
         assert self.mirror is not None
-        delay = self.settings.retry_backoff
+        retries = Backoff(self.settings.retry_backoff, max_delay=30.0).retries(
+            attempts=self.settings.attempts, stop=self.ctx.stopping)
         reason = ""
-        for attempt in range(1, self.settings.attempts + 1):
+        async for attempt in retries:
             try:
                 await asyncio.to_thread(storage.ensure_bucket, self.s3, self.settings.s3_bucket)
                 result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
@@ -200,10 +202,8 @@ class Checkpointer(Service):
                 reason = f"{type(exc).__name__}: {exc}"
             OUTCOMES.labels("retried").inc()
             lg.warning("checkpoint.attempt_failed", attempt=attempt, error=reason)
-            if attempt < self.settings.attempts:
-                if await self.ctx.wait_stopping(delay):
-                    raise Retry("checkpointer stopping", delay=1.0)  # handed back, not lost
-                delay = min(delay * 2, 30.0)
+        if retries.stopped:
+            raise Retry("checkpointer stopping", delay=1.0)  # handed back, not lost
         return None, f"gave up after {self.settings.attempts} attempts: {reason}", \
             self.settings.attempts
 

@@ -2,15 +2,12 @@
 
 ``Drain`` is the node's drain flag as the pull loop reads it (``fleet.DrainWatch``
 underneath), exported as the ``tandem_worker_drained`` gauge. A fetch already waiting
-when the drain arrives can still return tasks; the loop hands those back (nak, so
-another worker or this one once undrained takes them) instead of starting them.
+when the drain arrives can still return tasks; the loop (``bus.Poller``, paused while
+drained) hands those back (nak, so another worker or this one once undrained takes them)
+instead of starting them.
 """
 
 from __future__ import annotations
-
-import contextlib
-
-from nats.aio.msg import Msg
 
 from tandem.common import log, metrics
 from tandem.common.bus import Bus
@@ -45,9 +42,3 @@ class Drain:
             _log.warning("worker.drained", reason=record.reason, by=record.by)
         else:
             _log.info("worker.undrained")
-
-    @staticmethod
-    async def hand_back(msgs: list[Msg]) -> None:
-        for msg in msgs:
-            with contextlib.suppress(Exception):
-                await msg.nak()

@@ -13,8 +13,9 @@ batches compatible tasks, runs one pipeline call, and for each task, in this ord
    status change; ``gen.status.<task>`` carries the others (running, failed, cancelled);
 4. only then the message is acked. In-progress acks keep it while it runs.
 
-Acks, naks and the DLQ are decided by the bus's ``Consumer``; ``on_dead`` marks a
-dead-lettered task ``failed`` with the reason.
+One ``bus.Poller`` pulls every lane (the bus's one consumer loop: priority, room, drain
+pause, hand-back on stop); acks, naks and the DLQ are decided by the bus's ack policy;
+``on_dead`` marks a dead-lettered task ``failed`` with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pydantic import Field, field_validator
 
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as records
-from tandem.common.bus import Consumer, Delivery, TypedKV
+from tandem.common.backoff import Backoff
+from tandem.common.bus import Consumer, Delivery, Poller, TypedKV
 from tandem.common.errors import Reject, Retry
 from tandem.common.events import (
     GenerationProgress,
@@ -46,7 +48,14 @@ from tandem.common.events import (
 from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
-from tandem.common.streams import KV_TASKS, Spec, core_streams, gen_consumers, gen_stream
+from tandem.common.streams import (
+    KV_TASKS,
+    ConsumerSpec,
+    Spec,
+    core_streams,
+    gen_consumers,
+    gen_stream,
+)
 from tandem.inference_worker import phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.drain import Drain
@@ -55,6 +64,7 @@ from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
 
 _log = log.get("tandem.inference_worker")
+UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 is down
 
 TASKS_DONE = metrics.Counter("tandem_worker_tasks", "Tasks finished by outcome", ["outcome"])
 BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
@@ -133,11 +143,10 @@ class InferenceWorker(Service):
         self._s3: Any = None
         self._bucket_ready = False
         self.tasks: TypedKV[TaskRecord] | None = None
-        self.inflight = 0
+        self.poller: Poller | None = None  # the pull loop over every consumer (run)
         self.steps_run = 0  # denoising steps of every pipeline call, for /healthz
         self.drain: Drain | None = None  # while drained, pull nothing new
         self.failover: Failover | None = None  # other clusters' stranded queues
-        self._slot = asyncio.Event()
         self._pulling = False  # ready: served models loaded (preload), consumers made
         # run: models follow their run's newest good checkpoint (hotswap.py); S3 is set in run.
         self.hotswap = HotSwapper(
@@ -152,6 +161,11 @@ class InferenceWorker(Service):
             out += [gen_stream(c, self.s.stream_replicas),
                     *gen_consumers(c, self.s.ack_wait, self.s.max_deliver)]
         return out
+
+    @property
+    def inflight(self) -> int:
+        """Tasks taken and not yet settled."""
+        return self.poller.inflight if self.poller is not None else 0
 
     def ready(self) -> bool:
         """Not until the served models are loaded (with ``preload``) and pulling starts:
@@ -203,17 +217,25 @@ class InferenceWorker(Service):
                     await self.hotswap.check(model, await self.hotswap.recorded(model))
                 else:
                     await self.pipeline(model)
-        consumers = [
-            bus.consumer(spec, GenerationTask, self.handle, on_dead=self.on_dead,
-                         span_name="gen process")
-            for spec in self._consumer_specs()
-        ]
+
+        def consumer(spec: ConsumerSpec) -> Consumer[GenerationTask]:
+            return bus.consumer(spec, GenerationTask, self.handle, on_dead=self.on_dead,
+                                span_name="gen process")
+
+        consumers = [consumer(spec) for spec in self._consumer_specs()]
+        # One loop over every lane (and, on failover, other clusters' lanes, which
+        # Failover puts into ``consumers``): tasks up to max_batch + prefetch at a time.
+        # A failing fetch waits from 10 ms up to idle_poll, so a reconnect costs little.
+        limit = self.s.max_batch + (self.s.prefetch or self.s.max_batch)
+        self.poller = Poller(consumers, batch=limit, concurrency=limit,
+                             idle_poll=self.s.idle_poll, paused=self._drained,
+                             backoff=Backoff(0.01, max_delay=self.s.idle_poll),
+                             on_stop=self._finish)
         cancel_sub = await bus.nc.subscribe(subjects.gen_cancel_all(), cb=self._on_cancel)
         self.drain = Drain(bus, self.s.cluster, self.s.node)
         await self.drain.start()
-        self.failover = Failover.for_worker(bus, self.s, consumers, lambda spec: bus.consumer(
-            spec, GenerationTask, self.handle, on_dead=self.on_dead, span_name="gen process"),
-            drained=self._drained)
+        self.failover = Failover.for_worker(bus, self.s, consumers, consumer,
+                                            drained=self._drained)
         self._pulling = True
         _log.info("worker.started", worker=self.worker_id, serve=self.served,
                   clusters=self.s.clusters, max_batch=self.s.max_batch)
@@ -224,7 +246,7 @@ class InferenceWorker(Service):
                 failover = tg.create_task(self.failover.run(ctx.stopping))
                 announce = tg.create_task(self._announce(ctx))
                 swaps = tg.create_task(self.hotswap.run(bus.nc))
-                await self._pull(ctx.stopping, consumers)
+                await self.poller.run(ctx.stopping)
                 batcher.cancel()
                 pump.cancel()
                 failover.cancel()
@@ -234,83 +256,30 @@ class InferenceWorker(Service):
             with contextlib.suppress(Exception):
                 await cancel_sub.unsubscribe()
             for c in consumers:
-                close = getattr(c, "close", None)
-                if close is not None:
-                    await close()
+                await c.close()
             await self.failover.close()
             await self.drain.stop()
         _log.info("worker.stopped", batches=self.batcher.batches)
 
-    def _consumer_specs(self) -> list[Any]:
+    def _consumer_specs(self) -> list[ConsumerSpec]:
         # Priority order: every cluster's interactive lane, then every batch lane.
         by_cluster = [gen_consumers(c, self.s.ack_wait, self.s.max_deliver)
                       for c in self.s.clusters]
         return [lanes[0] for lanes in by_cluster] + [lanes[1] for lanes in by_cluster]
 
-    async def _pull(self, stop: asyncio.Event, consumers: list[Consumer[GenerationTask]]) -> None:
-        """Fetch while there is room, best lane first; on stop, hand back what waits."""
-        limit = self.s.max_batch + (self.s.prefetch or self.s.max_batch)
-        lower_busy = False
-        async with asyncio.TaskGroup() as tg:
-            while not stop.is_set():
-                room = limit - self.inflight
-                if room <= 0 or self._drained():
-                    self._slot.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._slot.wait(), self.s.idle_poll)
-                    continue
-                # Best lane first. The top lane is long-polled unless a lower one had work
-                # last round, so an interactive task is taken the moment it arrives, and a
-                # busy batch lane is not held up by waits on an empty interactive one.
-                got: list[tuple[Consumer[GenerationTask], Msg]] = []
-                for i, c in enumerate(consumers):
-                    wait = self.s.idle_poll if i == 0 and not lower_busy else 0.01
-                    msgs = await self._fetch(c, room, wait)
-                    if msgs:
-                        got = [(c, m) for m in msgs]
-                        lower_busy = i > 0
-                        break
-                else:
-                    lower_busy = False
-                if got and self._drained():  # drained while the fetch waited: hand back
-                    await Drain.hand_back([m for _, m in got])
-                    got = []
-                for c, msg in got:
-                    self.inflight += 1
-                    tg.create_task(self._process(c, msg))
-            # Stopping: hand back what waits; let the running call finish if it can
-            # within most of the drain timeout, else stop it and hand its tasks back too.
-            self.batcher.close()
-            grace = self.s.drain_timeout - min(5.0, 0.3 * self.s.drain_timeout)
-            deadline = time.monotonic() + grace
-            while self.inflight and time.monotonic() < deadline:
-                self._slot.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._slot.wait(), deadline - time.monotonic())
-            if self.inflight:
-                _log.warning("worker.drain_abort", running=self.batcher.task_ids())
-                self.batcher.abort()
+    async def _finish(self) -> None:
+        """Stopping (the pull loop stopped fetching): hand back what waits; let the
+        running call finish if it can within most of the drain timeout, else stop it and
+        hand its tasks back too."""
+        assert self.poller is not None
+        self.batcher.close()
+        grace = self.s.drain_timeout - min(5.0, 0.3 * self.s.drain_timeout)
+        if not await self.poller.idle(grace):
+            _log.warning("worker.drain_abort", running=self.batcher.task_ids())
+            self.batcher.abort()
 
     def _drained(self) -> bool:
         return self.drain is not None and self.drain.drained
-
-    @staticmethod
-    async def _fetch(c: Consumer[GenerationTask], n: int, timeout: float) -> list[Msg]:
-        try:
-            return await c.fetch(n, timeout)
-        except TimeoutError:  # nothing came within the fetch's own timeout
-            return []
-        except Exception as exc:  # reconnects, leader elections: try again next round
-            _log.warning("worker.fetch_failed", consumer=c.spec.durable, error=repr(exc))
-            await asyncio.sleep(timeout)  # back off before the next fetch, not a sync point
-            return []
-
-    async def _process(self, c: Consumer[GenerationTask], msg: Msg) -> None:
-        try:
-            await c.process(msg)
-        finally:
-            self.inflight -= 1
-            self._slot.set()
 
     async def _announce(self, ctx: Context) -> None:
         """Tell the node's agent which models this worker has loaded (core NATS)."""
@@ -427,20 +396,17 @@ class InferenceWorker(Service):
             return []
         task_id = subjects.token(task_id, "task id")
         keys = [f"images/{task_id}/{i}.png" for i in range(len(images))]
-        deadline = time.monotonic() + self.s.upload_retry_for
-        delay = 0.2
-        attempt = 0
-        while True:
-            attempt += 1
+        retries = UPLOAD_BACKOFF.retries(within=self.s.upload_retry_for)
+        error = ""
+        async for attempt in retries:
             try:
                 await asyncio.to_thread(self._put_all, keys, images)
                 return keys
             except Exception as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ImageUploadError(task_id, attempt, repr(exc)) from None
-                _log.warning("worker.upload_retry", attempt=attempt, error=repr(exc))
-                await asyncio.sleep(delay)  # backoff between upload attempts
-                delay = min(delay * 2, 5.0)
+                error = repr(exc)
+                if retries.more():
+                    _log.warning("worker.upload_retry", attempt=attempt, error=error)
+        raise ImageUploadError(task_id, retries.attempt, error)
 
     def _put_all(self, keys: list[str], images: list[bytes]) -> None:
         if not self._bucket_ready:

@@ -31,6 +31,7 @@ import msgspec
 
 from tandem.common import checkpoints as ck
 from tandem.common import subjects, tracing
+from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import Bus, TypedKV, struct_replace
 from tandem.common.events import (
     Health,
@@ -48,6 +49,7 @@ from tandem.trainer.spec import LaunchSpec
 from tandem.trainer.watch import AttemptWatch, Outcome
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
+RECORD_BACKOFF = Backoff(0.1, max_delay=2.0)  # between writes of the run record
 BAD_HEALTH = (Health.unhealthy, Health.drained)
 
 
@@ -116,16 +118,14 @@ class RunSupervisor(AttemptWatch):
         self._last_kv = time.monotonic()
         # The ranks keep training through a bus outage (a NATS restart, a leader
         # election): retry for a while, then log and go on; the next update catches up.
-        deadline, delay = time.monotonic() + self.cfg.record_retry_s, 0.1
-        while True:
-            try:
-                return await (await self.kv()).update(self.run_id, apply)
-            except Exception as exc:
-                if time.monotonic() + delay > deadline:
-                    self.log.warning("run.record_failed", error=repr(exc))
-                    return None
-                await asyncio.sleep(delay)  # backoff between retries
-                delay = min(delay * 2, 2.0)
+        async def update() -> RunRecord | None:
+            return await (await self.kv()).update(self.run_id, apply)
+
+        try:
+            return await retry(update, RECORD_BACKOFF, within=self.cfg.record_retry_s)
+        except Exception as exc:
+            self.log.warning("run.record_failed", error=repr(exc))
+            return None
 
     async def _current(self) -> RunRecord | None:
         """The run's record, or None when it cannot be read now (bus outage)."""
@@ -243,7 +243,7 @@ class RunSupervisor(AttemptWatch):
                 ended = await self._conclude(outcome)
             if ended is not None:
                 return ended
-            delay = min(wd.backoff_s * 2 ** (self.restarts - 1), wd.backoff_max_s)
+            delay = Backoff(wd.backoff_s, max_delay=wd.backoff_max_s).delay(self.restarts)
             if await _wait(stopping, delay):
                 await self._status(RunState.restarting, "coordinator stopping")
                 return RunState.restarting

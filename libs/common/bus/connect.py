@@ -1,0 +1,175 @@
+"""The connection: one NATS client per process with JetStream, as ``Bus``.
+
+``Bus.connect`` reconnects without end and logs connection changes (a permission the
+server refuses is named, with the subject); ``Bus.drain`` flushes and closes within a
+timeout and is safe to call twice. Across a JetStream domain (a GPU cluster's leaf node
+reaching the control plane), ``DomainJetStream`` sends KV writes where the server
+expects them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.kv import KeyValue
+
+from tandem.common import log, metrics, subjects
+from tandem.common.bus.consumer import Consumer, Delivery
+from tandem.common.bus.kv import TypedKV
+from tandem.common.bus.publish import Publishing
+from tandem.common.events import DeadLetter
+from tandem.common.permissions import violation
+from tandem.common.settings import Settings
+from tandem.common.streams import ConsumerSpec, Spec, provision
+
+E = TypeVar("E")
+_log = log.get("tandem.bus")
+
+
+class DomainJetStream(JetStreamContext):
+    """JetStream in another domain (the control plane, reached through a leaf node).
+
+    API calls go to ``$JS.<domain>.API`` (nats-py does that). KV writes must too, as
+    ``$JS.<domain>.API.$KV.<bucket>.<key>``: the server does not carry ``$KV.>`` across
+    a leaf connection between domains. nats-py 2.16 still writes to the bare ``$KV``
+    subject (nats.py issue #1010, fixed upstream after 2.16 by matching nats.go's
+    ``putPre``), so this does the same here. Reads and watches keep the bare subjects,
+    which are the stream's own.
+    """
+
+    async def publish(self, subject: str, *args: Any, **kwargs: Any) -> PubAck:
+        if subject.startswith("$KV."):
+            subject = f"{self._prefix}.{subject}"
+        return await super().publish(subject, *args, **kwargs)
+
+
+class Bus(Publishing):
+    """A connected NATS client with JetStream, shared by a process's loops.
+
+    Its publishing verbs (``publish``, ``publish_once``, ``publish_many``, ``send``,
+    ``emit``) come from ``publish.Publishing``.
+    """
+
+    def __init__(self, nc: NATS, service: str, js_domain: str | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = (
+            nc.jetstream() if js_domain is None else DomainJetStream(nc, domain=js_domain))
+        self.service = service
+        self._kv: dict[str, KeyValue] = {}
+        self._typed: dict[tuple[str, type], TypedKV[Any]] = {}
+        self._acks = None  # the pipelined publish's inbox, made on the first send
+        self.api_prefix = "$JS.API" if js_domain is None else f"$JS.{js_domain}.API"
+
+    @classmethod
+    async def connect(cls, settings: Settings, service: str, **options: Any) -> Bus:
+        """Connect with endless reconnects; connection changes are logged."""
+        lg = log.get("tandem.bus", service=service)
+
+        async def on_error(exc: Exception) -> None:
+            denied = violation(exc)
+            if denied is not None:  # least privilege at work, or a missing grant
+                lg.error("nats.permission_denied", operation=denied.operation,
+                         subject=denied.subject, user=settings.nats_user or "",
+                         hint="refused by the server: see tandem.common.permissions")
+                return
+            lg.warning("nats.error", error=repr(exc))
+
+        async def on_disconnect() -> None:
+            lg.warning("nats.disconnected")
+
+        async def on_reconnect() -> None:
+            url = nc.connected_url.netloc if nc.connected_url else ""
+            lg.info("nats.reconnected", url=str(url))
+
+        auth: dict[str, Any] = {}
+        if settings.nats_user:
+            auth["user"] = settings.nats_user
+            auth["password"] = (
+                settings.nats_password.get_secret_value() if settings.nats_password else ""
+            )
+        if settings.nats_creds:
+            auth["user_credentials"] = settings.nats_creds
+        if settings.nats_tls_ca:
+            import ssl
+
+            auth["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
+            if settings.nats_tls_cert:  # mutual TLS: this client's certificate
+                auth["tls"].load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+        opts: dict[str, Any] = dict(
+            servers=settings.nats_servers,
+            name=f"tandem-{service}-{settings.cluster}-{settings.node}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=3,
+            allow_reconnect=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **auth,
+        )
+        opts.update(options)
+        nc = await nats.connect(**opts)
+        return cls(nc, service, settings.nats_js_domain)
+
+    async def provision(self, specs: Sequence[Spec]) -> list[str]:
+        created = await provision(self.js, specs)
+        if created:
+            _log.info("bus.provisioned", created=created)
+        return created
+
+    # ------------------------------------------------------------------------ consuming
+
+    def consumer(self, spec: ConsumerSpec, event_type: type[E],
+                 handler: Callable[[Delivery[E]], Awaitable[None]], **options: Any) -> Consumer[E]:
+        return Consumer(self, spec, event_type, handler, **options)
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def typed(self, bucket: str, event_type: type[E]) -> TypedKV[E]:
+        """Bucket ``bucket`` holding ``event_type`` values, written through this bus."""
+        key = (bucket, event_type)
+        if key not in self._typed:
+            self._typed[key] = TypedKV(await self.kv(bucket), event_type, self, bucket)
+        return self._typed[key]
+
+    async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
+        """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
+        md = msg.metadata
+        stream = md.stream or "unknown"
+        letter = DeadLetter(
+            stream=stream, subject=msg.subject, seq=md.sequence.stream,
+            num_delivered=md.num_delivered, reason=reason, data=bytes(msg.data),
+            headers={k: v for k, v in (msg.headers or {}).items()}, consumer=consumer,
+        )
+        await self.publish(subjects.dlq(stream), letter,
+                           msg_id=f"dlq-{stream}-{md.sequence.stream}", retry_for=10.0)
+        metrics.DEAD_LETTERS.labels(stream, reason.split(":")[0][:40]).inc()
+        _log.warning("bus.dead_letter", stream=stream, subject=msg.subject,
+                     seq=md.sequence.stream, reason=reason)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Flush and close within ``timeout`` seconds; safe to call twice.
+
+        While the server is unreachable a drain could wait forever on the reconnect
+        loop, so past the timeout the connection is simply closed: anything unsent was
+        never acknowledged, so no caller believes it was delivered.
+        """
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), timeout)
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), timeout)

@@ -1,0 +1,297 @@
+"""Consuming: ``Consumer`` (one durable pull consumer) and ``Poller`` (the one loop).
+
+A ``Consumer`` fetches (``pull.Pull``), decodes, runs its handler and settles the
+message by the ack policy (``acks``). It does not loop on its own: ``Consumer.run`` is a
+``Poller`` over that one consumer, and a service that pulls several queues (the
+inference worker: lanes in priority order, other clusters' queues on failover) composes
+its consumers into one ``Poller`` with its own room, polls and backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
+
+from tandem.common import log, tracing
+from tandem.common.backoff import Backoff
+from tandem.common.bus.acks import AckPolicy, DeadHook, hand_back
+from tandem.common.bus.headers import MSG_ID, TRACEPARENT, attach_remote
+from tandem.common.bus.pull import Pull
+from tandem.common.errors import EventDecodeError
+from tandem.common.events import decode
+from tandem.common.streams import ConsumerSpec
+
+if TYPE_CHECKING:
+    from tandem.common.bus.connect import Bus
+
+E = TypeVar("E")
+_log = log.get("tandem.bus")
+
+# Between fetches that fail (a server restart, a leader election, a reconnect).
+FETCH_BACKOFF = Backoff(0.1, max_delay=2.0)
+
+
+@dataclass(slots=True)
+class Delivery(Generic[E]):
+    """One delivered message with its decoded event."""
+
+    event: E
+    msg: Msg
+    consumer: Consumer[Any]
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def num_delivered(self) -> int:
+        return self.msg.metadata.num_delivered
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.msg.headers or {}
+
+    @property
+    def trace_id(self) -> str | None:
+        return tracing.trace_id(self.msg.headers)
+
+    async def in_progress(self) -> None:
+        """Reset the AckWait timer: this message is still being worked on."""
+        await self.msg.in_progress()
+
+    @contextlib.asynccontextmanager
+    async def keepalive(self, interval: float | None = None) -> AsyncIterator[None]:
+        """Send in-progress acks every ``interval`` seconds while the block runs."""
+        every = interval or max(self.consumer.spec.ack_wait / 3, 0.2)
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            while not stop.is_set():
+                if not await _wait(stop, every):
+                    with contextlib.suppress(Exception):
+                        await self.msg.in_progress()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+
+class Consumer(Generic[E]):
+    """One durable pull consumer: fetch, decode, handle, settle.
+
+    ``run(stop)`` pulls it on its own (a ``Poller`` of one) and returns when ``stop`` is
+    set and every in-flight handler finished; messages fetched but not started when
+    ``stop`` is set are handed back (nak). ``batch``, ``concurrency``, ``fetch_timeout``
+    (the long poll) and ``paused`` configure that loop.
+    """
+
+    def __init__(self, bus: Bus, spec: ConsumerSpec, event_type: type[E],
+                 handler: Callable[[Delivery[E]], Awaitable[None]], *, batch: int = 64,
+                 concurrency: int = 1, fetch_timeout: float = 1.0,
+                 on_dead: DeadHook | None = None, span_name: str | None = None,
+                 paused: Callable[[], bool] | None = None) -> None:
+        self.bus = bus
+        self.spec = spec
+        self.event_type = event_type
+        self.handler = handler
+        self.batch = batch
+        self.concurrency = concurrency
+        self.fetch_timeout = fetch_timeout
+        self.paused = paused
+        self.span_name = span_name or f"{spec.stream} process"
+        self.policy = AckPolicy(bus, spec, on_dead)
+        self._recording = tracing.recording()
+        self._sub: Pull | None = None
+
+    @property
+    def handled(self) -> int:
+        """Messages handled and acked."""
+        return self.policy.handled
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """Up to ``batch`` messages: what is there now, else the first to come within
+        ``timeout`` seconds and what came with it; ``[]`` if none came."""
+        if self._sub is None:
+            self._sub = await Pull.open(self.bus.nc, self.bus.api_prefix, self.spec.stream,
+                                        self.spec.durable)
+        return await self._sub.fetch(batch, timeout)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        lg = _log.bind(stream=self.spec.stream, consumer=self.spec.durable)
+        lg.info("consumer.start")
+        await Poller([self], batch=self.batch, concurrency=self.concurrency,
+                     idle_poll=self.fetch_timeout, paused=self.paused).run(stop)
+        await self.close()
+        lg.info("consumer.stopped", handled=self.handled)
+
+    async def close(self) -> None:
+        """Unsubscribe the pull inbox and hand back anything delivered but not fetched."""
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.close()
+
+    async def process(self, msg: Msg) -> None:
+        """Decode, handle and settle one message. Never raises except on cancel."""
+        policy = self.policy
+        reason = policy.exhausted(msg)
+        if reason is not None:
+            await policy.dead(msg, reason)
+            return
+        try:
+            event = decode(msg.data, self.event_type)
+        except EventDecodeError as exc:
+            await policy.dead(msg, f"undecodable: {exc.reason}")
+            return
+        delivery: Delivery[E] = Delivery(event, msg, self)
+        if self._recording:
+            with tracing.tracer().start_as_current_span(
+                    self.span_name, context=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
+                    attributes={"messaging.system": "nats",
+                                "messaging.destination.name": msg.subject,
+                                "messaging.consumer.group.name": self.spec.durable,
+                                "messaging.message.id": (msg.headers or {}).get(MSG_ID, "")}):
+                await self._settle(delivery)
+            return
+        # Not exporting: only carry the producer's trace context forward, so logs and
+        # anything published while handling stay in the producer's trace. This is the
+        # hot path, so the handler is awaited here rather than through _settle.
+        token = attach_remote((msg.headers or {}).get(TRACEPARENT))
+        try:
+            await self.handler(delivery)
+        except BaseException as exc:
+            await policy.failed(msg, exc)
+        else:
+            await policy.ack(msg)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    async def _settle(self, d: Delivery[E]) -> None:
+        try:
+            await self.handler(d)
+        except BaseException as exc:
+            await self.policy.failed(d.msg, exc)
+        else:
+            await self.policy.ack(d.msg)
+
+
+class Poller:
+    """The one pull loop: consumers taken in priority order, sharing one room.
+
+    Each round fetches as many messages as there is room for (``concurrency`` less the
+    handlers running; a whole ``batch`` for sequential handlers, ``concurrency`` 1) from
+    the first consumer that has any. The first is long-polled (``idle_poll``) unless a
+    lower one had work last round, so a message on it is taken the moment it arrives and
+    a busy lower one is not held up by waits on an empty first one; the others are
+    asked (``busy_poll``) for what they hold now.
+
+    - ``consumers`` is read every round: its owner may edit it in place (failover).
+    - A failed fetch (a reconnect, a leader election) is retried after ``backoff``,
+      which grows while fetches fail, is reset by one that succeeds, and ends at stop.
+    - While ``paused()`` nothing is fetched; what a fetch returns after it became paused
+      is handed back (nak), so another worker takes it now.
+    - On stop, messages fetched and not started are handed back, then ``on_stop()``
+      runs while handlers still run (the owner hands back work it holds and waits for
+      the rest with ``idle``); ``run`` returns once every handler finished.
+    """
+
+    def __init__(self, consumers: list[Consumer[Any]], *, batch: int = 64,
+                 concurrency: int = 1, idle_poll: float = 1.0, busy_poll: float = 0.01,
+                 paused: Callable[[], bool] | None = None, backoff: Backoff = FETCH_BACKOFF,
+                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.consumers = consumers
+        self.batch = batch
+        self.concurrency = concurrency
+        self.idle_poll = idle_poll
+        self.busy_poll = busy_poll
+        self.paused = paused
+        self.backoff = backoff
+        self.on_stop = on_stop
+        self.inflight = 0  # handlers running (concurrent handlers only)
+        self._slot = asyncio.Event()  # set when a handler finishes
+
+    async def run(self, stop: asyncio.Event) -> None:
+        retries = self.backoff.retries(stop=stop)
+        lower_busy = False
+        async with asyncio.TaskGroup() as tg:
+            while not stop.is_set():
+                if self.paused is not None and self.paused():
+                    await _wait(stop, self.idle_poll)
+                    continue
+                room = self.batch if self.concurrency == 1 else min(
+                    self.batch, self.concurrency - self.inflight)
+                if room <= 0:
+                    self._slot.clear()
+                    await _wait(self._slot, self.idle_poll)
+                    continue
+                owner, msgs = None, []
+                for i, c in enumerate(self.consumers):
+                    wait = self.idle_poll if i == 0 and not lower_busy else self.busy_poll
+                    try:
+                        msgs = await c.fetch(room, wait)
+                    except Exception as exc:
+                        _log.warning("consumer.fetch_failed", stream=c.spec.stream,
+                                     consumer=c.spec.durable, error=repr(exc))
+                        if not await retries.wait():
+                            break  # stopping
+                        continue
+                    retries.reset()
+                    if msgs:
+                        owner, lower_busy = c, i > 0
+                        break
+                else:
+                    lower_busy = False
+                if owner is None:
+                    continue
+                if self.paused is not None and self.paused():  # while the fetch waited
+                    await hand_back(msgs)
+                    continue
+                for i, msg in enumerate(msgs):
+                    if stop.is_set():
+                        await hand_back(msgs[i:])
+                        break
+                    if self.concurrency == 1:
+                        await owner.process(msg)
+                    else:
+                        self.inflight += 1
+                        tg.create_task(self._process(owner, msg))
+            if self.on_stop is not None:
+                await self.on_stop()
+
+    async def idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every running handler to finish; whether
+        they did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._slot.clear()
+            await _wait(self._slot, left)
+        return True
+
+    async def _process(self, c: Consumer[Any], msg: Msg) -> None:
+        try:
+            await c.process(msg)
+        finally:
+            self.inflight -= 1
+            self._slot.set()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for ``event`` at most ``timeout`` seconds; whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()

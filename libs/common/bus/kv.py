@@ -1,0 +1,253 @@
+"""KV buckets: typed values with compare-and-set, and watches that survive restarts.
+
+- ``TypedKV``: a bucket whose values are events of one type; ``update`` applies a
+  function by compare-and-set until it sticks.
+- ``KeyWatch``: follows one key pattern (current values, then changes) and watches again
+  when the server lost the watch; ``MapWatch`` feeds every key of a bucket to a callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import APIError
+from nats.js.kv import KeyValue
+
+from tandem.common import log
+from tandem.common.backoff import Backoff
+from tandem.common.bus.headers import EXPECTED_LAST, WRONG_LAST
+from tandem.common.events import decode, encode
+
+if TYPE_CHECKING:
+    from tandem.common.bus.connect import Bus
+
+E = TypeVar("E")
+_log = log.get("tandem.bus.kv")
+_DELETED = ("DEL", "PURGE")
+_KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]([-/_=.a-zA-Z0-9]*[-/_=a-zA-Z0-9])?")
+WATCH_BACKOFF = Backoff(0.2, max_delay=5.0)  # between re-watches of a lost KV watch
+
+
+class TypedKV(Generic[E]):
+    """A KV bucket whose values are events of one type, with compare-and-set updates.
+
+    Made with ``bus``, writes go through the bus's pipelined publish (``Bus.send``)
+    rather than a request each; a create that finds the key, and anything made without
+    a bus, is left to nats-py's ``KeyValue``.
+    """
+
+    def __init__(self, kv: KeyValue, event_type: type[E], bus: Bus | None = None,
+                 bucket: str = "") -> None:
+        if bus is not None and not bucket:
+            raise ValueError("TypedKV writing through a bus needs its bucket's name")
+        self.kv = kv
+        self.event_type = event_type
+        self.bus = bus
+        # nats-py writes a key to $KV.<bucket>.<key> (prefixed across a JetStream domain).
+        self._pre = f"$KV.{bucket}." if bus is None or bus.api_prefix == "$JS.API" \
+            else f"{bus.api_prefix}.$KV.{bucket}."
+
+    async def get(self, key: str) -> tuple[E, int] | None:
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if entry.value is None:
+            return None
+        return decode(entry.value, self.event_type), entry.revision or 0
+
+    async def put(self, key: str, value: E) -> int:
+        """Write ``key`` whatever it holds; returns the new revision."""
+        return await self._write(key, encode(value), None)
+
+    async def create(self, key: str, value: E) -> int | None:
+        """Create ``key``; return None if it already exists."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        data = encode(value)
+        try:
+            if self.bus is not None:
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    return await self._write(key, data, 0)
+            # The key exists, or once did: nats-py also re-creates a deleted key.
+            return await self.kv.create(key, data)
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def _write(self, key: str, data: bytes, last: int | None) -> int:
+        """Write ``key`` if its revision is ``last`` (0: it does not exist; None: any)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        if self.bus is None:
+            if last is None:
+                return await self.kv.put(key, data)
+            return await self.kv.update(key, data, last=last)
+        if not _KV_KEY.fullmatch(key):
+            from nats.js.errors import InvalidKeyError
+
+            raise InvalidKeyError(key)
+        try:
+            [ack] = await self.bus.send([(self._pre + key, data, None if last is None
+                                          else {EXPECTED_LAST: str(last)})])
+        except APIError as err:
+            if err.err_code in WRONG_LAST:
+                raise KeyWrongLastSequenceError(description=err.description) from None
+            raise
+        return ack.seq
+
+    async def update(self, key: str, fn: Callable[[E | None], E | None],
+                     attempts: int = 50, expect: tuple[E, int] | None = None) -> E | None:
+        """Apply ``fn`` to the current value by compare-and-set until it sticks.
+
+        ``fn`` returns the new value, or None to leave the key as it is. Returns the
+        value stored (or the current one when ``fn`` declined). ``expect`` (a value and
+        its revision, known without reading) is tried first: if the key has moved on,
+        the compare-and-set fails and the loop reads it as usual.
+        """
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        for _ in range(attempts):
+            guessed = expect is not None
+            cur, expect = (expect or await self.get(key)), None
+            new = fn(cur[0] if cur else None)
+            if new is None:
+                if guessed:
+                    continue  # declined on the guess: decide on what is really stored
+                return cur[0] if cur else None
+            try:
+                if cur is None:
+                    await self.kv.create(key, encode(new))
+                else:
+                    await self._write(key, encode(new), cur[1])
+                return new
+            except KeyWrongLastSequenceError:
+                continue
+        raise RuntimeError(f"compare-and-set on {key} lost {attempts} races")
+
+    async def items(self) -> dict[str, E]:
+        from nats.js.errors import NoKeysError
+
+        out: dict[str, E] = {}
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return out
+        for k in keys:
+            got = await self.get(k)
+            if got is not None:
+                out[k] = got[0]
+        return out
+
+
+class KeyWatch:
+    """Follows the keys of one KV pattern: the current values, then every change.
+
+    A KV watch is an ordered consumer. When it has been quiet for ``resync`` seconds the
+    watch checks that the server still has its consumer (a restarted server does not)
+    and, if not, watches again: the new watch's initial values replace the state, so an
+    update missed in between is not lost. Subclasses implement ``replace`` and ``update``.
+    """
+
+    def __init__(self, bus: Bus, bucket: str, pattern: str, resync: float = 5.0) -> None:
+        self.bus, self.bucket, self.pattern, self.resync = bus, bucket, pattern, resync
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.rewatches = 0
+
+    async def replace(self, values: dict[str, bytes], first: bool) -> None: ...
+    async def update(self, key: str, value: bytes | None) -> None: ...
+
+    async def start(self) -> None:
+        """Return once the current values are loaded; raise if the bucket cannot be read."""
+        self._task = asyncio.create_task(self._run(), name=f"watch {self.bucket}")
+        ready = asyncio.create_task(self.ready.wait())
+        await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if self._task.done():
+            self._task.result()  # raise what went wrong
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        retries = WATCH_BACKOFF.retries(stop=self._stop)
+        async for attempt in retries:  # ends when stop is set
+            watcher = None
+            try:
+                kv = await self.bus.kv(self.bucket)
+                watcher = await kv.watch(self.pattern)
+                await self._follow(watcher)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a reconnect, a server restart: watch again
+                if not self.ready.is_set() and attempt >= 5:
+                    raise
+                _log.warning("kv.watch_failed", bucket=self.bucket, error=repr(exc))
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+
+    async def _follow(self, watcher: Any) -> None:
+        initial: dict[str, bytes] = {}
+        live = False
+        while not self._stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=self.resync)
+            except NatsTimeout:
+                # Quiet: is the watch still there? Raises once the server has lost it.
+                await watcher._sub.consumer_info()
+                continue
+            if entry is None:  # the end of the current values
+                if not live:
+                    live = True
+                    first = not self.ready.is_set()
+                    self.rewatches += not first
+                    await self.replace(initial, first)
+                    self.ready.set()
+                continue
+            value = None if entry.operation in _DELETED or not entry.value else entry.value
+            if live:
+                await self.update(entry.key, value)
+            elif value is None:
+                initial.pop(entry.key, None)
+            else:
+                initial[entry.key] = value
+
+
+class MapWatch(KeyWatch):
+    """Every key of ``bucket``, fed to ``apply(key, value or None, initial)``: the
+    current values on (re)watch (``initial`` True, deleted keys as None), then each
+    change."""
+
+    def __init__(self, bus: Bus, bucket: str,
+                 apply: Callable[[str, bytes | None, bool], None]) -> None:
+        super().__init__(bus, bucket, ">")
+        self.apply = apply
+        self.keys: set[str] = set()
+
+    async def replace(self, values: dict[str, bytes], first: bool) -> None:
+        for key in self.keys - set(values):
+            self.apply(key, None, True)
+        for key, value in values.items():
+            self.apply(key, value, True)
+        self.keys = set(values)
+
+    async def update(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.keys.discard(key)
+        else:
+            self.keys.add(key)
+        self.apply(key, value, False)
