@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cli.devstack import NatsCluster, NatsServer, S3Server
 from tandem.common.bus import Bus
-from tandem.common.servers import NatsCluster, NatsServer, S3Server
 from tandem.common.settings import Settings, load
 
 os.environ.setdefault("TANDEM_LOG_FORMAT", "json")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from tandem.cli.certs import CertFiles, dev_certs
-from tandem.common.servers import NatsServer, S3Server, free_port
+from tandem.cli.devstack import NatsServer, S3Server, free_port
 from tandem.gateway.auth import hash_key, new_key
 from tests.conftest import PYTHON, service_env
 

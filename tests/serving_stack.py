@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.cli.devstack import Process, free_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import DeadLetter, TaskRecord, decode
-from tandem.common.servers import Process, free_port
 from tandem.common.streams import KV_TASKS
 from tests.conftest import PYTHON, service_env
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tandem.cli.devstack import NatsServer, free_port
 from tandem.cluster_agent import faults
 from tandem.cluster_agent.agent import NodeAgent
 from tandem.cluster_agent.clock import ManualClock
@@ -20,7 +21,6 @@ from tandem.cluster_agent.sim import SimBackend
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
 from tandem.common.events import Health, HealthTransition, NodeTelemetry, decode
-from tandem.common.servers import NatsServer, free_port
 from tandem.common.streams import HEALTH, HEARTBEAT_TTL, TELEMETRY, core_streams
 from tests.conftest import PYTHON, service_env
 from tests.observability_support import scrape

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from nats.js.api import RetentionPolicy
 
+from tandem.cli.devstack import NatsServer
 from tandem.common import streams, subjects
-from tandem.common.bus import Bus, Consumer, Delivery, struct_replace
+from tandem.common.bus import Bus, Consumer, Delivery
 from tandem.common.errors import Reject, StreamConflict
-from tandem.common.events import DeadLetter, GenerationTask, decode
-from tandem.common.servers import NatsServer
+from tandem.common.events import DeadLetter, GenerationTask, decode, struct_replace
 from tandem.common.settings import Settings
 from tests.conftest import PYTHON, ROOT, service_env
 

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from tandem.checkpointer.service import Checkpointer, CheckpointerSettings, delete_local
+from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
 from tandem.common import log, subjects
 from tandem.common.bus import Bus
@@ -30,7 +31,6 @@ from tandem.common.events import (
     decode,
 )
 from tandem.common.runner import Context
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_RUNS

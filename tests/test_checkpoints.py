@@ -12,9 +12,9 @@ import pytest
 
 from tandem.checkpointer.mirror import Mirror, MirrorConfig
 from tandem.cli import checkpoints as cli
+from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
 from tandem.common.errors import CheckpointNotFound
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tests.checkpoint_support import MiB, write_checkpoint

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from tandem.cli.devstack import free_port
 from tandem.cli.main import build_parser
-from tandem.common.servers import free_port
 
 from .conftest import ROOT, service_env
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
+from tandem.cli.devstack import NatsCluster, S3Server, free_port
 from tandem.common import subjects
 from tandem.common.bus import MSG_ID, Bus
-from tandem.common.servers import NatsCluster, S3Server, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_TASKS
 from tests.serving_stack import gateway

@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.cli.devstack import S3Server
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard
 from tandem.common.events import Health, NodeHeartbeat, encode
 from tandem.common.models import Registry
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_NODES, core_streams, gen_stream

@@ -9,6 +9,7 @@ import time
 
 import msgspec
 
+from tandem.cli.devstack import NatsServer, free_port
 from tandem.cluster_agent.agent import NodeAgent
 from tandem.cluster_agent.clock import ManualClock
 from tandem.cluster_agent.sim import SimBackend
@@ -16,7 +17,6 @@ from tandem.common import fleet
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard
 from tandem.common.events import DrainRecord, Health, NodeHeartbeat
-from tandem.common.servers import NatsServer, free_port
 from tandem.common.streams import core_streams
 from tests.conftest import PYTHON, service_env
 from tests.test_agent import until

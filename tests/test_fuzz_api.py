@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.common.servers import S3Server
+from tandem.cli.devstack import S3Server
 from tests.security_support import Gateway, https_gateway
 
 ST = str(Path(sys.executable).parent / "st")

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from nats.js.api import RetentionPolicy
 
+from tandem.cli.devstack import NatsServer
 from tandem.common import events, streams
 from tandem.common.bus import Bus, Delivery
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DeadLetter, GenerationTask
-from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 
 

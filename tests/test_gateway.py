@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.cli.devstack import S3Server
 from tandem.common import subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, NodeHeartbeat, TaskRecord, TaskState, decode
 from tandem.common.models import Registry
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_NODES, KV_TASKS, core_streams, gen_stream

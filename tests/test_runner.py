@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
+from tandem.cli.devstack import free_port
 from tandem.common import streams
 from tandem.common.bus import Bus
-from tandem.common.servers import free_port
 from tandem.common.settings import Settings
 from tests.conftest import PYTHON, ROOT, service_env
 

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 
 from tandem.cli.bench import scale as bench_scale
+from tandem.cli.devstack import Topology
 from tandem.common import fleet, streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard
 from tandem.common.events import Health, NodeHeartbeat
-from tandem.common.servers import Topology
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_NODES, TELEMETRY
 from tests.serving_stack import Child

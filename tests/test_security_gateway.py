@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem.common.bus import Bus, struct_replace
-from tandem.common.events import RunRecord, RunState
+from tandem.cli.devstack import S3Server
+from tandem.common.bus import Bus
+from tandem.common.events import RunRecord, RunState, struct_replace
 from tandem.common.runs import submit_run
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS, core_streams
 from tandem.gateway.auth import AuthSettings, Guard, hash_key, new_key

@@ -26,11 +26,11 @@ import structlog
 from nats.errors import TimeoutError as NatsTimeout
 
 from tandem.cli.certs import dev_certs
+from tandem.cli.devstack import NatsServer
 from tandem.cli.stack import Stack, StackConfig
 from tandem.common import permissions, streams, subjects
 from tandem.common.bus import Bus, Delivery
 from tandem.common.events import GenerationResult, GenerationTask
-from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 from tests.conftest import PYTHON, ROOT, service_env
 

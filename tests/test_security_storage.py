@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidToken, SettingsError
 from tandem.common.events import DeadLetter, RunRecord, decode
 from tandem.common.models import RegistrySettings
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import DLQ, KV_RUNS

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.cli.devstack import NatsServer, S3Server, free_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import GenerationStatus, GenerationTask, TaskRecord, TaskState, decode
-from tandem.common.servers import NatsServer, S3Server, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import GEN_EVENTS, KV_TASKS

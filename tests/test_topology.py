@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.cli.devstack import LeafNode, S3Server, Topology, free_port
 from tandem.cli.stack import Stack, StackConfig
 from tandem.common import streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import ServerStartError
 from tandem.common.events import TaskRecord, TaskState, decode
-from tandem.common.servers import LeafNode, S3Server, Topology, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.streams import GEN_EVENTS, KV_NODES, KV_TASKS
 from tests.conftest import ROOT

@@ -6,10 +6,10 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from tandem.cli.devstack import NatsServer
 from tandem.common.bus import Bus
 from tandem.common.events import RunState, TrainStep
 from tandem.common.runs import submit_run
-from tandem.common.servers import NatsServer
 from tandem.common.streams import core_streams
 from tests.test_train_runs import (
     finished,

@@ -32,6 +32,7 @@ import pytest
 import pytest_asyncio
 from safetensors.torch import load_file
 
+from tandem.cli.devstack import NatsServer, free_port
 from tandem.cli.train import follow, render_status, watch
 from tandem.common import events, subjects, tracing
 from tandem.common.bus import Bus
@@ -45,7 +46,6 @@ from tandem.common.events import (
     TrainStep,
 )
 from tandem.common.runs import submit_run
-from tandem.common.servers import NatsServer, free_port
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS
 from tandem.trainer.launcher import proc_state

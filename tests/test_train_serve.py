@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tandem.cli.devstack import NatsServer, S3Server
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common import tasks as moves
@@ -29,7 +30,6 @@ from tandem.common.events import (
     TaskState,
     decode,
 )
-from tandem.common.servers import NatsServer, S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import DLQ, GEN_EVENTS, KV_TASKS

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import CheckpointError
 from tandem.common.events import CheckpointMirrored, RunRecord, encode
 from tandem.common.models import ModelSpec
-from tandem.common.servers import S3Server
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import KV_RUNS, core_streams

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cli.devstack import NatsServer
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig, RunExists
 from tandem.common.events import RunState, TrainStatus, decode
 from tandem.common.runs import DataSpec, RunConfig, get_run, parse_run_config, submit_run
-from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 from tandem.common.streams import core_streams
 from tandem.trainer.health import Goodput, LossHealth, StragglerDetector

@@ -33,10 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from tandem.cli import http
-from tandem.common import subjects
-from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
-from tandem.common.permissions import ADMIN
-from tandem.common.servers import (
+from tandem.cli.devstack import (
     NatsServer,
     Process,
     S3Server,
@@ -44,6 +41,9 @@ from tandem.common.servers import (
     free_port,
     port_in_use,
 )
+from tandem.common import subjects
+from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
+from tandem.common.permissions import ADMIN
 from tandem.common.settings import Settings, load
 from tandem.common.streams import ConsumerSpec, cluster_streams, core_streams
 

@@ -31,7 +31,7 @@ from pydantic import Field
 from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
 from tandem.common.backoff import Backoff
-from tandem.common.bus import Delivery, struct_replace
+from tandem.common.bus import Delivery
 from tandem.common.errors import Reject, Retry
 from tandem.common.events import (
     CheckpointFailed,
@@ -40,6 +40,7 @@ from tandem.common.events import (
     CheckpointWritten,
     RunRecord,
     now,
+    struct_replace,
 )
 from tandem.common.runner import Context, Service
 from tandem.common.settings import Settings

@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tandem.common.servers import free_port
 
 
 @dataclass
@@ -81,7 +80,7 @@ class LocalLauncher:
 
     async def start(self, placement: Placement, spec_path: Path, attempt_dir: Path,
                     env: dict[str, str] | None = None) -> Attempt:
-        port = free_port(self.master_addr)
+        port = rendezvous_port(self.master_addr)
         attempt = Attempt()
         base = dict(os.environ if env is None else env)
         base.setdefault("OMP_NUM_THREADS", "1")
@@ -122,6 +121,16 @@ class LocalLauncher:
             except TimeoutError:
                 codes[a.node] = None
         return codes
+
+
+def rendezvous_port(host: str) -> int:
+    """A port for the attempt's static rendezvous, which every agent must be told before
+    any starts (torchrun's ``--master-port``); node 0's agent binds it. If another
+    process takes it in between, the attempt fails to rendezvous and is restarted like
+    any failed attempt, with a new port."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:

@@ -21,8 +21,14 @@ from typing import Any
 from pydantic import Field
 
 from tandem.common import checkpoints, events, storage, subjects
-from tandem.common.bus import Delivery, struct_replace
-from tandem.common.events import HealthTransition, RunRecord, RunState, TrainStatus
+from tandem.common.bus import Delivery
+from tandem.common.events import (
+    HealthTransition,
+    RunRecord,
+    RunState,
+    TrainStatus,
+    struct_replace,
+)
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings

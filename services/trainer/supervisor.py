@@ -32,13 +32,14 @@ import msgspec
 from tandem.common import checkpoints as ck
 from tandem.common import subjects, tracing
 from tandem.common.backoff import Backoff, retry
-from tandem.common.bus import Bus, TypedKV, struct_replace
+from tandem.common.bus import Bus, TypedKV
 from tandem.common.events import (
     Health,
     NodeHeartbeat,
     RunRecord,
     RunState,
     TrainStatus,
+    struct_replace,
 )
 from tandem.common.runs import RunConfig
 from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 GOAL_CORE_FRACTION = 0.02
@@ -163,24 +161,19 @@ async def _fleet(bus: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem.cli.devstack import scratch_nats
     from tandem.common import log, streams
     from tandem.common.bus import Bus
-    from tandem.common.servers import NatsServer
     from tandem.common.settings import Settings, load
 
     log.configure("console", "error", stream=sys.stderr)  # stdout: the result
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-agent-") as tmp:
-        server = NatsServer(name="bench-agent", log_path=Path(tmp) / "nats.log",
-                            store_dir=Path(tmp) / "js").start()
-        try:
-            bus = await Bus.connect(load(Settings, nats_url=server.url), "bench")
-            await bus.provision(streams.core_streams())
-            single = await _single(bus, args)
-            realtime = await _realtime(bus, args)
-            fleet = await _fleet(bus, args)
-            await bus.drain()
-        finally:
-            server.stop()
+    with scratch_nats("agent") as (server, _):
+        bus = await Bus.connect(load(Settings, nats_url=server.url), "bench")
+        await bus.provision(streams.core_streams())
+        single = await _single(bus, args)
+        realtime = await _realtime(bus, args)
+        fleet = await _fleet(bus, args)
+        await bus.drain()
     return {
         "single_node": single, "realtime_1hz": realtime, "multiplexed": fleet,
         "goal_core_fraction": GOAL_CORE_FRACTION,

@@ -16,18 +16,16 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 from nats.js.api import RetentionPolicy
 
+from tandem.cli.devstack import scratch_nats
 from tandem.common import streams
 from tandem.common.bus import Bus, Delivery
 from tandem.common.events import GenerationTask, encode
-from tandem.common.servers import NatsServer
 from tandem.common.settings import Settings, load
 
 GOAL = 0.8
@@ -114,24 +112,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common import log
 
     log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        server = NatsServer(name="bench", log_path=Path(tmp) / "nats.log",
-                            store_dir=Path(tmp) / "js").start()
-        try:
-            settings = load(Settings, nats_url=server.url)
-            bus = await Bus.connect(settings, "bench")
-            rows: dict[str, list[float]] = {k: [] for k in
-                                            ("raw_pub", "raw_con", "tandem_pub", "tandem_con")}
-            await _round(bus, "warm", argparse.Namespace(**{**vars(args), "messages": 2000}), True)
-            for r in range(args.rounds):
-                for tandem in (False, True):
-                    pub, con = await _round(bus, f"{r}{int(tandem)}", args, tandem)
-                    side = "tandem" if tandem else "raw"
-                    rows[f"{side}_pub"].append(pub)
-                    rows[f"{side}_con"].append(con)
-            await bus.drain()
-        finally:
-            server.stop()
+    with scratch_nats("bus") as (server, _):
+        settings = load(Settings, nats_url=server.url)
+        bus = await Bus.connect(settings, "bench")
+        rows: dict[str, list[float]] = {k: [] for k in
+                                        ("raw_pub", "raw_con", "tandem_pub", "tandem_con")}
+        await _round(bus, "warm", argparse.Namespace(**{**vars(args), "messages": 2000}), True)
+        for r in range(args.rounds):
+            for tandem in (False, True):
+                pub, con = await _round(bus, f"{r}{int(tandem)}", args, tandem)
+                side = "tandem" if tandem else "raw"
+                rows[f"{side}_pub"].append(pub)
+                rows[f"{side}_con"].append(con)
+        await bus.drain()
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "messages": args.messages, "rounds": args.rounds, "window": args.window,

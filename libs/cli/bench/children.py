@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.cli import http
-from tandem.common.servers import Process
+from tandem.cli.devstack import Process
 
 
 @dataclass

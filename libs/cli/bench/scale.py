@@ -41,7 +41,7 @@ import msgspec
 
 from tandem.cli import http
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, wait_ready
-from tandem.common.servers import NatsServer, Process, Topology, free_port
+from tandem.cli.devstack import NatsServer, Process, Topology, free_port
 
 GOAL_TASKS_PER_S = 1000.0
 GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"

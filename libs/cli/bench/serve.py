@@ -31,6 +31,7 @@ from typing import Any
 from nats.js.api import RetentionPolicy
 
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
+from tandem.cli.devstack import NatsServer, Process, S3Server, free_port
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
@@ -42,7 +43,6 @@ from tandem.common.events import (
     decode,
     encode,
 )
-from tandem.common.servers import NatsServer, Process, S3Server, free_port
 from tandem.common.settings import Settings, load
 
 GOAL_LATENCY = 3.0

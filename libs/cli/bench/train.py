@@ -15,7 +15,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import msgspec
 
+    from tandem.cli.devstack import scratch_nats
     from tandem.common import log
     from tandem.common.bus import Bus
     from tandem.common.runs import parse_run_config
-    from tandem.common.servers import NatsServer
     from tandem.common.settings import Settings, load
     from tandem.common.streams import core_streams
     from tandem.trainer.launcher import LocalLauncher
@@ -51,10 +50,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = parse_run_config({**base, "run_id": "bench", "ranks": 1, "device": "cpu",
                             "batch_size": args.batch_size, "checkpoint_every": args.every,
                             "steps": total, "step_event_every": 1})
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-train-") as tmp:
-        root = Path(tmp)
-        server = NatsServer(name="bench", log_path=root / "nats.log",
-                            store_dir=root / "js").start()
+    with scratch_nats("train") as (server, root):
         bus = await Bus.connect(load(Settings, nats_url=server.url), "bench")
         try:
             await bus.provision(core_streams())
@@ -85,7 +81,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             relay.close()
         finally:
             await bus.drain()
-            server.stop()
     # Best of the rounds, as timeit does: on a shared machine the neighbours only ever
     # slow a segment down, so the fastest one is the closest to the code's own speed.
     plain, tandem = max(raw["plain_steps_per_s"]), max(raw["tandem_steps_per_s"])

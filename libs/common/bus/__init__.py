@@ -1,4 +1,4 @@
-"""The bus: one NATS connection per process, typed publish, typed pull consumers.
+"""tandem.common.bus: one NATS connection per process, typed publish, typed pull consumers.
 
 One concern per module:
 
@@ -23,7 +23,6 @@ from tandem.common.bus.consumer import Consumer, Delivery, Poller
 from tandem.common.bus.headers import EXPECTED_LAST, MSG_ID, TRACEPARENT
 from tandem.common.bus.kv import KeyWatch, MapWatch, TypedKV
 from tandem.common.bus.retry import retry_transient, transient
-from tandem.common.events import struct_replace  # its home; kept here for callers
 
 __all__ = [
     "EXPECTED_LAST",
@@ -41,6 +40,5 @@ __all__ = [
     "TypedKV",
     "delivered_count",
     "retry_transient",
-    "struct_replace",
     "transient",
 ]

@@ -1,4 +1,4 @@
-"""The one owner of the checkpoint layout, local and in S3 (torchtitan's
+"""tandem.common.checkpoints: the one owner of the checkpoint layout, local and in S3 (torchtitan's
 ``CheckpointManager`` in Tandem's shape: the commit stays manifest-last in S3).
 
 - ``layout``: ``step-<N>`` names, S3 keys and local paths, the manifest, retention;

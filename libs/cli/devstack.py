@@ -1,8 +1,10 @@
 """Real local servers as child processes: nats-server (single or clustered) and S3 (moto).
 
-Used by ``tandem dev up``, the benchmarks and the test fixtures alike, so the way a
-server is started, checked for readiness, killed with SIGKILL and restarted is written
-once. Readiness always comes from the server itself (its ``/healthz``), never a sleep.
+Dev infrastructure, not product: it lives with the CLI and no service imports it. Used
+by ``tandem dev up``, the benchmarks and the test fixtures alike, so the way a server is
+started, checked for readiness, killed with SIGKILL and restarted is written once.
+Readiness always comes from the server itself (its ``/healthz``), never a sleep. Servers
+bind port 0 themselves and the ports they chose are read back (no probe-then-bind race).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.cli import http
 from tandem.common.errors import ServerStartError
 
 
@@ -99,15 +102,9 @@ def _wait_http(url: str, deadline: float, proc: subprocess.Popen[bytes], what: s
                log_path: Path | None = None) -> None:
     while time.monotonic() < deadline:
         _fail_if_exited(proc, what, log_path)
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status < 500:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
+        resp = http.get(url, timeout=1)
+        if resp is not None and resp.status_code < 500:
+            return
         time.sleep(0.05)  # polling the server's own readiness endpoint
     raise ServerStartError(what, f"not ready at {url} in time")
 
@@ -226,9 +223,10 @@ class NatsServer(Process):
 
     def varz(self) -> dict[str, Any]:
         """The server's own /varz (configuration as it runs, with the ports it bound)."""
-        with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/varz",
-                                    timeout=5) as resp:
-            return json.loads(resp.read())
+        varz = http.get_json(f"http://{self.host}:{self.monitor_port}/varz", timeout=5)
+        if not isinstance(varz, dict):
+            raise ServerStartError(self.name, f"no /varz on port {self.monitor_port}")
+        return varz
 
     def restart(self, timeout: float = 20) -> NatsServer:
         self.stop()
@@ -382,14 +380,8 @@ class LeafNode(NatsServer):
 
     def connected(self) -> bool:
         """Whether this server's leaf connection to the hub is up (from its /leafz)."""
-        import json
-
-        try:
-            with urllib.request.urlopen(
-                    f"http://{self.host}:{self.monitor_port}/leafz", timeout=1) as resp:
-                return int(json.loads(resp.read()).get("leafnodes", 0)) > 0
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
-            return False
+        leafz = http.get_json(f"http://{self.host}:{self.monitor_port}/leafz", timeout=1)
+        return isinstance(leafz, dict) and int(leafz.get("leafnodes", 0)) > 0
 
     def wait_connected(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
@@ -513,3 +505,17 @@ def stop_all(procs: list[Process]) -> None:
     for p in procs:
         with contextlib.suppress(Exception):
             p.stop()
+
+
+@contextlib.contextmanager
+def scratch_nats(what: str) -> Iterator[tuple[NatsServer, Path]]:
+    """A JetStream nats-server of its own in a temporary folder (a bench's): yields the
+    server and the folder, and on exit stops the server and removes the folder."""
+    with tempfile.TemporaryDirectory(prefix=f"tandem-bench-{what}-") as tmp:
+        root = Path(tmp)
+        server = NatsServer(name=f"bench-{what}", log_path=root / "nats.log",
+                            store_dir=root / "js").start()
+        try:
+            yield server, root
+        finally:
+            server.stop()
