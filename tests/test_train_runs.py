@@ -110,7 +110,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     uid, port = uuid.uuid4().hex[:8], free_port()
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
-                   "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}"},
+                   "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}",
+                   "linger": f"linger-{uid}"},
                metrics_url=f"http://127.0.0.1:{port}/metrics", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
@@ -121,6 +122,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              faults={"crash_at_step": 3, "crash_rank": 1},
              watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
                        "startup_timeout_s": 200}),
+        tiny(bg["linger"], cluster=st.cluster, ranks=1, steps=2, checkpoint_every=2,
+             faults={"hang_on_exit_rank": 0},
+             watchdog={"hang_floor_s": 120, "startup_timeout_s": 200, "teardown_grace_s": 1}),
     ]))
     proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8",
                              metrics_port=str(port), otlp_endpoint=st.otlp.url)
@@ -458,6 +462,17 @@ async def test_restarts_are_bounded_then_run_fails_with_incident_history(
     final = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
                               and e.state == RunState.failed)
     assert "gave up after 1 restarts" in final.reason
+
+
+async def test_a_rank_that_hangs_on_exit_after_its_goodbye_is_stopped_and_the_run_succeeds(
+        stack: Stack, tbus: Bus) -> None:
+    rec = await finished(tbus, stack.background["linger"])
+    assert rec.state == RunState.succeeded, render_status(rec)
+    assert rec.restarts == 0 and rec.incidents == []
+    [rank] = rec.ranks
+    assert proc_state(int(rank["pid"])) in ("gone", "Z")  # stopped, not left behind
+    assert (stack.ckpt_root / rec.run_id / "step-2" / "model.safetensors").is_file()
+    assert "run.exit_hung_after_goodbye" in stack.log.read_text()
 
 
 async def test_nan_loss_rolls_back_and_skips_the_data_window(stack: Stack, tbus: Bus) -> None:

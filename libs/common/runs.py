@@ -100,6 +100,9 @@ class WatchdogSpec(_Spec):
     max_restarts: int = Field(5, ge=0, description="Past this the run is failed.")
     backoff_s: float = Field(1.0, ge=0, description="First restart delay; doubles each time.")
     backoff_max_s: float = Field(60.0, ge=0)
+    teardown_grace_s: float = Field(
+        20.0, gt=0, description="After the last step is done and every rank said goodbye, "
+        "how long ranks may take to exit before they are stopped (the run has succeeded).")
 
 
 class LossHealthSpec(_Spec):
@@ -126,6 +129,8 @@ class FaultSpec(_Spec):
     crash_rank: int = 0
     slow_rank: int | None = Field(None, description="This rank sleeps slow_s in every step.")
     slow_s: float = Field(0.0, ge=0)
+    hang_on_exit_rank: int | None = Field(
+        None, description="This rank never exits after its goodbye (a teardown that hangs).")
 
 
 class RunConfig(_Spec):

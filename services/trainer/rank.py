@@ -18,7 +18,7 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -52,7 +52,7 @@ def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def
     return torch.device("cpu"), "gloo"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=LaunchSpec)
     rank = int(os.environ.get("RANK", "0"))
@@ -113,7 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     channel.close()
     if distributed:
         dist.destroy_process_group()
-    return code
+    if faults.hang_on_exit_rank == rank and code == 0:
+        print(f"tandem rank {rank}: fault hook hang_on_exit_rank", file=sys.stderr, flush=True)
+        while True:
+            signal.pause()  # until the coordinator stops it
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit now, without the interpreter's teardown and while the caller's locals (the
+    model, the process group, gloo's threads) are still alive, so no destructor runs.
+
+    A finished rank was seen to hang in such a destructor (a native thread of
+    torch.distributed), first at interpreter exit and then, with ``os._exit`` after
+    ``main`` returned, while ``main``'s frame was freed: its launcher never exited and
+    the watchdog restarted a run that had already trained every step.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
@@ -158,11 +176,4 @@ def _num(x: float) -> float | str:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    # Everything is sent, written and closed by now: leave without the interpreter's
-    # teardown. A finished rank was seen to hang there (a native thread of
-    # torch.distributed, after destroy_process_group), so its launcher never exited and
-    # the watchdog restarted a run that had already trained every step.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    main()

@@ -120,6 +120,7 @@ class AttemptWatch:
         waiters = [asyncio.create_task(self._agent_exit(a.node, a.proc)) for a in attempt.agents]
         stop_task = asyncio.create_task(self._on_stop(stopping))
         started, last_step_at, done = time.monotonic(), None, False
+        finished_at: float | None = None  # when the last step was done and all said goodbye
         anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
         exits: dict[str, int] = {}
         try:
@@ -131,11 +132,22 @@ class AttemptWatch:
                 limit = (wd.startup_timeout_s if last_step_at is None or finishing
                          else hang.limit())
                 since = started if last_step_at is None else last_step_at
+                if finished_at is not None:  # only exiting is left: judged by its own grace
+                    limit, since = wd.teardown_grace_s, finished_at
                 try:
                     item = await asyncio.wait_for(self.q.get(), max(0.0, since + limit - now))
                 except TimeoutError:
                     if anomaly is not None:
                         return anomaly
+                    if finished_at is not None:
+                        # Every step is trained and its checkpoint written (rank 0 says
+                        # done only then): a rank stuck on its way out is stopped, and
+                        # the run has succeeded.
+                        self.log.warning("run.exit_hung_after_goodbye",
+                                         grace_s=wd.teardown_grace_s,
+                                         rank_states={r: proc_state(p)
+                                                      for r, p in sorted(self.pids.items())})
+                        return Outcome("succeeded")
                     kind = "startup_timeout" if last_step_at is None else "hang"
                     states = {r: proc_state(p) for r, p in sorted(self.pids.items())}
                     stopped = [r for r, s in states.items() if s in ("T", "t")]
@@ -211,6 +223,9 @@ class AttemptWatch:
                                 "at_step": message.step, "loss": message.loss,
                                 "grad_norm": message.grad_norm, "evidence": message.evidence,
                                 "detector": "rank loss health (update not applied)"})
+                    if (finished_at is None and done
+                            and len(self._byes) >= self.config.ranks):
+                        finished_at = time.monotonic()
         finally:
             stop_task.cancel()
             for w in waiters:
