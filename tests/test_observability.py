@@ -164,8 +164,10 @@ def test_compose_profiles_run_a_collector_prometheus_and_grafana_on_what_service
     assert collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
     assert "traces" in collector["service"]["pipelines"]
     # Prometheus scrapes every Tandem service at the port its runner serves /metrics on.
+    # A Tandem service is one built from the project's Dockerfile for a SERVICE.
     tandem = {name: svc for name, svc in services.items()
-              if str(svc.get("build", {}).get("dockerfile", "")).startswith("services/")}
+              if "SERVICE" in svc.get("build", {}).get("args", {})}
+    assert len(tandem) == 7, sorted(tandem)
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}
