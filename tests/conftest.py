@@ -23,6 +23,13 @@ os.environ.setdefault("TANDEM_LOG_FORMAT", "json")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a ``slow`` test run first (in their own order), so that with
+    ``--dist loadfile`` the longest files start at once instead of ending the run."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture
 def uid() -> str:
     """A short unique token for stream, cluster, task and bucket names."""

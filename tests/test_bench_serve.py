@@ -33,6 +33,7 @@ def _quotient(ratio: float, a: float, b: float) -> bool:
     return math.isclose(ratio, a / b, rel_tol=0.02, abs_tol=2e-3)
 
 
+@pytest.mark.slow
 async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient() -> None:
     r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--images", "4",
                                     "--steps", "2", "--batch", "2"))

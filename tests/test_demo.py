@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import ROOT, service_env
 
 DEMO = [sys.executable, "-m", "tandem.cli.main", "demo"]
@@ -21,6 +23,7 @@ SHORT = ["--steps", "20", "--checkpoint-every", "10", "--batch-size", "32",
          "--failover-timeout", "60", "--no-incident", "--grace", "10"]
 
 
+@pytest.mark.slow
 def test_demo_trains_serves_generates_every_digit_survives_a_dead_cluster_and_reports(
         tmp_path: Path) -> None:
     out = tmp_path / "demo"

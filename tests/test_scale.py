@@ -176,6 +176,7 @@ def test_bucket_quantile_interpolates_within_the_bucket_of_the_rank() -> None:
     assert bench_scale.histogram(text, "x") == [(1e-5, 3.0), (math.inf, 4.0)]
 
 
+@pytest.mark.slow
 async def test_scale_bench_runs_a_tiny_fleet_and_reports_every_figure() -> None:
     p = argparse.ArgumentParser()
     bench_scale.add_arguments(p)

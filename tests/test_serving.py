@@ -160,6 +160,7 @@ def s3_keys(stack: Stack, task_id: str) -> list[str]:
 # ------------------------------------------------------------------------------ happy path
 
 
+@pytest.mark.slow
 async def test_text_task_streams_every_step_then_final_state_with_presigned_images(
         stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
     task_id = await submit(http, model="tiny-text", prompt="a red fox", num_images=2,

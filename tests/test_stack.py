@@ -213,6 +213,7 @@ def test_dev_up_port_in_use_fails_fast_with_a_clear_message(tmp_path: Path, flag
     assert "[stack] ready" not in res.stdout
 
 
+@pytest.mark.slow
 def test_dev_up_runs_the_stack_and_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
     proc = subprocess.Popen([*CLI, "dev", "up", "--root", str(tmp_path), *FREE_PORTS],
                             cwd=ROOT, env=service_env(), stdout=subprocess.PIPE,

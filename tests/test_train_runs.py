@@ -161,7 +161,8 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 # The first test waits for runs that share two cores with everything else on the machine:
 # generous deadlines cost nothing when things go well.
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600),
+              pytest.mark.slow]
 
 
 @pytest_asyncio.fixture(loop_scope="module")
