@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from tandem.cli.certs import CertFiles, dev_certs
-from tandem.cli.devstack import NatsServer, S3Server, free_port
+from tandem.cli.devstack import NatsServer, S3Server, logged_metrics_port
 from tandem.gateway.auth import hash_key, new_key
 from tests.conftest import PYTHON, service_env
 
@@ -40,7 +40,9 @@ class Gateway:
                             timeout=kw.pop("timeout", 10), **kw)
 
 
-def _wait_port(metrics: int, proc: subprocess.Popen[bytes], log: Path) -> int:
+def _wait_port(proc: subprocess.Popen[bytes], log: Path) -> int:
+    """The gateway's API port, from its /healthz once ready (both ports it picked)."""
+    metrics = logged_metrics_port(proc, log, timeout=TIMEOUT)
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -64,11 +66,10 @@ def https_gateway(root: Path, s3: S3Server, keys: dict[str, tuple[list[str], dic
     entries = [{"name": n, "sha256": hash_key(secret[n]), "scopes": s, **extra}
                for n, (s, extra) in keys.items()]
     (root / "keys.json").write_text(json.dumps(entries))
-    metrics = free_port()
     env = service_env(**{
         "nats_url": nats.url, "s3_endpoint": s3.url, "s3_access_key": "tandem",
         "s3_secret_key": "tandem", "s3_bucket": "secgw", "cluster": "east",
-        "clusters": "east", "node": "gw", "http_port": "0", "metrics_port": str(metrics),
+        "clusters": "east", "node": "gw", "http_port": "0", "metrics_port": "0",
         "api_keys": f"@{root / 'keys.json'}", "http_tls_cert": str(certs.server_cert),
         "http_tls_key": str(certs.server_key), "routing": "static", **settings})
     log = root / "gateway.log"
@@ -76,7 +77,7 @@ def https_gateway(root: Path, s3: S3Server, keys: dict[str, tuple[list[str], dic
         proc = subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        port = _wait_port(metrics, proc, log)
+        port = _wait_port(proc, log)
         yield Gateway(f"https://127.0.0.1:{port}", secret, certs, log)
     finally:
         proc.terminate()

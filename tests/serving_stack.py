@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.cli.devstack import Process, free_port
+from tandem.cli.devstack import Process, log_offset, logged_metrics_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import DeadLetter, TaskRecord, decode
@@ -33,16 +33,27 @@ class Child(Process):
 
     module: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # 0: the service binds a free port itself and says which in its log; a restart
+    # keeps the port it had.
     metrics_port: int = 0
+    _log_from: int = 0
 
     def start(self) -> Child:
-        self.metrics_port = self.metrics_port or free_port()
+        self._log_from = log_offset(self.log_path)
         env = service_env(**{**self.env, "metrics_port": str(self.metrics_port)})
         self._spawn([PYTHON, "-m", self.module], env=env)
         return self
 
+    def metrics(self, timeout: float = DEADLINE) -> int:
+        """The port of the child's /healthz and /metrics (waits for it to listen)."""
+        if not self.metrics_port:
+            assert self.proc is not None, f"{self.name} was never started"
+            self.metrics_port = logged_metrics_port(self.proc, self.log_path, self._log_from,
+                                                    timeout)
+        return self.metrics_port
+
     def health(self, url: str | None = None) -> dict[str, Any] | None:
-        url = url or f"http://127.0.0.1:{self.metrics_port}/healthz"
+        url = url or f"http://127.0.0.1:{self.metrics()}/healthz"
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 return json.loads(resp.read())
@@ -71,9 +82,16 @@ def worker(root: Path, name: str, **env: str) -> Child:
                  env={"worker_id": name, **env})
 
 
-def gateway(root: Path, name: str, port: int, **env: str) -> Child:
+def gateway(root: Path, name: str, port: int = 0, **env: str) -> Child:
+    """A gateway child; with ``port`` 0 it binds a free one (``http_port(child)`` tells)."""
     return Child(name=name, log_path=root / f"{name}.log", module="tandem.gateway",
                  env={"http_port": str(port), **env})
+
+
+def http_port(gw: Child) -> int:
+    """The port a ready gateway serves its API on, as its /healthz reports it."""
+    h = gw.wait_healthy(lambda h: bool(h.get("http_port")))
+    return int(h["http_port"])
 
 
 async def wait_record(bus: Bus, task_id: str, pred: Callable[[TaskRecord], bool],
@@ -130,10 +148,15 @@ class Progress:
             await self._sub.unsubscribe()
 
 
+async def counts_on(bus: Bus, stream: str, subject: str) -> dict[str, int]:
+    """How many messages ``stream`` holds on each subject that ``subject`` matches."""
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    return dict(info.state.subjects or {})
+
+
 async def count_on(bus: Bus, stream: str, subject: str) -> int:
     """How many messages ``stream`` holds on ``subject``."""
-    info = await bus.js.stream_info(stream, subjects_filter=subject)
-    return sum((info.state.subjects or {}).values())
+    return sum((await counts_on(bus, stream, subject)).values())
 
 
 async def stream_messages(bus: Bus, stream: str, subject: str) -> list[Any]:

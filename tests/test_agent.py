@@ -9,11 +9,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tandem.cli.devstack import NatsServer, free_port
+from tandem.cli.devstack import NatsServer, logged_metrics_port
 from tandem.cluster_agent import faults
 from tandem.cluster_agent.agent import NodeAgent
 from tandem.cluster_agent.clock import ManualClock
@@ -220,13 +221,17 @@ async def test_models_announced_by_workers_appear_in_the_heartbeat(
 # ------------------------------------------------------------------------------ processes
 
 
-def start_agent(server: NatsServer, cluster: str, script: str,
+def start_agent(server: NatsServer, cluster: str, script: str, log: Path | None = None,
                 **settings: str) -> subprocess.Popen[bytes]:
     env = service_env(**{"nats_url": server.url, "cluster": cluster, "node": "n1",
                          "agent_backend": "sim", "sim_gpus": "2", "sim_load": "0.9",
                          "agent_interval": "0.2", "sim_faults": script, **settings})
-    return subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if log is None:
+        return subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("ab") as out:
+        return subprocess.Popen([PYTHON, "-m", "tandem.cluster_agent"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
 
 
 async def test_heartbeat_expires_after_kill_9_and_a_restart_adds_no_transition(
@@ -287,12 +292,13 @@ async def test_the_agent_die_fault_kills_the_agent_like_kill_9(
 
 
 async def test_the_agents_metrics_carry_its_gpus_as_its_last_telemetry_event_says(
-        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
-    cluster, port = f"c{uid}", free_port()
+        nats_server: NatsServer, fleet_bus: Bus, uid: str, tmp_path: Path) -> None:
+    cluster, log = f"c{uid}", tmp_path / "agent.log"
     sub = await fleet_bus.nc.subscribe(subjects.telemetry(cluster, "n1"))
     # One sample at start, the next a minute later: the event read is the last one.
-    proc = start_agent(nats_server, cluster, "", agent_interval="60", metrics_port=str(port))
+    proc = start_agent(nats_server, cluster, "", log, agent_interval="60", metrics_port="0")
     try:
+        port = await asyncio.to_thread(logged_metrics_port, proc, log)
         sample = decode((await sub.next_msg(timeout=30)).data, NodeTelemetry)
         series = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
         gpus = {(name, labels): value for (name, labels), value in series.items()

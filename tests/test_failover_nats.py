@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 
-from tandem.cli.devstack import NatsCluster, S3Server, free_port
+from tandem.cli.devstack import NatsCluster, S3Server
 from tandem.common import subjects
 from tandem.common.bus import MSG_ID, Bus
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_TASKS
-from tests.serving_stack import gateway
+from tests.serving_stack import gateway, http_port
 
 CLUSTER = "rthree"
 TASKS = 120
@@ -37,14 +37,13 @@ async def msg_ids(bus: Bus, stream: str) -> list[str]:
 
 async def test_killing_the_stream_leader_during_submission_loses_no_task_and_enqueues_none_twice(
         nats_cluster: NatsCluster, s3_server: S3Server, tmp_path: Path) -> None:
-    port = free_port()
-    gw = gateway(tmp_path, "gateway-r3", port, nats_url=nats_cluster.url, stream_replicas="3",
+    gw = gateway(tmp_path, "gateway-r3", nats_url=nats_cluster.url, stream_replicas="3",
                  routing="static", clusters=CLUSTER, cluster=CLUSTER, s3_endpoint=s3_server.url,
                  s3_access_key="tandem", s3_secret_key="tandem", publish_retry_for="30")
     gw.start()
     bus = await Bus.connect(load(Settings, nats_url=nats_cluster.url), "test")
     try:
-        gw.wait_healthy(url=f"http://127.0.0.1:{port}/healthz")
+        port = http_port(gw)
         stream = subjects.gen_stream_name(CLUSTER)
         info = await bus.js.stream_info(stream)
         assert info.config.num_replicas == 3 and info.cluster is not None

@@ -8,16 +8,26 @@ import json
 import signal
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from tandem.cli.devstack import free_port
+from tandem.cli.devstack import free_port, logged_metrics_port
 from tandem.common import streams
 from tandem.common.bus import Bus
 from tandem.common.settings import Settings
 from tests.conftest import PYTHON, ROOT, service_env
 
 TIMEOUT = 30
+
+
+async def _start_echo(env: dict[str, str], log: Path) -> tuple[asyncio.subprocess.Process, int]:
+    """The echo service, its metrics on a port it picks itself (read back from its log)."""
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            PYTHON, "-m", "tests.support.echo_service", cwd=ROOT,
+            env={**env, "TANDEM_METRICS_PORT": "0"}, stdout=out, stderr=subprocess.STDOUT)
+    return proc, await asyncio.to_thread(logged_metrics_port, proc, log, 0, TIMEOUT)
 
 
 async def _wait_healthy(url: str, proc: asyncio.subprocess.Process) -> dict:
@@ -36,13 +46,9 @@ async def _wait_healthy(url: str, proc: asyncio.subprocess.Process) -> dict:
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
-        settings: Settings, uid: str, loop: str) -> None:
-    port = free_port()
-    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port),
-                      event_loop=loop)
-    proc = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        settings: Settings, uid: str, loop: str, tmp_path: Path) -> None:
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, event_loop=loop)
+    proc, port = await _start_echo(env, tmp_path / "echo.log")
     try:
         health = await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         assert health["status"] == "ok" and health["service"] == "echo"
@@ -111,12 +117,9 @@ async def test_sigterm_while_nats_is_unreachable_exits_promptly_with_zero() -> N
 
 
 async def test_sigterm_after_nats_died_still_exits(settings: Settings, uid: str,
-                                                   nats_server) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    env = service_env(nats_url=settings.nats_url, echo_name=uid, metrics_port=str(port))
-    proc = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "tests.support.echo_service", cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+                                                   nats_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = service_env(nats_url=settings.nats_url, echo_name=uid)
+    proc, port = await _start_echo(env, tmp_path / "echo.log")
     try:
         await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         nats_server.kill()

@@ -33,6 +33,7 @@ from tests.serving_stack import (
     count_on,
     dead_letters,
     gateway,
+    http_port,
     stream_messages,
     terminal,
     wait_result,
@@ -57,7 +58,7 @@ class Stack:
         self.s3 = s3
         self.nats = NatsServer(name="serving", log_path=root / "nats.log", store_dir=root / "js")
         self.bucket = f"serving-{uuid.uuid4().hex[:8]}"
-        self.port = free_port()
+        self.port = 0  # the first gateway picks it; a restarted one serves on the same
         self.children: list[Child] = []
         self.gateway: Child | None = None
 
@@ -72,7 +73,7 @@ class Stack:
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
         self.children.append(gw.start())
-        gw.wait_healthy(url=f"{self.url}/healthz")
+        self.port = http_port(gw)
         self.gateway = gw
         return gw
 
@@ -445,7 +446,7 @@ def test_a_worker_is_not_ready_while_its_models_load(stack: Stack, tmp_path: Pat
     os.mkfifo(folder / "model_index.json")
     models = json.dumps([{"name": "slow", "source": f"dir:{folder}", "max_steps": 10}])
     w = stack.start_worker("w-slow", "idle", serve="slow", models=models)
-    url = f"http://127.0.0.1:{w.metrics_port}/healthz"
+    url = f"http://127.0.0.1:{w.metrics()}/healthz"
     try:
         deadline = time.monotonic() + DEADLINE
         while True:

@@ -32,7 +32,7 @@ import pytest
 import pytest_asyncio
 from safetensors.torch import load_file
 
-from tandem.cli.devstack import NatsServer, free_port
+from tandem.cli.devstack import NatsServer, logged_metrics_port
 from tandem.cli.train import follow, render_status, watch
 from tandem.common import events, subjects, tracing
 from tandem.common.bus import Bus
@@ -107,12 +107,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("train")
     nats = NatsServer(name="train", log_path=root / "nats.log", store_dir=root / "js")
     nats.start()
-    uid, port = uuid.uuid4().hex[:8], free_port()
+    uid = uuid.uuid4().hex[:8]
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
                    "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}",
                    "linger": f"linger-{uid}"},
-               metrics_url=f"http://127.0.0.1:{port}/metrics", otlp=Receiver())
+               metrics_url="", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
         tiny(bg["reference"], cluster=st.cluster),
@@ -127,8 +127,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              watchdog={"hang_floor_s": 120, "startup_timeout_s": 200, "teardown_grace_s": 1}),
     ]))
     proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8",
-                             metrics_port=str(port), otlp_endpoint=st.otlp.url)
+                             metrics_port="0", otlp_endpoint=st.otlp.url)
     try:
+        st.metrics_url = f"http://127.0.0.1:{logged_metrics_port(proc, st.log)}/metrics"
         yield st
     finally:
         stop_process(proc)

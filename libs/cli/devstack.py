@@ -9,6 +9,7 @@ bind port 0 themselves and the ports they chose are read back (no probe-then-bin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -62,12 +63,15 @@ def _port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-def _fail_if_exited(proc: subprocess.Popen[bytes], what: str, log_path: Path | None) -> None:
-    if proc.poll() is not None:
+def _fail_if_exited(proc: subprocess.Popen[bytes] | asyncio.subprocess.Process, what: str,
+                    log_path: Path | None) -> None:
+    # An asyncio child's returncode is kept current by its event loop; a Popen's by poll().
+    code = proc.poll() if isinstance(proc, subprocess.Popen) else proc.returncode
+    if code is not None:
         tail = ""
         if log_path and log_path.exists():
             tail = log_path.read_text(errors="replace")[-2000:]
-        raise ServerStartError(what, f"exited with code {proc.returncode}: {tail}")
+        raise ServerStartError(what, f"exited with code {code}: {tail}")
 
 
 def _read_ports(path: Path, deadline: float, proc: subprocess.Popen[bytes],
@@ -83,7 +87,8 @@ def _read_ports(path: Path, deadline: float, proc: subprocess.Popen[bytes],
 
 
 def _read_logged_port(pattern: re.Pattern[bytes], deadline: float,
-                      proc: subprocess.Popen[bytes], what: str, log_path: Path,
+                      proc: subprocess.Popen[bytes] | asyncio.subprocess.Process, what: str,
+                      log_path: Path,
                       offset: int) -> int:
     """The port a child server says it listens on in its log (it bound port 0 itself),
     read from ``offset`` on: what this start wrote, not an earlier run's lines."""
@@ -96,6 +101,25 @@ def _read_logged_port(pattern: re.Pattern[bytes], deadline: float,
             return int(m.group(1))
         time.sleep(0.02)  # polling the server's own log
     raise ServerStartError(what, f"no listening port in {log_path} in time")
+
+
+# What a Tandem service's runner logs once /healthz and /metrics listen (metrics_port=0
+# lets it pick the port itself).
+_RUNNER_METRICS = re.compile(rb'"metrics": "http://[^"]+:(\d+)/metrics"')
+
+
+def log_offset(log_path: Path) -> int:
+    """Where the next start's lines begin in ``log_path`` (0 for a new log)."""
+    return log_path.stat().st_size if log_path.exists() else 0
+
+
+def logged_metrics_port(proc: subprocess.Popen[bytes] | asyncio.subprocess.Process,
+                        log_path: Path, offset: int = 0, timeout: float = 90.0) -> int:
+    """The /metrics port a Tandem service started with ``metrics_port=0`` bound, from its
+    ``runner.started`` line (JSON logs, level info or lower) written after ``offset``. Blocks: from a coroutine,
+    call it in a thread (an asyncio child's exit is then still noticed)."""
+    return _read_logged_port(_RUNNER_METRICS, time.monotonic() + timeout, proc,
+                             f"{log_path.stem} (a Tandem service)", log_path, offset)
 
 
 def _wait_http(url: str, deadline: float, proc: subprocess.Popen[bytes], what: str,
