@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.devstack import NatsCluster, NatsServer, S3Server
+from tandem.cli.devstack import NatsServer, S3Server
+from tandem.cli.topology import NatsCluster
 from tandem.common.bus import Bus
 from tandem.common.settings import Settings, load
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from tandem.cli.stack import Stack, StackConfig
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
                   "--disable-background-networking", "--disable-component-update",

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from tandem.cli.devstack import NatsCluster, S3Server
+from tandem.cli.devstack import S3Server
+from tandem.cli.topology import NatsCluster
 from tandem.common import subjects
 from tandem.common.bus import MSG_ID, Bus
 from tandem.common.settings import Settings, load

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tandem.cli.stack import Stack, StackConfig
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
 
 from .observability_support import Receiver
 from .test_dashboard import REGISTRY, gateway_listening, http_json, wait_for

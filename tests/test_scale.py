@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from tandem.cli.bench import scale as bench_scale
-from tandem.cli.devstack import Topology
+from tandem.cli.topology import Topology
 from tandem.common import fleet, streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard

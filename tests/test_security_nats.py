@@ -27,7 +27,8 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from tandem.cli.certs import dev_certs
 from tandem.cli.devstack import NatsServer
-from tandem.cli.stack import Stack, StackConfig
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
 from tandem.common import permissions, streams, subjects
 from tandem.common.bus import Bus, Delivery
 from tandem.common.events import GenerationResult, GenerationTask

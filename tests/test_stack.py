@@ -18,15 +18,9 @@ from pathlib import Path
 import pytest
 
 from tandem.cli.run import service_class
-from tandem.cli.stack import (
-    Child,
-    Output,
-    ProcessSpec,
-    Stack,
-    StackConfig,
-    built_services,
-    stop_children,
-)
+from tandem.cli.stack import Stack, built_services
+from tandem.cli.stack_config import StackConfig
+from tandem.cli.supervise import Child, Output, ProcessSpec, stop_children
 from tandem.common.errors import SettingsError
 
 from .conftest import ROOT, service_env

@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem.cli.devstack import LeafNode, S3Server, Topology
-from tandem.cli.stack import Stack, StackConfig
+from tandem.cli.devstack import S3Server
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
+from tandem.cli.topology import LeafNode, Topology
 from tandem.common import streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import ServerStartError

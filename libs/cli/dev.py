@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from tandem.cli.stack import Cancelled, Stack, StackConfig
+from tandem.cli.stack import Cancelled, Stack
+from tandem.cli.stack_config import StackConfig
 from tandem.common.errors import ServerStartError, SettingsError
 
 DEFAULT_ROOT = Path(".tandem")

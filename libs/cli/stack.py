@@ -13,6 +13,10 @@ would, ``restart("east")`` brings them back, ``stop()`` leaves nothing behind.
 Stopping order: services first (SIGTERM so they drain, SIGKILL to the process group of
 any straggler after ``grace``), then S3 and NATS. A service's own children (trainer
 ranks) share its process group, so a kill never orphans them.
+
+A little past ~450 lines: ``Stack`` is one supervisor whose start order, per-cluster
+kill and restart, and stop order share its state; the process list is
+``tandem.cli.stack_config``, one supervised child ``tandem.cli.supervise``.
 """
 
 from __future__ import annotations
@@ -22,32 +26,23 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from tandem.cli import http
-from tandem.cli.devstack import (
-    NatsServer,
-    Process,
-    S3Server,
-    Topology,
-    free_port,
-    port_in_use,
-)
-from tandem.common import subjects
+from tandem.cli.devstack import NatsServer, S3Server, free_port, port_in_use
+from tandem.cli.stack_config import ProcessKind, StackConfig
+from tandem.cli.supervise import Child, Output, ProcessSpec, stop_children
+from tandem.cli.topology import Topology
 from tandem.common.errors import ServerStartError, SettingsError, StreamConflict
 from tandem.common.permissions import ADMIN
 from tandem.common.settings import Settings, load
 from tandem.common.streams import ConsumerSpec, cluster_streams, core_streams
 
-DEFAULT_CONFIG = Path(__file__).with_name("stack.toml")
 HOST = "127.0.0.1"
 S3_KEY = "tandem"  # moto accepts any credentials; services still need some
 
@@ -58,222 +53,6 @@ _PORT_FLAGS = {"nats": "--nats-port", "nats_monitor": "--nats-monitor-port",
 
 class Cancelled(Exception):
     """``Stack.start`` was interrupted (Ctrl-C / SIGTERM) before the stack was up."""
-
-
-# ---------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    name: str
-    nodes: int = 1
-
-
-@dataclass(frozen=True)
-class ProcessKind:
-    """One kind of process: a service, how many (global or per node) and its settings."""
-
-    service: str
-    name: str
-    scope: Literal["global", "node"] = "node"
-    env: dict[str, str] = field(default_factory=dict)
-    cluster: str = "control"  # TANDEM_CLUSTER of a global process
-    url: str | None = None  # where a user reaches it (printed when the stack is up)
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    """The process list as data: ports, bucket, clusters and process kinds."""
-
-    ports: dict[str, int]
-    bucket: str
-    clusters: tuple[ClusterConfig, ...]
-    processes: tuple[ProcessKind, ...]
-
-    @classmethod
-    def load(cls, path: Path | None = None) -> StackConfig:
-        """Read a stack file (default: the bundled ``stack.toml``); raise ``SettingsError``."""
-        path = path or DEFAULT_CONFIG
-        where = f"stack config {path}"
-        try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SettingsError(where, {"file": str(exc)}) from None
-        problems: dict[str, str] = {}
-        try:
-            clusters = tuple(ClusterConfig(**c) for c in raw.get("clusters", []))
-            kinds = tuple(ProcessKind(**p) for p in raw.get("processes", []))
-        except TypeError as exc:  # an unknown or missing key in an entry
-            raise SettingsError(where, {"clusters/processes": str(exc)}) from None
-        config = cls(ports={k: int(v) for k, v in raw.get("ports", {}).items()},
-                     bucket=str(raw.get("s3", {}).get("bucket", "tandem")),
-                     clusters=clusters, processes=kinds)
-        problems.update(config.problems())
-        if problems:
-            raise SettingsError(where, problems)
-        return config
-
-    def problems(self) -> dict[str, str]:
-        """Everything wrong with this config, by key; empty when valid."""
-        from tandem.cli.run import SERVICES
-
-        out: dict[str, str] = {}
-        for name in ("nats", "nats_monitor", "s3"):
-            if name not in self.ports:
-                out[f"ports.{name}"] = "missing"
-        for name, port in self.ports.items():
-            if not 0 <= port <= 65535:
-                out[f"ports.{name}"] = f"{port} is not a port (0 picks a free one)"
-        if not self.clusters:
-            out["clusters"] = "at least one cluster is needed"
-        seen: set[str] = set()
-        for c in self.clusters:
-            try:
-                subjects.token(c.name, "cluster")
-            except ValueError as exc:
-                out[f"clusters.{c.name}"] = str(exc)
-            if c.name in seen:
-                out[f"clusters.{c.name}"] = "listed twice"
-            seen.add(c.name)
-            if c.nodes < 1:
-                out[f"clusters.{c.name}.nodes"] = f"{c.nodes}: at least 1"
-        for k in self.processes:
-            if k.service not in SERVICES:
-                out[f"processes.{k.name}.service"] = (
-                    f"{k.service!r} is not one of {', '.join(sorted(SERVICES))}")
-            if k.scope not in ("global", "node"):
-                out[f"processes.{k.name}.scope"] = f"{k.scope!r}: use 'global' or 'node'"
-            for key in ("name", "cluster"):
-                try:
-                    subjects.token(getattr(k, key), key)
-                except ValueError as exc:
-                    out[f"processes.{k.name}.{key}"] = str(exc)
-        return out
-
-    def with_clusters(self, names: list[str]) -> StackConfig:
-        nodes = {c.name: c.nodes for c in self.clusters}
-        return replace(self, clusters=tuple(ClusterConfig(n, nodes.get(n, 1)) for n in names))
-
-    def with_ports(self, **ports: int | None) -> StackConfig:
-        merged = dict(self.ports)
-        merged.update({k: v for k, v in ports.items() if v is not None})
-        return replace(self, ports=merged)
-
-    def free_ports(self) -> StackConfig:
-        """Every port 0 (picked free at start): for the demo and tests beside a dev stack."""
-        return replace(self, ports=dict.fromkeys(self.ports, 0))
-
-
-# ---------------------------------------------------------------------------- child processes
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """One resolved child process: its name, command line and environment."""
-
-    name: str
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    service: str = ""
-    cluster: str = ""
-    health_url: str | None = None
-    url: str | None = None
-
-
-class Output:
-    """Where every child's lines go, prefixed with its name; one lock, whole lines."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-        self._lock = threading.Lock()
-
-    def line(self, name: str, text: str) -> None:
-        with self._lock:
-            try:
-                self.stream.write(f"[{name}] {text}\n")
-                self.stream.flush()
-            except (ValueError, OSError):  # sink closed (e.g. a pipe whose reader left)
-                pass
-
-
-class Child(Process):
-    """A supervised child: started in its own process group, its output pumped by a thread."""
-
-    def __init__(self, spec: ProcessSpec, out: Output, log_dir: Path) -> None:
-        super().__init__(name=spec.name, log_path=log_dir / f"{spec.name}.log")
-        self.spec = spec
-        self.out = out
-        self.starts = 0
-        self._reported_exit = False
-
-    def start(self) -> None:
-        if self.running:
-            return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # NOTE: a new session means Ctrl-C in the terminal reaches only the supervisor,
-        # which then stops services before the servers they drain into.
-        self.proc = subprocess.Popen(
-            list(self.spec.argv), env=self.spec.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self.starts += 1
-        self._reported_exit = False
-        threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
-                         name=f"pump-{self.name}").start()
-
-    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        with open(self.log_path, "ab") as log:
-            for raw in iter(proc.stdout.readline, b""):
-                log.write(raw)
-                log.flush()
-                self.out.line(self.name, raw.decode("utf-8", "replace").rstrip("\r\n"))
-        proc.stdout.close()
-
-    def signal(self, sig: signal.Signals, group: bool = False) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if group:
-                os.killpg(self.proc.pid, sig)
-            elif self.proc.poll() is None:
-                os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group, as a crash of the node would."""
-        self.signal(signal.SIGKILL, group=True)
-        if self.proc is not None:
-            self.proc.wait()
-
-    def exit_news(self) -> int | None:
-        """The exit code the first time an unexpected exit is seen, else None."""
-        if self.proc is None or self._reported_exit:
-            return None
-        code = self.proc.poll()
-        if code is None:
-            return None
-        self._reported_exit = True
-        return code
-
-
-def stop_children(children: list[Child], grace: float) -> list[str]:
-    """SIGTERM every child, wait up to ``grace`` seconds, SIGKILL the stragglers' groups.
-
-    Returns the names that had to be killed. Every process group is SIGKILLed at the end
-    either way, so a service's own leftover children never outlive it.
-    """
-    for c in children:
-        c.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    killed: list[str] = []
-    for c in children:
-        if c.proc is None:
-            continue
-        try:
-            c.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            killed.append(c.name)
-        c.kill()
-    return killed
 
 
 # ------------------------------------------------------------------------------------ the stack

@@ -16,6 +16,11 @@ batches compatible tasks, runs one pipeline call, and for each task, in this ord
 One ``bus.Poller`` pulls every lane (the bus's one consumer loop: priority, room, drain
 pause, hand-back on stop); acks, naks and the DLQ are decided by the bus's ack policy;
 ``on_dead`` marks a dead-lettered task ``failed`` with the reason.
+
+One module a little past ~450 lines: the four steps above are the worker's commit
+protocol and stay in one file so their order can be read in one place; batching is in
+``batcher``, pipelines in ``pipelines``, checkpoint swaps in ``hotswap``, failover in
+``failover``.
 """
 
 from __future__ import annotations

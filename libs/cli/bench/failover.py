@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from tandem.cli import http
-from tandem.cli.stack import ClusterConfig, ProcessKind, Stack, StackConfig
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import TaskRecord, TaskState, decode
