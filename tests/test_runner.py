@@ -30,6 +30,19 @@ async def _start_echo(env: dict[str, str], log: Path) -> tuple[asyncio.subproces
     return proc, await asyncio.to_thread(logged_metrics_port, proc, log, 0, TIMEOUT)
 
 
+async def _sigterm(proc: asyncio.subprocess.Process) -> int:
+    """SIGTERM the service; its exit code (within the deadline)."""
+    proc.send_signal(signal.SIGTERM)
+    return await asyncio.wait_for(proc.wait(), TIMEOUT)
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the service if a failed assertion left it running."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 async def _wait_healthy(url: str, proc: asyncio.subprocess.Process) -> dict:
     async def poll() -> dict:
         while True:
@@ -57,12 +70,9 @@ async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
         assert 'tandem_service_up{service="echo"} 1.0' in text
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+        assert await _sigterm(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _reap(proc)
 
 
 async def test_stream_conflict_at_start_exits_2_naming_stream_and_field(
@@ -108,12 +118,9 @@ async def test_sigterm_while_nats_is_unreachable_exits_promptly_with_zero() -> N
                 pass
 
         await asyncio.wait_for(wait_for_retry(), TIMEOUT)
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+        assert await _sigterm(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _reap(proc)
 
 
 async def test_sigterm_after_nats_died_still_exits(settings: Settings, uid: str,
@@ -123,9 +130,6 @@ async def test_sigterm_after_nats_died_still_exits(settings: Settings, uid: str,
     try:
         await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         nats_server.kill()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
+        assert await _sigterm(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _reap(proc)
