@@ -24,15 +24,14 @@ building the whole fleet view.
 
 One module past ~450 lines on purpose: the fleet it starts, the two windows it measures
 and the report it prints share one set of figures and their names; the fleet's nodes
-(``simfleet``) and the servers (``tandem.cli.topology``) are elsewhere.
+(``simfleet``), the load it offers (``load``) and the servers (``tandem.cli.topology``) are
+elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import math
 import os
 import sys
@@ -41,16 +40,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from tandem.cli import http
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, wait_ready
+from tandem.cli.bench.load import HeartbeatLag, Http, Tasks
 from tandem.cli.devstack import NatsServer, Process, free_port
 from tandem.cli.topology import Topology
 
 GOAL_TASKS_PER_S = 1000.0
 GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlog"
-NOOP_BODY = b'{"model":"noop"}'
 # No worker drains the queue when the gateway is measured alone, so its backlog cap (10,000
 # by default) would be hit within seconds and turn the rest of the burst into cheap 429s.
 BACKLOG_UNCAPPED = 10_000_000
@@ -128,97 +125,6 @@ def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, 
             return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
         lower, below = le, cum
     return None
-
-
-class Http:
-    """A minimal HTTP/1.1 keep-alive client: the load generator must cost far less CPU
-    than the gateway it measures (an httpx request costs about as much as the gateway's
-    own handling of it)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        self.writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        return status, await self.reader.readexactly(length)
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
-
-
-class Tasks:
-    """When each task was sent and when its ``succeeded`` status was seen."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, float] = {}
-        self.done: dict[str, float] = {}
-        self.rejected = 0
-        self.changed = asyncio.Event()
-
-    async def on_result(self, msg: Any) -> None:  # a task's result is its success
-        self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
-        self.changed.set()
-
-    async def submit(self, http: Http) -> None:
-        t0 = time.perf_counter()
-        status, body = await http.post("/v1/generations", NOOP_BODY)
-        if status != 202:
-            self.rejected += 1
-            return
-        self.sent[json.loads(body)["id"]] = t0
-
-    async def wait_all(self, ids: list[str], timeout: float) -> int:
-        """Wait (bounded) until every id is done; return how many are not."""
-        deadline = time.monotonic() + timeout
-        while (left := sum(i not in self.done for i in ids)) and time.monotonic() < deadline:
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
-        return left
-
-    def latencies(self, ids: list[str]) -> list[float]:
-        return [self.done[i] - self.sent[i] for i in ids if i in self.done]
-
-
-class HeartbeatLag:
-    """How late heartbeats reach the hub: each KV put on ``$KV.nodes.>`` seen by a core
-    subscriber, against the agent's own timestamp (same host, same clock). A backlog
-    anywhere between the agents and the hub shows as a lag that grows."""
-
-    class _At(msgspec.Struct):
-        at: float = 0.0
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[float, float]] = []  # (perf_counter, lag in seconds)
-        self._decode = msgspec.json.Decoder(self._At).decode
-
-    async def on_put(self, msg: Any) -> None:
-        with contextlib.suppress(msgspec.DecodeError):
-            at = self._decode(msg.data).at
-            if at:
-                self.seen.append((time.perf_counter(), time.time() - at))
-
-    def between(self, t0: float, t1: float) -> dict[str, float | None]:
-        return ms([lag for t, lag in self.seen if t0 <= t < t1])
-
-
-# ------------------------------------------------------------------------------- the run
 
 
 class _Fleet:
