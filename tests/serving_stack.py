@@ -12,15 +12,17 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.cli.devstack import Process, log_offset, logged_metrics_port
+from tandem.cli.devstack import NatsServer, Process, S3Server, log_offset, logged_metrics_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import DeadLetter, TaskRecord, decode
+from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_TASKS
 from tests.conftest import PYTHON, service_env
 
@@ -75,6 +77,42 @@ class Child(Process):
 
     def tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+class ServingStack:
+    """A NATS server of its own, a bucket of its own on the session's S3, and the
+    children a test module starts (killed by ``stop``)."""
+
+    def __init__(self, root: Path, s3: S3Server, name: str, models: str = "") -> None:
+        self.root = root
+        self.s3 = s3
+        self.nats = NatsServer(name=name, log_path=root / "nats.log", store_dir=root / "js")
+        self.bucket = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.models = models
+        self.children: list[Child] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Settings every child of this stack shares, with ``extra`` on top."""
+        base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url,
+                "s3_bucket": self.bucket, "s3_access_key": "tandem", "s3_secret_key": "tandem"}
+        return {**base, **({"models": self.models} if self.models else {}), **extra}
+
+    def settings(self) -> Settings:
+        return load(Settings, **{k: v for k, v in self.env().items() if k != "models"})
+
+    @contextlib.asynccontextmanager
+    async def bus(self) -> AsyncIterator[Bus]:
+        """A test's own connection to this stack's NATS."""
+        b = await Bus.connect(self.settings(), "test")
+        try:
+            yield b
+        finally:
+            await b.drain()
+
+    def stop(self) -> None:
+        for c in self.children:
+            c.kill()
+        self.nats.stop()
 
 
 def worker(root: Path, name: str, **env: str) -> Child:

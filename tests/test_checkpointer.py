@@ -97,7 +97,8 @@ class Case:
         return dict(nats_url=self.settings.nats_url, s3_endpoint=endpoint,
                     s3_bucket=self.bucket, s3_access_key="tandem", s3_secret_key="tandem",
                     s3_max_attempts=2, multipart_threshold=5 * MiB, part_size=5 * MiB,
-                    retry_backoff=0.1, ack_wait=3.0, **extra)
+                    retry_backoff=0.1, ack_wait=3.0,
+                    **{"checkpoint_root": str(self.root.parent), **extra})
 
     def checkpoint(self, step: int, sizes: dict[str, int] | None = None,
                    ) -> tuple[Path, CheckpointManifest]:

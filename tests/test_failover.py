@@ -108,7 +108,7 @@ async def test_a_cluster_with_every_node_drained_gets_no_tasks_and_hands_its_que
     assert d.bus is not None
     west = d.worker_of("west")
     task = GenerationTask(task_id=f"drained{time.time_ns()}", model="noop", cluster="west",
-                          noop=True)
+                          steps=1, noop=True)
     await fleet.drain(d.bus, "west", "node-0", reason="failover test")
     try:
         await d.poll(lambda: not d.routable("west") and d.metric(west, "tandem_worker_drained")

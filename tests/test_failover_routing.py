@@ -16,6 +16,7 @@ from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
 from tandem.common.clusters import ClusterBoard
 from tandem.common.events import Health, NodeHeartbeat, encode
+from tandem.common.jobs import JobLimits
 from tandem.common.models import Registry
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
@@ -127,8 +128,8 @@ async def api(bus: Bus, names: list[str],
     gw = Gateway(bus, Registry.parse(""), names, s3=s3, bucket="b", url_ttl=60,
                  publish_retry_for=1.0, router=router)
     await gw.start()
-    asgi, _ = create_app(gw, max_body_bytes=4096, max_images=4, max_prompt_chars=100,
-                         max_size=512)
+    asgi, _ = create_app(gw, max_body_bytes=4096, limits=JobLimits(
+        max_images=4, max_prompt_chars=100, max_size=512))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client, router

@@ -15,6 +15,7 @@ from tandem.common import subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, NodeHeartbeat, TaskRecord, TaskState, decode
+from tandem.common.jobs import JobLimits
 from tandem.common.models import Registry
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
@@ -39,8 +40,8 @@ async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
 
 @pytest.fixture
 async def http(gw: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    asgi, _ = create_app(gw, max_body_bytes=MAX_BODY, max_images=4, max_prompt_chars=100,
-                         max_size=512)
+    asgi, _ = create_app(gw, max_body_bytes=MAX_BODY, limits=JobLimits(
+        max_images=4, max_prompt_chars=100, max_size=512))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client
@@ -66,14 +67,14 @@ async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
     assert view["params"] == {"width": 16, "height": 16, "steps": 10, "guidance": 5.0,
                               "seed": body["seed"], "num_images": 2}
     assert view["created_at"] and view["images"] == []
-    # The queued task carries its record's revision, and the record is exactly what a
-    # worker rebuilds from the task: its first compare-and-set needs no read.
+    # The queued task is the very body its record holds: a worker runs a delivery only
+    # if the two are equal (tasks.claim).
     msg = await bus.js.get_last_msg(subjects.gen_stream_name(settings.cluster),
                                     subjects.gen(settings.cluster, "batch"))
     task = decode(msg.data, GenerationTask)
     stored = await (await bus.typed(KV_TASKS, TaskRecord)).get(body["id"])
     assert stored is not None
-    assert moves.as_created(task, msg.headers or {}) == stored
+    assert stored[0].task == task and stored[0] == moves.queued(task, settings.cluster)
 
 
 async def test_same_idempotency_key_returns_same_task_and_never_enqueues_twice(

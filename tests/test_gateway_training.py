@@ -11,6 +11,7 @@ import pytest
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import TrainStatus, decode
+from tandem.common.jobs import JobLimits
 from tandem.common.models import Registry
 from tandem.common.streams import core_streams
 from tandem.gateway.api import create_app
@@ -22,8 +23,8 @@ async def http(bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
     await bus.provision(core_streams())
     gw = Gateway(bus, Registry.parse(""), ["local"], s3=None, bucket="b", url_ttl=60,
                  publish_retry_for=1.0)
-    asgi, _ = create_app(gw, max_body_bytes=65536, max_images=4, max_prompt_chars=100,
-                         max_size=512)
+    asgi, _ = create_app(gw, max_body_bytes=65536, limits=JobLimits(
+        max_images=4, max_prompt_chars=100, max_size=512))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client

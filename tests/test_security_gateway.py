@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from tests.security_support import TIMEOUT, Gateway, https_gateway
 
 KEYS = {  # name -> (scopes, extra limits)
     "gen": (["generate"], {}),
+    "gen2": (["generate"], {}),
     "trainer": (["train"], {}),
+    "trainer2": (["train"], {}),
     "ops": (["admin"], {}),
     "slow": (["generate"], {"rate": 0.001, "burst": 2}),
     "viewer": (["generate"], {"max_streams": 1}),
@@ -118,6 +121,58 @@ def test_limits_are_settings_and_exceeding_one_is_a_clear_4xx(gateway: Gateway) 
         assert r.status_code == 422 and "at most 50" in r.json()["detail"][0]["msg"]
         r = http.post("/v1/generations", json={"model": "noop", "num_images": 3})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_images"]
+
+
+def test_a_task_is_its_keys_own_another_key_gets_404_and_admin_sees_it(
+        gateway: Gateway) -> None:
+    with gateway.client("gen") as http:
+        r = http.post("/v1/generations", json={"model": "noop"})
+        assert r.status_code == 202
+        tid = r.json()["id"]
+        mine = http.get(f"/v1/generations/{tid}")
+        assert mine.status_code == 200 and mine.json()["owner"] == "gen"
+    with gateway.client("gen2") as http:
+        for method, path in (("GET", f"/v1/generations/{tid}"),
+                             ("GET", f"/v1/generations/{tid}/events"),
+                             ("DELETE", f"/v1/generations/{tid}")):
+            r = http.request(method, path)
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+            assert r.json()["detail"] == f"no task {tid!r}"  # as for an id that never was
+    with gateway.client("ops") as http:  # admin sees every key's tasks
+        view = http.get(f"/v1/generations/{tid}").json()
+        assert view["owner"] == "gen" and view["state"] == "queued"  # gen2's DELETE did nothing
+
+
+def test_idempotency_keys_are_scoped_per_api_key(gateway: Gateway) -> None:
+    body, headers = {"model": "noop"}, {"Idempotency-Key": "same-key-for-both"}
+    with gateway.client("gen") as http:
+        first = http.post("/v1/generations", json=body, headers=headers)
+        again = http.post("/v1/generations", json=body, headers=headers)
+    with gateway.client("gen2") as http:
+        other = http.post("/v1/generations", json=body, headers=headers)
+        assert other.status_code == 202 and "idempotent-replayed" not in other.headers
+        assert http.get(f"/v1/generations/{other.json()['id']}").status_code == 200
+    assert first.status_code == again.status_code == 202
+    assert again.headers["idempotent-replayed"] == "true"
+    assert first.json()["id"] == again.json()["id"] != other.json()["id"]
+
+
+def test_a_training_run_is_its_keys_own_and_its_id_is_not_anothers_to_take(
+        gateway: Gateway) -> None:
+    config = {"run_id": f"owned-{uuid.uuid4().hex[:8]}", "steps": 10, "cluster": "east"}
+    with gateway.client("trainer") as http:
+        r = http.post("/v1/training-runs", json=config)
+        assert r.status_code == 202, r.text
+        assert http.post("/v1/training-runs", json=config).status_code == 202  # idempotent
+        assert http.get(f"/v1/training-runs/{config['run_id']}").status_code == 200
+    with gateway.client("trainer2") as http:
+        r = http.get(f"/v1/training-runs/{config['run_id']}")
+        assert r.status_code == 404 and config["run_id"] in r.json()["detail"]
+        r = http.post("/v1/training-runs", json=config)
+        assert r.status_code == 409 and "owner" in r.json()["detail"]
+    with gateway.client("ops") as http:
+        r = http.get(f"/v1/training-runs/{config['run_id']}")
+        assert r.status_code == 200 and r.json()["owner"] == "trainer"
 
 
 def test_ids_that_are_not_safe_tokens_never_reach_a_subject_or_key(gateway: Gateway) -> None:

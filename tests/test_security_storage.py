@@ -144,6 +144,23 @@ def test_a_model_folder_outside_the_model_root_stops_the_service_at_start(
             err.value)
 
 
+def test_roots_are_closed_by_default_to_the_stacks_own_folders(tmp_path: Path) -> None:
+    from tandem.checkpointer.service import CheckpointerSettings
+    from tandem.trainer.service import TrainerSettings
+
+    ckpt = load(CheckpointerSettings, "checkpointer")
+    assert ckpt.checkpoint_root == load(TrainerSettings, "trainer").checkpoint_root
+    assert Path(ckpt.checkpoint_root) == Path(".tandem/checkpoints")
+    models = load(RegistrySettings, "inference-worker")
+    assert Path(models.model_root) == Path(".tandem/models")
+    # A model folder anywhere else is refused with no TANDEM_MODEL_ROOT set at all.
+    (tmp_path / "m").mkdir()
+    with pytest.raises(SettingsError) as err:
+        load(RegistrySettings, "inference-worker",
+             models=f'[{{"name": "m", "source": "dir:{tmp_path / "m"}"}}]')
+    assert "outside the model root" in str(err.value)
+
+
 async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
         bus: Bus, settings: Settings, uid: str, tmp_path: Path, s3_server: S3Server) -> None:
     """A forged event naming files elsewhere (or a symlink out of the root) is never read,
@@ -155,6 +172,11 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
     (root / bad_run / "step-2").symlink_to(out_dir, target_is_directory=True)
     link_manifest = ck.scan(out_dir, bad_run, 1)
     link_manifest = msgspec.structs.replace(link_manifest, step=2)
+    # A real folder inside the root, but one file in it is a link to a file outside.
+    mixed_dir, mixed_manifest = write_checkpoint(root / bad_run, bad_run, 4)
+    (mixed_dir / "model.safetensors").unlink()
+    (mixed_dir / "model.safetensors").symlink_to(out_dir / "model.safetensors")
+    mixed_manifest = ck.scan(mixed_dir, bad_run, 4)
     good_dir, good_manifest = write_checkpoint(root / good_run, good_run, 3)
     bucket = f"b{uid}"
     config = dict(nats_url=settings.nats_url, s3_endpoint=s3_server.url, s3_bucket=bucket,
@@ -165,6 +187,8 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
                           written(out_dir, out_manifest))
         await bus.publish(subjects.train(bad_run, "checkpoint"),
                           written(root / bad_run / "step-2", link_manifest))
+        await bus.publish(subjects.train(bad_run, "checkpoint"),
+                          written(mixed_dir, mixed_manifest))
         await bus.publish(subjects.train(good_run, "checkpoint"),
                           written(good_dir, good_manifest))
         runs = await bus.typed(KV_RUNS, RunRecord)
@@ -175,9 +199,11 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
 
         await until(committed, what="the valid checkpoint committed")
         sub = await bus.js.pull_subscribe(subjects.dlq("TRAIN"), stream=DLQ)
-        letters = [decode(m.data, DeadLetter) for m in await sub.fetch(2, timeout=10)]
-    assert len(letters) == 2
+        letters = [decode(m.data, DeadLetter) for m in await sub.fetch(3, timeout=10)]
+    assert len(letters) == 3
     assert all("outside the checkpoint root" in d.reason for d in letters), letters
+    assert any("file 'model.safetensors'" in d.reason for d in letters), letters
+    assert (mixed_dir / "model.safetensors").is_symlink()  # nothing there was deleted
     assert sorted(os.listdir(out_dir)) == sorted(f.name for f in out_manifest.files)
     s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
                         s3_secret_key="tandem"))

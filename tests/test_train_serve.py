@@ -76,7 +76,8 @@ class Stack:
         ensure_bucket(s3, self.bucket)
         mirror(s3, self.bucket, self.hot.checkpoint(2))  # step 2, before the worker starts
         ckpt = Child(name="checkpointer", log_path=self.root / "checkpointer.log",
-                     module="tandem.checkpointer", env=self.env(node="ckpt"))
+                     module="tandem.checkpointer",
+                     env=self.env(node="ckpt", checkpoint_root=str(self.root / "ckpt")))
         self.children.append(ckpt.start())
         models = json.dumps([model("hot", self.hot.run_id), model("rot", self.rot.run_id)])
         self.worker = worker(self.root, "w-trainserve", **self.env(

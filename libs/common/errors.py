@@ -10,7 +10,7 @@ that explains it, so a caller can log or act on fields rather than parse a messa
     ├── StreamConflict         an existing stream/consumer/bucket differs from its declaration
     ├── ServerStartError       a local server (nats-server, S3) could not start (e.g. port in use)
     ├── InvalidRunConfig       a training run config failed validation (names each field)
-    ├── RunExists              a run id is taken by a run with a different config
+    ├── RunExists              a run id is taken by a run with another config or owner
     ├── RunNotFound            no run with that id in KV ``runs``
     ├── CheckpointError        a checkpoint in S3 cannot be used (names run and step)
     │   ├── CheckpointNotFound     no such committed checkpoint (lists what there is)
@@ -18,6 +18,8 @@ that explains it, so a caller can log or act on fields rather than parse a messa
     └── HandlerError           raised by message handlers to steer acknowledgement
         ├── Retry              nak with a delay: the message is redelivered
         └── Reject             terminate: the message goes to the DLQ with the reason
+            ├── InvalidTask    a delivered task fails the job checks (names each field)
+            └── TaskConflict   a task id already belongs to a different task body
 """
 
 from __future__ import annotations
@@ -144,6 +146,25 @@ class Reject(HandlerError):
         super().__init__(reason)
 
 
+class InvalidTask(Reject):
+    """A delivered generation task fails ``jobs.check_task``; ``problems`` lists why."""
+
+    def __init__(self, task_id: str, problems: list[Any]) -> None:
+        self.task_id = task_id
+        self.problems = problems
+        super().__init__("invalid task: " + "; ".join(str(p) for p in problems))
+
+
+class TaskConflict(Reject):
+    """Task ``task_id`` is recorded with a different body: the delivery is someone
+    else's message under that id (a hijack or a client bug), never run."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"conflict: task id {task_id!r} is already recorded with a "
+                         "different task body")
+
+
 class InvalidRunConfig(TandemError, ValueError):
     """A training run config is invalid; ``problems`` maps each field path to the reason."""
 
@@ -158,7 +179,8 @@ class RunExists(TandemError):
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        super().__init__(f"run {run_id!r} already exists with a different config")
+        super().__init__(f"run {run_id!r} already exists with a different config or "
+                         "owner")
 
 
 class RunNotFound(TandemError, LookupError):

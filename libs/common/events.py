@@ -117,6 +117,10 @@ class GenerationTask(Event, kw_only=True):
     cluster: str = ""
     submitted_at: float = msgspec.field(default_factory=now)
     noop: bool = False  # dispatch-only task (benchmarks): no pipeline runs
+    # The API key (its name) that submitted it, set by the door that checked the key;
+    # empty for an open door. A bare publisher's claim is its own: deployments with keys
+    # deny clients direct publishes on gen.* (docs/security.md).
+    owner: str = ""
 
     def __post_init__(self) -> None:
         # Ids end up in subjects and S3 keys: reject anything but safe tokens at decode.
@@ -124,6 +128,8 @@ class GenerationTask(Event, kw_only=True):
         token(self.model, "model")
         if self.cluster:
             token(self.cluster, "cluster")
+        if self.owner:
+            token(self.owner, "owner")
 
     def batch_key(self) -> tuple[Any, ...]:
         """Tasks with equal keys can share one pipeline call."""
@@ -448,3 +454,4 @@ class RunRecord(Event, kw_only=True):
     skipped: list[list[int]] = []  # data windows [first, last] skipped after loss anomalies
     corrupt_checkpoints: list[dict[str, Any]] = []  # local checkpoints that failed verification
     ranks: list[dict[str, Any]] = []  # current attempt: rank, pid, node of each rank
+    owner: str = ""  # the API key (its name) that submitted the run; empty: an open door

@@ -200,14 +200,15 @@ class RegistrySettings(Settings):
         Registry.parse(v)  # a bad registry stops the service at start, naming the field
         return v
 
-    model_root: str | None = Field(
-        None, description="Folder every dir:<path> model must be inside (symlinks "
-        "resolved); a path outside it stops the service at start. Unset: any folder.")
+    model_root: str = Field(
+        ".tandem/models", min_length=1, validate_default=True,
+        description="Folder every dir:<path> model must be inside (symlinks resolved); a "
+        "path outside it stops the service at start.")
 
     @field_validator("model_root")
     @classmethod
-    def _inside_root(cls, v: str | None, info: Any) -> str | None:
-        if v is None or "models" not in info.data:
+    def _inside_root(cls, v: str, info: Any) -> str:
+        if "models" not in info.data:
             return v
         root = Path(v).resolve()
         for spec in Registry.parse(info.data["models"]):

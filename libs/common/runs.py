@@ -209,12 +209,14 @@ async def get_run(bus: Any, run_id: str) -> RunRecord:
     return got[0]
 
 
-async def submit_run(bus: Any, config: dict[str, Any] | RunConfig) -> RunRecord:
-    """Validate ``config``, record the run as pending and announce it.
+async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
+                     owner: str = "") -> RunRecord:
+    """Validate ``config``, record the run as pending (created by API key ``owner``) and
+    announce it.
 
-    Returns the stored record. Idempotent: the same config under the same run id returns
-    the existing record (and re-announces it if it is still pending); a different config
-    under an existing run id raises ``RunExists``.
+    Returns the stored record. Idempotent: the same config under the same run id by the
+    same owner returns the existing record (and re-announces it if it is still pending);
+    a different config or another owner under an existing run id raises ``RunExists``.
     """
     from tandem.common.streams import KV_RUNS
 
@@ -226,10 +228,10 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig) -> RunRecord:
     as_dict = cfg.model_dump(mode="json")
     kv = await bus.typed(KV_RUNS, RunRecord)
     record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
-                       nodes=list(cfg.nodes))
+                       nodes=list(cfg.nodes), owner=owner)
     if await kv.create(run_id, record) is None:
         got = await kv.get(run_id)
-        if got is None or got[0].config != as_dict:
+        if got is None or got[0].config != as_dict or got[0].owner != owner:
             raise RunExists(run_id)
         record = got[0]
         if record.state != RunState.pending:

@@ -3,13 +3,15 @@
 Each function returns an update function for ``TypedKV.update``: it gets the current
 record and returns the new one, or None to leave it (the move would go backwards, or the
 task is already terminal). The gateway and the worker share these, so the rules of
-``events.TASK_ORDER`` are written once.
+``events.TASK_ORDER`` are written once, and so is the rule that a task id belongs to the
+body first recorded under it (``claim``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from tandem.common.errors import TaskConflict
 from tandem.common.events import (
     TASK_ORDER,
     GenerationTask,
@@ -30,33 +32,21 @@ def may_move(current: TaskState, new: TaskState) -> bool:
 
 
 def queued(task: GenerationTask, cluster: str) -> TaskRecord:
-    """The record the gateway creates. A function of ``task`` and ``cluster`` alone (its
-    times are the submission's), so a worker can rebuild it from the task: see
-    ``as_created``."""
+    """The record the gateway creates (its times are the submission's)."""
     return TaskRecord(task=task, state=TaskState.queued, cluster=cluster,
                       created_at=task.submitted_at, updated_at=task.submitted_at)
 
 
-# The revision of a task's record when the gateway enqueued it, as a header of the task.
-RECORD_REVISION = "Tandem-Record-Revision"
+def claim(task: GenerationTask, rec: TaskRecord | None) -> TaskRecord | None:
+    """``rec`` if it is ``task``'s own record (None if there is none yet).
 
-
-def revision_header(revision: int | None) -> dict[str, str] | None:
-    return None if revision is None else {RECORD_REVISION: str(revision)}
-
-
-def as_created(task: GenerationTask, headers: dict[str, str]) -> tuple[TaskRecord, int] | None:
-    """The task's record as the gateway created it, and that revision, from the task and
-    its ``Tandem-Record-Revision`` header; None without one.
-
-    A compare-and-set against that revision succeeds only while the record is still
-    exactly that one, so a worker's first move needs no read; after any other write it
-    fails and the worker reads the record as usual.
+    A task id belongs to the body first recorded under it: a delivery whose body differs
+    is another message under a taken id, and raises ``TaskConflict`` before any move, so
+    it can never run, nor touch the record and images of the task that owns the id.
     """
-    raw = headers.get(RECORD_REVISION)
-    if not raw or not raw.isdigit() or not task.cluster:
-        return None
-    return queued(task, task.cluster), int(raw)
+    if rec is not None and rec.task != task:
+        raise TaskConflict(task.task_id)
+    return rec
 
 
 def to_running(task: GenerationTask, cluster: str, worker: str, attempt: int) -> Move:
@@ -64,7 +54,7 @@ def to_running(task: GenerationTask, cluster: str, worker: str, attempt: int) ->
 
     def move(rec: TaskRecord | None) -> TaskRecord | None:
         t = now()
-        if rec is None:  # published without a gateway (tools, tests): adopt it
+        if claim(task, rec) is None:  # published without a gateway (tools, tests): adopt it
             rec = TaskRecord(task=task, cluster=cluster)
         if rec.state.terminal:
             return None
@@ -82,7 +72,7 @@ def to_succeeded(images: list[str], checkpoint: str = "",
     queued or unrecorded task straight there: dispatch-only tasks have nothing to run."""
 
     def move(rec: TaskRecord | None) -> TaskRecord | None:
-        if rec is None and adopt is not None:
+        if adopt is not None and claim(adopt, rec) is None:
             rec = TaskRecord(task=adopt, cluster=cluster)
         if rec is None or not may_move(rec.state, TaskState.succeeded):
             return None
@@ -96,8 +86,13 @@ def to_succeeded(images: list[str], checkpoint: str = "",
     return move
 
 
-def _to_terminal(state: TaskState, reason: str) -> Move:
+def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = None) -> Move:
     def move(rec: TaskRecord | None) -> TaskRecord | None:
+        if body is not None:
+            try:
+                rec = claim(body, rec) or TaskRecord(task=body, cluster=body.cluster)
+            except TaskConflict:
+                return None  # someone else's message: the record is not its to end
         if rec is None or not may_move(rec.state, state):
             return None
         t = now()
@@ -106,8 +101,11 @@ def _to_terminal(state: TaskState, reason: str) -> Move:
     return move
 
 
-def to_failed(reason: str) -> Move:
-    return _to_terminal(TaskState.failed, reason)
+def to_failed(reason: str, body: GenerationTask | None = None) -> Move:
+    """-> failed with ``reason``. With ``body`` (a dead-lettered delivery), only the
+    record of that body: a task that was never recorded gets a failed record, so its
+    publisher can read why; another body's record is left alone."""
+    return _to_terminal(TaskState.failed, reason, body)
 
 
 def to_cancelled(reason: str = "cancelled by client") -> Move:

@@ -86,10 +86,11 @@ class CheckpointerSettings(Settings):
         description="Newest local checkpoints of a run kept on disk; older ones are "
         "deleted once committed in S3 (never before).")
     concurrency: int = Field(2, ge=1, le=16, description="Checkpoints mirrored at once.")
-    checkpoint_root: str | None = Field(
-        None, description="Folder every checkpoint event's path must be inside (symlinks "
-        "resolved); others go to the DLQ, never read or deleted. Set it in production "
-        "(the trainer's TANDEM_CHECKPOINT_ROOT); unset: any absolute path.")
+    checkpoint_root: str = Field(
+        ".tandem/checkpoints", min_length=1,
+        description="Folder every checkpoint event's path (and every file in it, symlinks "
+        "resolved) must be inside; others go to the DLQ, never read or deleted. The "
+        "trainer's TANDEM_CHECKPOINT_ROOT, whose default it shares.")
     ack_wait: float = Field(
         60.0, gt=0, le=3600,
         description="AckWait of the durable consumer: how long a crashed checkpointer "
@@ -177,9 +178,13 @@ class Checkpointer(Service):
             directory = Path(ev.path)
             if not directory.is_absolute() or ck.parse_step(directory.name) != ev.step:
                 raise ValueError(f"path {ev.path!r} is not an absolute .../step-{ev.step}")
-            root = self.settings.checkpoint_root
-            if root and not directory.resolve().is_relative_to(Path(root).resolve()):
+            root = Path(self.settings.checkpoint_root).resolve()
+            if not directory.resolve().is_relative_to(root):
                 raise ValueError(f"path {ev.path!r} is outside the checkpoint root {root}")
+            for f in ev.manifest.files:  # a file linked out of the root is not read either
+                if not (directory / f.name).resolve().is_relative_to(root):
+                    raise ValueError(f"file {f.name!r} of {ev.path!r} is outside the "
+                                     f"checkpoint root {root}")
         except ValueError as exc:
             raise Reject(f"invalid checkpoint event: {exc}") from None
         return directory

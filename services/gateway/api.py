@@ -10,10 +10,11 @@ from fastapi import FastAPI, Header, Path, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.common import metrics
+from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobLimits, check_request
 from tandem.gateway.generations import Conflict, Gateway
 from tandem.gateway.limits import BodyLimit
 from tandem.gateway.routing import RoutingError
-from tandem.gateway.schemas import Accepted, GenerationRequest, GenerationView, validate_request
+from tandem.gateway.schemas import Accepted, GenerationView
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
@@ -24,6 +25,11 @@ def _problems(items: list[tuple[str, str, Any]], where: str = "body") -> JSONRes
     return JSONResponse(status_code=422, content={"detail": [
         {"type": "value_error", "loc": [where, field], "msg": msg, "input": value}
         for field, msg, value in items]})
+
+
+def caller(request: Request) -> Caller:
+    """Who sent ``request``: the Guard's verdict, or the open caller without keys."""
+    return request.scope.get("state", {}).get("caller", OPEN)
 
 
 def _not_found(task_id: str) -> JSONResponse:
@@ -46,8 +52,8 @@ def _native_telemetry() -> dict[str, Any]:
     return {} if tracing.recording() else {"telemetry": {"tracing": False}}
 
 
-def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_chars: int,
-               max_size: int, nats_connected: Any = None) -> Any:
+def create_app(gw: Gateway, *, max_body_bytes: int, limits: JobLimits,
+               nats_connected: Any = None) -> Any:
     app = FastAPI(
         title="Tandem gateway",
         version="1",
@@ -67,16 +73,11 @@ def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_
 
         The same ``Idempotency-Key`` returns the same task and never enqueues twice.
         """
-        spec = gw.registry.get(req.model)
-        if spec is None:
-            return _problems([("model", f"unknown model {req.model!r}; known: "
-                               f"{', '.join(gw.registry.names())}", req.model)])
-        problems = validate_request(req, spec, max_images=max_images,
-                                    max_prompt_chars=max_prompt_chars, max_size=max_size)
+        problems = check_request(req, gw.registry, limits)
         if problems:
             return _problems([(p.field, p.message, p.value) for p in problems])
         try:
-            sub = await gw.submit(req, idempotency_key)
+            sub = await gw.submit(req, idempotency_key, caller(request))
         except RoutingError as exc:
             if exc.field:
                 return _problems([(exc.field, exc.message, getattr(req, exc.field, None))])
@@ -102,20 +103,21 @@ def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_
 
     @app.get("/v1/generations/{task_id}", response_model=GenerationView,
              responses={404: {}})
-    async def get_generation(task_id: str = TASK_ID) -> Any:
-        """State, timestamps, progress, where it ran, and presigned image URLs on success."""
-        rec = await gw.record(task_id)
+    async def get_generation(request: Request, task_id: str = TASK_ID) -> Any:
+        """State, timestamps, progress, where it ran, and presigned image URLs on success.
+        Another API key's task is 404 (unless the key is admin)."""
+        rec = await gw.record(task_id, caller(request))
         if rec is None:
             return _not_found(task_id)
         return gw.view(rec)
 
     @app.get("/v1/generations/{task_id}/events", responses={
         200: {"content": {"text/event-stream": {}}}, 404: {}})
-    async def generation_events(task_id: str = TASK_ID) -> Any:
+    async def generation_events(request: Request, task_id: str = TASK_ID) -> Any:
         """Server-Sent Events: ``state``, one ``progress`` per denoising step, then
         ``final`` (the same body as GET) and the stream ends. A late client gets
         ``final`` at once."""
-        if await gw.record(task_id) is None:
+        if await gw.record(task_id, caller(request)) is None:
             return _not_found(task_id)
 
         async def stream() -> AsyncIterator[bytes]:
@@ -131,10 +133,10 @@ def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_
 
     @app.delete("/v1/generations/{task_id}", response_model=GenerationView,
                 responses={404: {}, 409: {}})
-    async def cancel_generation(task_id: str = TASK_ID) -> Any:
+    async def cancel_generation(request: Request, task_id: str = TASK_ID) -> Any:
         """Cancel: a queued task never runs, a running one stops within one step."""
         try:
-            rec = await gw.cancel(task_id)
+            rec = await gw.cancel(task_id, caller(request))
         except Conflict as exc:
             return JSONResponse(status_code=exc.status, content={"detail": exc.message})
         if rec is None:
@@ -158,6 +160,6 @@ def create_app(gw: Gateway, *, max_body_bytes: int, max_images: int, max_prompt_
         body, ctype = metrics.exposition()
         return Response(content=body, media_type=ctype)
 
-    add_training_routes(app, gw.bus)
+    add_training_routes(app, gw.bus, caller)
     add_fleet_routes(app, gw.bus)
     return BodyLimit(app, max_body_bytes), app

@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
+from tandem.common.jobs import Caller
 from tandem.common.settings import Settings
 from tandem.common.subjects import token
 
@@ -270,7 +271,7 @@ class Guard:
                          {"retry-after": str(max(1, math.ceil(wait)))})
             return
         AUTH.labels("ok").inc()
-        scope.setdefault("state", {})["api_key"] = key.name
+        scope.setdefault("state", {})["caller"] = Caller(key.name, key.allows(Scope.admin))
         if method == "GET" and SSE.fullmatch(path):
             await self._stream(key, st, scope, receive, send)
         elif method == "POST" and RUN_SUBMIT.fullmatch(path):

@@ -30,10 +30,11 @@ from tandem.common.events import (
     TaskState,
     decode,
 )
+from tandem.common.jobs import OPEN, Caller, GenerationRequest, build_task
 from tandem.common.models import Registry
 from tandem.common.streams import KV_IDEMPOTENCY, KV_NODES, KV_TASKS
 from tandem.gateway.routing import Router, choose_cluster
-from tandem.gateway.schemas import GenerationRequest, ImageRef, view
+from tandem.gateway.schemas import ImageRef, view
 
 _log = log.get("tandem.gateway")
 
@@ -61,11 +62,6 @@ class Submitted:
     task: GenerationTask
     record: TaskRecord
     replayed: bool  # an Idempotency-Key replay: nothing new was enqueued
-
-
-def default_seed(task_id: str) -> int:
-    """A seed derived from the task id: an idempotent replay regenerates the same one."""
-    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
 
 
 def fingerprint(req: GenerationRequest) -> str:
@@ -99,22 +95,10 @@ class Gateway:
 
     # -------------------------------------------------------------------------- submit
 
-    def build_task(self, req: GenerationRequest, task_id: str, cluster: str) -> GenerationTask:
-        spec = self.registry.get(req.model)
-        assert spec is not None
-        return GenerationTask(
-            task_id=task_id, model=req.model, prompt=req.prompt,
-            negative_prompt=req.negative_prompt, class_label=req.class_label,
-            width=req.width or spec.default_width, height=req.height or spec.default_height,
-            steps=req.steps or spec.default_steps,
-            guidance=spec.default_guidance if req.guidance is None else req.guidance,
-            seed=default_seed(task_id) if req.seed is None else req.seed,
-            num_images=req.num_images, lane=req.lane, cluster=cluster,
-            noop=spec.source_kind == "noop",
-        )
-
-    async def submit(self, req: GenerationRequest, idempotency_key: str | None) -> Submitted:
-        """Record and enqueue a task; with a key, the key's task instead of a new one.
+    async def submit(self, req: GenerationRequest, idempotency_key: str | None,
+                     caller: Caller = OPEN) -> Submitted:
+        """Record and enqueue a task for ``caller``; with an idempotency key (scoped to
+        the caller's API key), the key's task instead of a new one.
 
         Raises ``RoutingError`` (no cluster) or ``Conflict`` (key reused for another
         request, or the bus refused the task).
@@ -123,7 +107,7 @@ class Gateway:
         task_id = uuid.uuid4().hex
         replay = False
         if idempotency_key is not None:
-            key = "k" + hashlib.sha256(idempotency_key.encode()).hexdigest()
+            key = caller.scoped(idempotency_key)
             fp = fingerprint(req)
             if await self.idem.create(key, IdempotencyRecord(task_id=task_id,
                                                              fingerprint=fp)) is None:
@@ -143,21 +127,22 @@ class Gateway:
                 # in case the first attempt died between recording and publishing.
                 recent = time.time() - rec.created_at < DUPLICATE_WINDOW
                 if rec.state == TaskState.queued and recent:
-                    await self._publish(rec.task, rec.cluster, existing[1])
+                    await self._publish(rec.task, rec.cluster)
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
         t0 = time.perf_counter()
         cluster = await choose_cluster(self.clusters, req.cluster, req.model, self.router)
         ROUTING_SECONDS.observe(time.perf_counter() - t0)
-        task = self.build_task(req, task_id, cluster)
+        spec = self.registry.get(req.model)
+        assert spec is not None  # checked (check_request) before submit
+        task = build_task(req, spec, task_id, cluster, owner=caller.key)
         rec = moves.queued(task, cluster)
-        revision = await self._record(task_id, rec)
-        if revision is None:
+        if await self._record(task_id, rec) is None:
             got_rec = await self.tasks.get(task_id)
             if got_rec is not None:
-                rec, revision = got_rec
+                rec = got_rec[0]
         try:
-            await self._publish(task, cluster, revision)
+            await self._publish(task, cluster)
         except Exception as exc:
             reason = f"could not enqueue on cluster {cluster}: {exc!r}"
             await self.tasks.update(task_id, moves.to_failed(reason))
@@ -178,22 +163,22 @@ class Gateway:
             SUBMITTED.labels(rec.task.lane, "record_failed").inc()
             raise Conflict(503, f"could not record the task: {exc!r}") from exc
 
-    async def _publish(self, task: GenerationTask, cluster: str, revision: int | None) -> None:
-        # The record's revision rides along, so the worker's first move needs no read.
+    async def _publish(self, task: GenerationTask, cluster: str) -> None:
         await self.bus.publish(subjects.gen(cluster, task.lane), task, msg_id=task.task_id,
-                               headers=moves.revision_header(revision),
                                retry_for=self.publish_retry_for)
 
     # ------------------------------------------------------------------------- look up
 
-    async def record(self, task_id: str) -> TaskRecord | None:
+    async def record(self, task_id: str, caller: Caller = OPEN) -> TaskRecord | None:
+        """The task's record; None if there is none or ``caller`` may not see it (another
+        key's task reads as absent: no 403 telling that the id exists)."""
         assert self.tasks is not None
         try:
             subjects.token(task_id, "task id")
         except ValueError:
             return None
         got = await self.tasks.get(task_id)
-        return got[0] if got else None
+        return got[0] if got and caller.sees(got[0].task.owner) else None
 
     def image_refs(self, rec: TaskRecord) -> list[ImageRef]:
         if rec.state != TaskState.succeeded:
@@ -210,10 +195,11 @@ class Gateway:
 
     # -------------------------------------------------------------------------- cancel
 
-    async def cancel(self, task_id: str) -> TaskRecord | None:
-        """Cancel a queued or running task; None if unknown; ``Conflict`` if finished."""
+    async def cancel(self, task_id: str, caller: Caller = OPEN) -> TaskRecord | None:
+        """Cancel a queued or running task; None if unknown (or another key's);
+        ``Conflict`` if finished."""
         assert self.tasks is not None
-        if await self.record(task_id) is None:
+        if await self.record(task_id, caller) is None:
             return None
         rec = await self.tasks.update(task_id, moves.to_cancelled())
         if rec is None:

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 
 from tandem.common import subjects
 from tandem.common.errors import ServerStartError
+from tandem.common.jobs import JobLimitSettings
 from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import s3_client
@@ -30,7 +31,7 @@ from tandem.gateway.routing import Router, RoutingSettings
 from tandem.gateway.traces import AdmissionTracing
 
 
-class GatewaySettings(RoutingSettings, AuthSettings, RegistrySettings):
+class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, RegistrySettings):
     """``TANDEM_*`` settings of the gateway (see README.md)."""
 
     http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
@@ -39,10 +40,6 @@ class GatewaySettings(RoutingSettings, AuthSettings, RegistrySettings):
                           "empty: this process's cluster.")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest request body; "
                                 "larger gets 413.")
-    max_images: int = Field(8, ge=1, le=256, description="Most images per request.")
-    max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt (and negative "
-                                  "prompt), in characters; models may allow fewer.")
-    max_size: int = Field(2048, ge=8, le=8192, description="Largest width or height.")
     publish_retry_for: float = Field(10.0, ge=0, description="Seconds to retry enqueueing "
                                      "(same Nats-Msg-Id) before answering 503.")
     result_url_ttl: float = Field(3600.0, ge=1, le=7 * 24 * 3600,
@@ -152,8 +149,7 @@ class GatewayService(Service):
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
                      router=self.router)
         await gw.start()
-        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, max_images=s.max_images,
-                               max_prompt_chars=s.max_prompt_chars, max_size=s.max_size)
+        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=s.job_limits)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
                             url_ttl=s.result_url_ttl)

@@ -40,7 +40,7 @@ from tandem.common import log, metrics, subjects
 from tandem.common import tasks as records
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Consumer, Delivery, Poller, TypedKV
-from tandem.common.errors import Reject, Retry
+from tandem.common.errors import InvalidTask, Reject, Retry
 from tandem.common.events import (
     GenerationProgress,
     GenerationResult,
@@ -49,7 +49,9 @@ from tandem.common.events import (
     ModelsLoaded,
     TaskRecord,
     TaskState,
+    decode,
 )
+from tandem.common.jobs import JobLimitSettings, Problem, check_task
 from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
@@ -78,7 +80,7 @@ GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
 
 
-class WorkerSettings(FailoverSettings, RegistrySettings):
+class WorkerSettings(FailoverSettings, JobLimitSettings, RegistrySettings):
     """``TANDEM_*`` settings of the inference worker (see README.md)."""
 
     serve: str = Field("", description="Comma-separated models this worker serves; "
@@ -124,6 +126,14 @@ class _TaskId(msgspec.Struct):
     task_id: str
 
 
+def _body(data: bytes) -> GenerationTask | None:
+    """The task a dead-lettered message holds, or None if it holds none."""
+    try:
+        return decode(data, GenerationTask)
+    except Exception:
+        return None
+
+
 class InferenceWorker(Service):
     name = "inference-worker"
     settings_class = WorkerSettings
@@ -132,6 +142,7 @@ class InferenceWorker(Service):
         super().__init__(settings)
         self.s: WorkerSettings = settings
         self.registry = settings.registry
+        self.limits = settings.job_limits
         served = subjects.token_list(settings.serve, "model") or self.registry.names()
         unknown = [m for m in served if m not in self.registry]
         if unknown:
@@ -301,19 +312,18 @@ class InferenceWorker(Service):
     async def handle(self, d: Delivery[GenerationTask]) -> None:
         task = d.event
         with log.bound(task_id=task.task_id, model=task.model):
-            spec = self.registry.get(task.model)
-            if spec is None:
-                raise Reject(f"model {task.model!r} is not in the registry")
+            self._check(d)
             if task.model not in self.served:
                 raise Retry(f"model {task.model} is not served by {self.worker_id}", delay=1.0)
             assert self.tasks is not None
             cluster = self._cluster_of(d)
             if task.noop:
-                await self._dispatch_only(task, cluster, records.as_created(task, d.headers))
+                await self._dispatch_only(task, cluster)
                 return
+            # The first move reads the record: a body that is not the one recorded under
+            # its id raises TaskConflict (dead-lettered, never run; records.claim).
             rec = await self.tasks.update(task.task_id, records.to_running(
-                task, cluster, self.worker_id, d.num_delivered),
-                expect=records.as_created(task, d.headers))
+                task, cluster, self.worker_id, d.num_delivered))
             if rec is None or rec.state.terminal:
                 if rec is not None and rec.state == TaskState.succeeded:
                     # Done by an earlier delivery whose ack was lost: the result's msg id
@@ -356,12 +366,30 @@ class InferenceWorker(Service):
         await self._publish_result(rec, timings={"generate_s": gen_s})
         TASKS_DONE.labels("succeeded").inc()
 
-    async def _dispatch_only(self, task: GenerationTask, cluster: str,
-                             expect: tuple[TaskRecord, int] | None) -> None:
+    def _check(self, d: Delivery[GenerationTask]) -> None:
+        """Refuse (dead-letter, never run) a task the gateway would have refused, one
+        bigger than this worker's pipeline call, or one on another cluster's subject.
+        Whatever door a task came in by, this runs before anything else."""
+        task = d.event
+        problems = check_task(task, self.registry, self.limits)
+        if task.num_images > self.s.max_batch:
+            problems.append(Problem("num_images", f"at most {self.s.max_batch} images per "
+                                    "task on this worker (TANDEM_MAX_BATCH)", task.num_images))
+        _, routed, lane = d.subject.split(".", 2)
+        if task.cluster and task.cluster != routed:
+            problems.append(Problem("cluster", f"task for cluster {task.cluster} published "
+                                    f"on {d.subject}", task.cluster))
+        if lane != task.lane:
+            problems.append(Problem("lane", f"task for lane {task.lane} published on "
+                                    f"{d.subject}", task.lane))
+        if problems:
+            raise InvalidTask(task.task_id, problems)
+
+    async def _dispatch_only(self, task: GenerationTask, cluster: str) -> None:
         """A no-op task: nothing runs, so it goes straight to succeeded (benchmarks)."""
         assert self.tasks is not None
         rec = await self.tasks.update(task.task_id, records.to_succeeded(
-            [], adopt=task, cluster=cluster, worker=self.worker_id), expect=expect)
+            [], adopt=task, cluster=cluster, worker=self.worker_id))
         if rec is not None and rec.state == TaskState.succeeded:
             await self._publish_result(rec)
             TASKS_DONE.labels("succeeded").inc()
@@ -424,15 +452,21 @@ class InferenceWorker(Service):
     # ---------------------------------------------------------------------- dead letters
 
     async def on_dead(self, msg: Msg, reason: str) -> None:
-        """A dead-lettered task is ``failed`` with the reason (if its id can be read)."""
+        """A dead-lettered task is ``failed`` with the reason: its own record only (a
+        conflicting body under a taken id leaves the owner's record alone), created if the
+        task was never recorded (a bare publish), so its publisher can read why."""
+        body = _body(msg.data)
         try:
-            task_id = subjects.token(msgspec.json.decode(msg.data, type=_TaskId).task_id,
-                                     "task id")
+            task_id = body.task_id if body is not None else subjects.token(
+                msgspec.json.decode(msg.data, type=_TaskId).task_id, "task id")
         except Exception:
             _log.warning("worker.dead_without_task_id", reason=reason)
             return
         assert self.tasks is not None
-        rec = await self.tasks.update(task_id, records.to_failed(reason))
+        if body is None:  # undecodable: never a recorded task's body; nothing to end
+            _log.warning("worker.dead_undecodable", task_id=task_id, reason=reason)
+            return
+        rec = await self.tasks.update(task_id, records.to_failed(reason, body))
         TASKS_DONE.labels("failed").inc()
         if rec is not None and rec.state == TaskState.failed:
             await self._publish_status(task_id, TaskState.failed, rec.cluster,

@@ -105,7 +105,7 @@ async def _written_to_committed(s3_url: str, nats_url: str, bucket: str, directo
                     s3_endpoint=s3_url, s3_bucket=bucket, s3_access_key="bench",
                     s3_secret_key="bench", multipart_threshold=args.part_mb * MiB,
                     part_size=args.part_mb * MiB, upload_concurrency=args.concurrency,
-                    keep_last=1, local_keep=args.commits + 1)
+                    keep_last=1, local_keep=args.commits + 1, checkpoint_root=str(directory))
     bus = await Bus.connect(settings, "bench")
     svc = Checkpointer(settings)
     await bus.provision(svc.streams())

@@ -105,11 +105,9 @@ class _Bench:
         """Record and enqueue ``tasks`` as the gateway would, before any worker pulls."""
         await bus.provision([streams.gen_stream(cluster)])
         kv = await bus.typed(streams.KV_TASKS, TaskRecord)
-        revisions = await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster))
-                                           for t in tasks))
-        sent = [(subjects.gen(cluster, t.lane), encode(t),
-                 bus.headers(t.task_id, moves.revision_header(rev)))
-                for t, rev in zip(tasks, revisions, strict=True)]
+        await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster)) for t in tasks))
+        sent = [(subjects.gen(cluster, t.lane), encode(t), bus.headers(t.task_id))
+                for t in tasks]
         for i in range(0, len(sent), 256):
             await bus.send(sent[i:i + 256])
 
@@ -201,10 +199,11 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     """No-op tasks/s through the bare protocol: per task what the worker must do on the
     wire, in plain nats-py, with nothing else (no tracing, metrics, retries or checks).
 
-    Fetch 64; per task, decode it and compare-and-set its record to succeeded at the
-    revision the gateway wrote (``Nats-Expected-Last-Subject-Sequence``); wait for those
-    acks; publish each result, once only (expected last sequence 0); wait for those
-    acks; ack the tasks.
+    Fetch 64; per task, decode it, read its record (a direct get: the worker must see
+    that the record holds this very body before it runs anything) and compare-and-set it
+    to succeeded at the revision read (``Nats-Expected-Last-Subject-Sequence``); wait for
+    those acks; publish each result, once only (expected last sequence 0); wait for
+    those acks; ack the tasks.
     Publishes are pipelined on one reply inbox (cheaper than ``publish_async``'s future
     per message), so this is the most a nats-py client can get out of these steps.
     """
@@ -217,14 +216,18 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     await bus.provision([spec])
     sub = await bus.js.pull_subscribe_bind(durable="floor", stream=spec.stream)
     nc, kv_prefix, inbox = bus.nc, f"$KV.{streams.KV_TASKS}.", bus.nc.new_inbox()
+    direct = f"$JS.API.DIRECT.GET.KV_{streams.KV_TASKS}."
     loop = asyncio.get_running_loop()
     waiting: dict[str, list[Any]] = {}  # round -> [acks left, future]
 
     async def on_ack(msg: Any) -> None:
-        entry = waiting[msg.subject.rsplit(".", 2)[1]]
+        key, i = msg.subject.rsplit(".", 2)[1:]
+        entry = waiting[key]
         if entry[1].done():
             return
-        if b'"error"' in msg.data:  # never expected: every write is the first since queued
+        if key[0] == "g":  # a direct get: its revision, for the compare-and-set
+            entry[2][int(i)] = (msg.headers or {}).get("Nats-Sequence", "")
+        elif b'"error"' in msg.data:  # never expected: every write is the first since queued
             entry[1].set_exception(RuntimeError(f"floor: a write was refused: {msg.data!r}"))
             return
         entry[0] -= 1
@@ -233,12 +236,14 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
 
     acks = await nc.subscribe(f"{inbox}.*.*", cb=on_ack)
 
-    async def send(key: str, items: list[tuple[str, bytes, dict[str, str]]]) -> None:
-        entry = waiting[key] = [len(items), loop.create_future()]
+    async def send(key: str, items: list[tuple[str, bytes, dict[str, str] | None]]
+                   ) -> list[str]:
+        entry = waiting[key] = [len(items), loop.create_future(), [""] * len(items)]
         for i, (subject, data, headers) in enumerate(items):
             await nc.publish(subject, data, reply=f"{inbox}.{key}.{i}", headers=headers)
         await asyncio.wait_for(entry[1], 5)
         del waiting[key]
+        return entry[2]
 
     got = rounds = 0
     meter.start()
@@ -246,17 +251,18 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     while got < n:
         msgs = await sub.fetch(64, timeout=5)
         records, results = [], []
-        for msg in msgs:
-            task = decode(msg.data, GenerationTask)
+        tasks_in = [decode(msg.data, GenerationTask) for msg in msgs]
+        rounds += 1
+        revisions = await send(f"g{rounds}", [(f"{direct}{kv_prefix}{t.task_id}", b"", None)
+                                              for t in tasks_in])
+        for task, rev in zip(tasks_in, revisions, strict=True):
             record = encode(TaskRecord(task=task, state=TaskState.succeeded, cluster=cluster,
                                        created_at=task.submitted_at, updated_at=time.time()))
             records.append((f"{kv_prefix}{task.task_id}", record,
-                            {"Nats-Expected-Last-Subject-Sequence":
-                             msg.headers[moves.RECORD_REVISION]}))
+                            {"Nats-Expected-Last-Subject-Sequence": rev}))
             result = encode(GenerationResult(task_id=task.task_id, images=[], cluster=cluster))
             results.append((subjects.gen_result(task.task_id), result,
                             {"Nats-Expected-Last-Subject-Sequence": "0"}))
-        rounds += 1
         await send(f"r{rounds}", records)
         await send(f"e{rounds}", results)
         for msg in msgs:

@@ -1,0 +1,251 @@
+"""What a generation job may ask for: one validation path, whatever door it came in by.
+
+A job comes in by HTTP (the gateway), by the NATS job service, or by a bare publish of a
+``GenerationTask`` on ``gen.<cluster>.<lane>``. Each door ends here:
+
+- ``GenerationRequest`` is the body a client sends (static bounds on its fields);
+- ``check_request`` adds what depends on the model (the registry's sizes, steps, guidance,
+  conditioning) and on the deployment's ``JobLimits``, including the hard cap on work
+  (pixels x steps x images) that holds even when a model's declared bounds are wrong;
+- ``check_task`` runs a delivered ``GenerationTask`` through the same two steps, so the
+  inference worker refuses on the bus exactly what the gateway refuses on HTTP, with the
+  same messages;
+- ``build_task`` fills a request's defaults into the task that is enqueued.
+
+Problems are reported per field (``Problem``): the HTTP API turns them into a 422, the
+job service into an error reply, the worker into a dead-letter reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.common.events import GenerationTask
+from tandem.common.models import Conditioning, ModelSpec, Registry
+from tandem.common.settings import Settings
+
+TOKEN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class GenerationRequest(BaseModel):
+    """A request for images. Unset fields take the model's defaults."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "tiny-text", "prompt": "a red fox in the snow", "num_images": 2, "seed": 7},
+        {"model": "digits", "class_label": 3, "steps": 50},
+    ]})
+
+    model: str = Field(pattern=TOKEN, description="A model from GET /v1/models.")
+    prompt: str | None = Field(None, max_length=100_000,
+                               description="Text models only; length bounded per model.")
+    negative_prompt: str | None = Field(None, max_length=100_000,
+                                        description="Text models only.")
+    class_label: int | None = Field(None, ge=0, description="Class-conditional models only.")
+    width: int | None = Field(None, ge=8, le=8192, multiple_of=8,
+                              description="Pixels; a multiple of 8 the model allows.")
+    height: int | None = Field(None, ge=8, le=8192, multiple_of=8,
+                               description="Pixels; a multiple of 8 the model allows.")
+    steps: int | None = Field(None, ge=1, le=10_000, description="Denoising steps.")
+    guidance: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+                                   description="Classifier-free guidance scale.")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1,
+                             description="Same seed, model and parameters: same images. "
+                             "Unset: derived from the task id (and reported).")
+    num_images: int = Field(1, ge=1, le=256, description="Images to make.")
+    lane: Literal["interactive", "batch"] = Field(
+        "interactive", description="interactive runs before batch on every worker.")
+    cluster: str | None = Field(None, pattern=TOKEN, description="Pin to one cluster.")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a job: the field, why, and the value given (if any)."""
+
+    field: str
+    message: str
+    value: Any = None
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def describe(problems: list[Problem]) -> str:
+    """The problems as one line (a dead-letter reason, a log field)."""
+    return "; ".join(str(p) for p in problems)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks, as every door sees it: the API key's name (never its secret) and
+    whether it holds the ``admin`` scope. A job records the key that created it; reads,
+    cancels and idempotency keys are scoped to it. ``OPEN`` is the caller of a door
+    with no keys configured (a single-tenant dev stack): it owns nothing and sees all."""
+
+    key: str = ""
+    admin: bool = False
+
+    def sees(self, owner: str) -> bool:
+        """May this caller read or cancel a job created by ``owner``?"""
+        return self.admin or not self.key or owner == self.key
+
+    def scoped(self, idempotency_key: str) -> str:
+        """The idempotency key as stored: per API key, so two keys never share one."""
+        return "k" + hashlib.sha256(f"{self.key}\0{idempotency_key}".encode()).hexdigest()
+
+
+OPEN = Caller()
+
+
+@dataclass(frozen=True, slots=True)
+class JobLimits:
+    """The deployment's bounds on one job, on top of each model's own."""
+
+    max_images: int = 8
+    max_prompt_chars: int = 2000
+    max_size: int = 2048
+    max_work: float = 1000.0  # megapixel-steps: width * height / 1e6 * steps * images
+
+
+class JobLimitSettings(Settings):
+    """Settings of a service that validates jobs (the gateway, the worker): both must
+    hold the same values, so a job the gateway accepts is one the worker runs."""
+
+    max_images: int = Field(8, ge=1, le=256, description="Most images per request.")
+    max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt (and negative "
+                                  "prompt), in characters; models may allow fewer.")
+    max_size: int = Field(2048, ge=8, le=8192, description="Largest width or height.")
+    max_work: float = Field(
+        1000.0, gt=0, description="Hard cap on one job's work in megapixel-steps "
+        "(width x height / 1e6 x steps x images), whatever a model's spec allows: "
+        "1024x1024 at 50 steps x 8 images is 419.")
+
+    @property
+    def job_limits(self) -> JobLimits:
+        return JobLimits(max_images=self.max_images, max_prompt_chars=self.max_prompt_chars,
+                         max_size=self.max_size, max_work=self.max_work)
+
+
+def work(width: int, height: int, steps: int, num_images: int) -> float:
+    """A job's work in megapixel-steps."""
+    return width * height / 1e6 * steps * num_images
+
+
+def check_request(req: GenerationRequest, registry: Registry,
+                  limits: JobLimits) -> list[Problem]:
+    """Everything wrong with ``req`` for its model and ``limits``, by field."""
+    spec = registry.get(req.model)
+    if spec is None:
+        return [Problem("model", f"unknown model {req.model!r}; known: "
+                        f"{', '.join(registry.names())}", req.model)]
+    out = _check_conditioning(req, spec)
+    limit = min(spec.max_prompt_chars, limits.max_prompt_chars)
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(req, name)
+        if text is not None and len(text) > limit:
+            out.append(Problem(name, f"{len(text)} characters; at most {limit}"))
+    for name in ("width", "height"):
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if value > limits.max_size:
+            out.append(Problem(name, f"at most {limits.max_size}", value))
+        elif (why := spec.size_error(value)) is not None:
+            out.append(Problem(name, why, value))
+    if req.steps is not None and req.steps > spec.max_steps:
+        out.append(Problem("steps", f"model {spec.name} takes at most {spec.max_steps} steps",
+                           req.steps))
+    if req.guidance is not None and req.guidance > spec.max_guidance:
+        out.append(Problem("guidance", f"model {spec.name} takes guidance up to "
+                           f"{spec.max_guidance}", req.guidance))
+    if req.num_images > limits.max_images:
+        out.append(Problem("num_images", f"at most {limits.max_images} images per request",
+                           req.num_images))
+    if not out:
+        w, h, s = (req.width or spec.default_width, req.height or spec.default_height,
+                   req.steps or spec.default_steps)
+        if (cost := work(w, h, s, req.num_images)) > limits.max_work:
+            out.append(Problem("num_images", f"{w}x{h} at {s} steps x {req.num_images} "
+                               f"images is {cost:.0f} megapixel-steps; at most "
+                               f"{limits.max_work:g} per request", req.num_images))
+    return out
+
+
+def _check_conditioning(req: GenerationRequest, spec: ModelSpec) -> list[Problem]:
+    out: list[Problem] = []
+    cond = spec.conditioning
+    if cond == Conditioning.text:
+        if not (req.prompt or "").strip():
+            out.append(Problem("prompt", f"model {spec.name} is text-conditioned: a prompt "
+                               "is required"))
+        if req.class_label is not None:
+            out.append(Problem("class_label", f"model {spec.name} takes a prompt, not a "
+                               "class label", req.class_label))
+    elif cond == Conditioning.class_label:
+        if req.class_label is None:
+            out.append(Problem("class_label", f"model {spec.name} is class-conditioned: "
+                               f"class_label 0..{spec.num_classes - 1} is required"))
+        elif req.class_label >= spec.num_classes:
+            out.append(Problem("class_label", f"model {spec.name} takes class labels "
+                               f"0..{spec.num_classes - 1}", req.class_label))
+    elif req.class_label is not None:
+        out.append(Problem("class_label", f"model {spec.name} is unconditional",
+                           req.class_label))
+    if cond != Conditioning.text:
+        for name in ("prompt", "negative_prompt"):
+            if getattr(req, name) is not None:
+                out.append(Problem(name, f"model {spec.name} does not take a "
+                                   f"{name.replace('_', ' ')}"))
+    return out
+
+
+def pydantic_problems(exc: ValidationError) -> list[Problem]:
+    """A pydantic error as problems, each named by its field path."""
+    return [Problem(".".join(str(p) for p in e["loc"]) or "body", e["msg"], e.get("input"))
+            for e in exc.errors()]
+
+
+def check_task(task: GenerationTask, registry: Registry, limits: JobLimits) -> list[Problem]:
+    """Everything wrong with a delivered task: the request it stands for must pass
+    ``check_request``, and its filled-in values must be ones the gateway could have made.
+    """
+    try:
+        req = GenerationRequest(
+            model=task.model, prompt=task.prompt, negative_prompt=task.negative_prompt,
+            class_label=task.class_label, width=task.width, height=task.height,
+            steps=task.steps, guidance=task.guidance, seed=task.seed,
+            num_images=task.num_images, lane=task.lane,  # type: ignore[arg-type]
+            cluster=task.cluster or None)
+    except ValidationError as exc:
+        return pydantic_problems(exc)
+    out = check_request(req, registry, limits)
+    spec = registry.get(task.model)
+    if spec is not None and task.noop != (spec.source_kind == "noop"):
+        out.append(Problem("noop", f"model {spec.name} is "
+                           f"{'' if spec.source_kind == 'noop' else 'not '}a no-op model",
+                           task.noop))
+    return out
+
+
+def default_seed(task_id: str) -> int:
+    """A seed derived from the task id: an idempotent replay regenerates the same one."""
+    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
+
+
+def build_task(req: GenerationRequest, spec: ModelSpec, task_id: str, cluster: str,
+               owner: str = "") -> GenerationTask:
+    """The task enqueued for a checked ``req`` by ``owner``: its unset fields take the
+    model's defaults."""
+    return GenerationTask(
+        task_id=task_id, model=req.model, prompt=req.prompt,
+        negative_prompt=req.negative_prompt, class_label=req.class_label,
+        width=req.width or spec.default_width, height=req.height or spec.default_height,
+        steps=req.steps or spec.default_steps,
+        guidance=spec.default_guidance if req.guidance is None else req.guidance,
+        seed=default_seed(task_id) if req.seed is None else req.seed,
+        num_images=req.num_images, lane=req.lane, cluster=cluster,
+        noop=spec.source_kind == "noop", owner=owner,
+    )
