@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.run import service_class
 from tandem.cli.stack import built_services
 
 from .conftest import ROOT
+from .settings_support import unknown_settings
 
 BIN = Path(sys.executable).parent
 SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
@@ -174,8 +174,5 @@ def test_compose_sets_only_settings_the_services_define() -> None:
     for name, (folder, svc) in tandem_services().items():
         if folder not in built:
             continue
-        fields = set(service_class(folder).settings_class.model_fields)
-        unknown = {k for k in svc["environment"]
-                   if k.startswith("TANDEM_") and k.removeprefix("TANDEM_").lower()
-                   not in fields}
+        unknown = unknown_settings(folder, svc["environment"])
         assert not unknown, f"{name} sets {sorted(unknown)}, not settings of {folder}"

