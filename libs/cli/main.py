@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "tandem.cli.checkpoints",
     "tandem.cli.bench",
     "tandem.cli.security",
+    "tandem.cli.schema",
 ]
 
 
