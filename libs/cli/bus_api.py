@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.cli import wire_types
-from tandem.common import permissions, streams, subjects, tasks
+from tandem.common import permissions, streams, subjects
 from tandem.common.bus import acks, headers
 from tandem.common.streams import ConsumerSpec, KVSpec, StreamSpec
 from tandem.common.subjects import Subject
@@ -115,8 +115,6 @@ HEADERS: list[tuple[str, str, str]] = [
      "W3C trace context: a consumer's span joins the producer's trace"),
     (headers.EXPECTED_LAST, "`gen.result` (`0`), KV writes (the revision)",
      "compare-and-set: stored only if the subject's last sequence is that one"),
-    (tasks.RECORD_REVISION, "`gen.<cluster>.<lane>` from the gateway",
-     "the revision of the task's KV record when it was enqueued; optional"),
 ]
 
 

@@ -22,8 +22,8 @@ import msgspec
 from pydantic import BaseModel
 
 from tandem.common import events
+from tandem.common.jobs import GenerationRequest
 from tandem.common.runs import RunConfig
-from tandem.gateway.schemas import GenerationRequest
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
