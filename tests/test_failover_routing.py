@@ -126,10 +126,11 @@ async def api(bus: Bus, names: list[str],
     s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
                         s3_secret_key="tandem"))
     gw = Gateway(bus, Registry.parse(""), names, s3=s3, bucket="b", url_ttl=60,
-                 publish_retry_for=1.0, router=router)
+                 publish_retry_for=1.0,
+                 limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512),
+                 router=router)
     await gw.start()
-    asgi, _ = create_app(gw, max_body_bytes=4096, limits=JobLimits(
-        max_images=4, max_prompt_chars=100, max_size=512))
+    asgi, _ = create_app(gw, max_body_bytes=4096)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client, router

@@ -33,15 +33,15 @@ async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
     s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
                         s3_secret_key="tandem"))
     g = Gateway(bus, Registry.parse(""), [settings.cluster, "other"], s3=s3, bucket="b",
-                url_ttl=60, publish_retry_for=1.0)
+                url_ttl=60, publish_retry_for=1.0,
+                limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512))
     await g.start()
     return g
 
 
 @pytest.fixture
 async def http(gw: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    asgi, _ = create_app(gw, max_body_bytes=MAX_BODY, limits=JobLimits(
-        max_images=4, max_prompt_chars=100, max_size=512))
+    asgi, _ = create_app(gw, max_body_bytes=MAX_BODY)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client

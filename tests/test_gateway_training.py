@@ -22,9 +22,9 @@ from tandem.gateway.generations import Gateway
 async def http(bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
     await bus.provision(core_streams())
     gw = Gateway(bus, Registry.parse(""), ["local"], s3=None, bucket="b", url_ttl=60,
-                 publish_retry_for=1.0)
-    asgi, _ = create_app(gw, max_body_bytes=65536, limits=JobLimits(
-        max_images=4, max_prompt_chars=100, max_size=512))
+                 publish_retry_for=1.0,
+                 limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512))
+    asgi, _ = create_app(gw, max_body_bytes=65536)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.devstack import NatsServer
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig, RunExists
 from tandem.common.events import RunState, TrainStatus, decode
 from tandem.common.runs import DataSpec, RunConfig, get_run, parse_run_config, submit_run
-from tandem.common.settings import Settings, load
 from tandem.common.streams import core_streams
 from tandem.trainer.health import Goodput, LossHealth, StragglerDetector
 from tandem.trainer.launcher import place
@@ -84,41 +82,6 @@ async def test_submit_is_idempotent_and_refuses_another_config_under_the_same_id
     assert rec.config["steps"] == 5
     generated = await submit_run(bus, RunConfig(steps=3))
     assert generated.run_id.startswith("run-")
-
-
-def test_submit_command_validates_and_records_a_pending_run(
-        nats_server: NatsServer, tmp_path: Path, uid: str, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.cli.main import main
-
-    monkeypatch.setenv("TANDEM_NATS_URL", nats_server.url)
-
-    async def provision() -> None:
-        b = await Bus.connect(load(Settings, nats_url=nats_server.url), "test")
-        await b.provision(core_streams())
-        await b.drain()
-
-    asyncio.run(provision())
-    bad = tmp_path / "bad.toml"
-    bad.write_text('steps = 0\nmodel = { kind = "gan" }\n')
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "submit", str(bad)])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "steps" in err and "model.kind" in err
-    good = tmp_path / "run.toml"
-    good.write_text("steps = 5\n")
-    run = f"cli-{uid}"
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "submit", str(good), "--run-id", run, "--set", "ranks=1",
-              "--set", "model.kind=dit"])
-    assert exc.value.code == 0
-    assert run in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "status", run])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert f"run {run}: pending" in out and "0/5" in out
 
 
 # ---------------------------------------------------------------------------- judgements

@@ -80,6 +80,14 @@ ROUTES: list[Route] = [
           ("mirrored", "CheckpointMirrored", "committed in S3 (manifest stored): servable"),
           ("failed", "CheckpointFailed", "the mirror gave up, with the reason"),
           ("pruned", "CheckpointPruned", "steps removed by retention")]),
+    *(Route(subjects.JOBS, name, f'jobs("{kind}")', "request", what, kind)
+      for kind, name, what in [
+          ("generate", "GenerationRequest", "queue a generation; reply: the accepted record "
+           "and the subjects that follow it"),
+          ("train", "RunConfig", "submit a training run; reply: the run's record"),
+          ("cancel", None, 'body `{"id": task}` or `{"run_id": run}`; reply: the record'),
+          ("status", None, 'body `{"id": task}` or `{"run_id": run}`; reply: the record'),
+          ("models", None, "body `{}`; reply: the model registry")]),
     Route(subjects.DLQ, "DeadLetter", "dlq(stream)", "subscribe",
           "a message terminated undecodable, rejected or out of deliveries, with the reason"),
     Route(subjects.TELEMETRY, "NodeTelemetry", "telemetry(cluster, node)", "",

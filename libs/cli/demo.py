@@ -179,7 +179,13 @@ class Demo:
         recorder = Recorder(self.bus.nc, self.rec)
         await recorder.start()
         self.recorder = recorder
+        from tandem.client import HttpClient, NatsClient
+
         try:
+            # Jobs go in as any client's would (tandem.client): training through the NATS
+            # job service, generations through the HTTP API.
+            self.jobs = HttpClient(self.base)
+            self.train_jobs = await NatsClient.connect(self.stack.settings().nats_url)
             async with httpx.AsyncClient(base_url=self.base, timeout=30) as http:
                 self.http = http
                 for name, phase in (("fleet", self.fleet), ("training", self.training),
@@ -198,6 +204,9 @@ class Demo:
                     self._result(name, "passed", detail, t)
         finally:
             await recorder.stop()
+            for client in (getattr(self, "jobs", None), getattr(self, "train_jobs", None)):
+                if client is not None:
+                    await client.close()
             with contextlib.suppress(Exception):
                 await self.bus.drain()
 
@@ -228,13 +237,17 @@ class Demo:
     # ------------------------------------------------------------------------- training
 
     async def training(self) -> str:
-        from tandem.common.runs import get_run, submit_run
+        from tandem.client import JobError
+        from tandem.common.runs import get_run
 
         p = self.plan
-        cfg = p.run_config(self.rec.run_id)
-        rec = await submit_run(self.bus, cfg)
-        self.rec.mark(f"training run {rec.run_id} submitted")
-        self.c.say(f"training run {rec.run_id}: {p.steps} steps, batch {p.batch_size}, "
+        try:
+            submitted = await self.train_jobs.train(**p.run_config(self.rec.run_id))
+        except JobError as exc:
+            raise PhaseFailed(f"tandem.jobs.train: {exc}") from None
+        run_id = submitted["run_id"]
+        self.rec.mark(f"training run {run_id} submitted")
+        self.c.say(f"training run {run_id}: {p.steps} steps, batch {p.batch_size}, "
                    f"lr {p.lr:g}, EMA {p.ema_decay}, checkpoint every {p.checkpoint_every}; "
                    "the checkpointer mirrors each checkpoint to S3")
         # Between two checkpoints, so the restart visibly replays the steps since the last.
@@ -243,7 +256,7 @@ class Demo:
         deadline = time.monotonic() + self.timeout
         while True:
             self._check()
-            run = await get_run(self.bus, rec.run_id)
+            run = await get_run(self.bus, run_id)
             loss = self.recorder.last_loss
             self.c.bar("training", self.recorder.last_step, p.steps,
                        f"loss {loss:.4f}" if loss is not None else run.state.value)
@@ -255,7 +268,7 @@ class Demo:
                          or (run.latest_checkpoint_step or 0) >= p.steps):
                 break
             if time.monotonic() > deadline:
-                raise PhaseFailed(f"run {rec.run_id} {run.state.value} at step "
+                raise PhaseFailed(f"run {run_id} {run.state.value} at step "
                                   f"{run.latest_step} (committed checkpoint "
                                   f"{run.latest_checkpoint_step}) after {self.timeout:g}s")
             await asyncio.sleep(0.5)  # polling KV runs, as `tandem train status` does
@@ -288,19 +301,15 @@ class Demo:
     # -------------------------------------------------------------------------- serving
 
     async def _submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = await self.http.post("/v1/generations", json=body)
-        if r.status_code != 202:
-            raise PhaseFailed(f"POST /v1/generations {json.dumps(body)}: {r.status_code} "
-                              f"{r.text[:300]}")
-        return r.json()
+        from tandem.client import JobError
+
+        try:
+            return await self.jobs.generate(**body)
+        except JobError as exc:
+            raise PhaseFailed(f"POST /v1/generations {json.dumps(body)}: {exc}") from None
 
     async def _states(self, ids: list[str]) -> dict[str, dict[str, Any]]:
-        out = {}
-        for tid in ids:
-            r = await self.http.get(f"/v1/generations/{tid}")
-            r.raise_for_status()
-            out[tid] = r.json()
-        return out
+        return {tid: await self.jobs.status(tid) for tid in ids}
 
     async def serving(self) -> str:
         """One small request pinned to each cluster: each cluster's worker loads the

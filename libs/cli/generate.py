@@ -1,14 +1,15 @@
-"""``tandem generate "<prompt or label>" -n 4 -o out/``: ask a gateway for images.
+"""``tandem generate "<prompt or label>" -n 4 -o out/``: ask Tandem for images.
 
-Posts one generation, follows its Server-Sent Events (a line per step), then downloads
-the images from their presigned URLs into the output folder as ``<task>-<i>.png``.
+Submits one generation with ``tandem.client`` (over HTTP or the NATS job service, by the
+URL), follows it (a line per step), then downloads the images from their presigned URLs
+into the output folder as ``<task>-<i>.png``.
 Whether the argument is a prompt or a class label comes from the model's registry entry.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--out", type=Path, default=Path("out"), help="output folder")
     p.add_argument("-m", "--model", default=None, help="model name (default: the first "
                    "model that takes this kind of input)")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the gateway's HTTP API (http://...) or NATS (nats://...: the job "
+                   "service); the same either way")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="API key where the gateway has keys (default $TANDEM_API_KEY)")
     p.add_argument("--negative", default=None, help="negative prompt (text models)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--guidance", type=float, default=None)
@@ -49,17 +54,18 @@ def _pick_model(models: list[dict[str, Any]], name: str | None, what: str) -> di
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import httpx
+    from tandem.client import JobError, SyncClient
 
-    with httpx.Client(base_url=args.url, timeout=60) as http:
-        try:
-            models = http.get("/v1/models").json()["models"]
-        except httpx.HTTPError as exc:
-            from tandem.cli.reach import START
+    try:
+        tandem = SyncClient(args.url, api_key=args.api_key)
+        models = tandem.models()
+    except Exception as exc:  # httpx's or nats-py's: Tandem is not there
+        from tandem.cli.reach import START
 
-            print(f"tandem generate: cannot reach the gateway at {args.url}: {exc}. {START}",
-                  file=sys.stderr)
-            return 2
+        print(f"tandem generate: cannot reach Tandem at {args.url}: {exc!r}. {START}",
+              file=sys.stderr)
+        return 2
+    with tandem:
         model = _pick_model(models, args.model, args.what)
         body: dict[str, Any] = {"model": model["name"], "num_images": args.num_images,
                                 "lane": args.lane}
@@ -78,35 +84,28 @@ def _generate(args: argparse.Namespace) -> int:
                            ("cluster", args.cluster)):
             if value is not None:
                 body[key] = value
-        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-        r = http.post("/v1/generations", json=body, headers=headers)
-        if r.status_code != 202:
-            print(f"tandem generate: {r.status_code}: {r.text}", file=sys.stderr)
+        try:
+            accepted = tandem.generate(idempotency_key=args.idempotency_key, **body)
+        except JobError as exc:
+            print(f"tandem generate: {exc}", file=sys.stderr)
             return 1
-        accepted = r.json()
         print(f"task {accepted['id']} on {accepted['cluster']} (seed {accepted['seed']})")
         final: dict[str, Any] = {}
-        with http.stream("GET", accepted["events_url"], timeout=None) as events:
-            kind = ""
-            for line in events.iter_lines():
-                if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if kind == "progress":
-                        print(f"  step {data['step']}/{data['total']}", end="\r", flush=True)
-                    elif kind == "state":
-                        print(f"  {data['state']} on {data['worker'] or data['cluster']}")
-                    elif kind == "final":
-                        final = data
+        for event in tandem.events(accepted["id"]):
+            if event["event"] == "progress":
+                print(f"  step {event['step']}/{event['total']}", end="\r", flush=True)
+            elif event["event"] == "state":
+                print(f"  {event['state']} on {event['worker'] or event['cluster']}")
+            elif event["event"] == "final":
+                final = event["record"]
         print()
         if final.get("state") != "succeeded":
             print(f"tandem generate: {final.get('state')}: {final.get('reason')}",
                   file=sys.stderr)
             return 1
         args.out.mkdir(parents=True, exist_ok=True)
-        for ref in final["images"]:
+        for ref, png in zip(final["images"], tandem.images(final), strict=True):
             path = args.out / f"{accepted['id']}-{ref['index']}.png"
-            path.write_bytes(httpx.get(ref["url"], timeout=60).content)
+            path.write_bytes(png)
             print(path)
     return 0

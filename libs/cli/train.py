@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import tomllib
@@ -35,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set steps=200 --set model.kind=dit")
     s.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    s.add_argument("--url", default=None, help="where to submit: nats://... (the job "
+                   "service; default TANDEM_NATS_URL) or the gateway's http://...")
+    s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="API key where the gateway has keys (default $TANDEM_API_KEY)")
     s.set_defaults(func=lambda a: asyncio.run(_submit(a)))
     w = tsub.add_parser("watch", help="follow a run live (progress bar, restarts)")
     w.add_argument("run")
@@ -87,18 +92,27 @@ async def _connect() -> Any:
 
 
 async def _submit(args: argparse.Namespace) -> int:
-    from tandem.common.runs import parse_run_config, submit_run
+    """Through ``tandem.client`` (the NATS job service, or HTTP by ``--url``): validated,
+    recorded and owned exactly as any other client's run."""
+    from tandem.client import JobError, connect
+    from tandem.common.settings import Settings, load
 
-    cfg = parse_run_config(load_config(args.config, args.set, args.run_id))
-    bus = await _connect()
-    try:
-        rec = await submit_run(bus, cfg)
-        print(f"submitted {rec.run_id} ({rec.state.value}); watch with: "
-              f"tandem train watch {rec.run_id}")
-        if args.watch:
-            return await watch(bus, rec.run_id, sys.stdout)
-    finally:
-        await bus.drain()
+    config = load_config(args.config, args.set, args.run_id)
+    url = args.url or load(Settings, "tandem").nats_url
+    async with await connect(url, api_key=args.api_key) as tandem:
+        try:
+            rec = await tandem.train(**config)
+        except JobError as exc:
+            print(f"tandem train: {exc}", file=sys.stderr)
+            return 2
+    print(f"submitted {rec['run_id']} ({rec['state']}); watch with: "
+          f"tandem train watch {rec['run_id']}")
+    if args.watch:
+        bus = await _connect()
+        try:
+            return await watch(bus, rec["run_id"], sys.stdout)
+        finally:
+            await bus.drain()
     return 0
 
 

@@ -40,10 +40,12 @@ class WireType:
 WIRE_TYPES: list[WireType] = [
     WireType("GenerationTask", events.GenerationTask,
              "`gen.<cluster>.<lane>` (JetStream, `GEN_<CLUSTER>`); the `task` of KV `tasks`"),
-    WireType("GenerationRequest", GenerationRequest, "HTTP `POST /v1/generations` body"),
+    WireType("GenerationRequest", GenerationRequest,
+             "`tandem.jobs.generate` request (the job service), HTTP `POST /v1/generations` "
+             "body"),
     WireType("RunConfig", RunConfig,
-             "HTTP `POST /v1/training-runs` body, `tandem train submit`; the `config` of "
-             "KV `runs`"),
+             "`tandem.jobs.train` request (the job service), HTTP `POST /v1/training-runs` "
+             "body, `tandem train submit`; the `config` of KV `runs`"),
     WireType("GenEvent", events.GenEvent,
              "stream `GEN_EVENTS`: `gen.status.<task>` and `gen.result.<task>`, tagged by `type`"),
     WireType("GenerationStatus", events.GenerationStatus, "`gen.status.<task>` (JetStream)"),

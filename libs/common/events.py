@@ -344,6 +344,10 @@ class RunState(StrEnum):
     failed = "failed"
     cancelled = "cancelled"
 
+    @property
+    def terminal(self) -> bool:
+        return self in (RunState.succeeded, RunState.failed, RunState.cancelled)
+
 
 class TrainStatus(Event, kw_only=True, tag="status", tag_field="kind"):
     """A run's state changed, on ``train.<run>.status``."""
@@ -455,3 +459,6 @@ class RunRecord(Event, kw_only=True):
     corrupt_checkpoints: list[dict[str, Any]] = []  # local checkpoints that failed verification
     ranks: list[dict[str, Any]] = []  # current attempt: rank, pid, node of each rank
     owner: str = ""  # the API key (its name) that submitted the run; empty: an open door
+    # A client asked to stop the run, and why: its coordinator stops the ranks and ends
+    # the run ``cancelled`` (a run not yet claimed is cancelled at once).
+    cancel: str = ""

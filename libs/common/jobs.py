@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.common.errors import TandemError
 from tandem.common.events import GenerationTask
 from tandem.common.models import Conditioning, ModelSpec, Registry
 from tandem.common.settings import Settings
@@ -76,6 +77,33 @@ class Problem:
 def describe(problems: list[Problem]) -> str:
     """The problems as one line (a dead-letter reason, a log field)."""
     return "; ".join(str(p) for p in problems)
+
+
+class JobRefused(TandemError):
+    """A door refused a job request; every door reports it the same way.
+
+    ``status`` is the HTTP status (the job service's error code too): 400 not JSON, 401 /
+    403 no key or scope, 404 no such job (or another key's), 409 a conflict with the
+    job's state or id, 422 invalid fields, 429 over a limit, 503 nowhere to run it now
+    (``retry_after`` seconds). ``detail`` is a message, or for 422 FastAPI's own list of
+    ``{type, loc, msg, input}``, one per bad field, so both doors read alike.
+    """
+
+    def __init__(self, status: int, detail: str | list[dict[str, Any]],
+                 retry_after: float | None = None) -> None:
+        self.status = status
+        self.detail = detail
+        self.retry_after = retry_after
+        super().__init__(detail if isinstance(detail, str) else "; ".join(
+            f"{'.'.join(str(p) for p in d['loc'][1:])}: {d['msg']}" for d in detail))
+
+    @classmethod
+    def invalid(cls, problems: list[Problem], where: str = "body") -> JobRefused:
+        return cls(422, [{"type": "value_error", "loc": [where, *p.field.split(".")],
+                          "msg": p.message, "input": p.value} for p in problems])
+
+    def body(self) -> dict[str, Any]:
+        return {"detail": self.detail}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tandem.common import subjects
 from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound
-from tandem.common.events import RunRecord, RunState, TrainStatus
+from tandem.common.events import RunRecord, RunState, TrainStatus, now, struct_replace
 
 
 class _Spec(BaseModel):
@@ -240,3 +240,33 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
                       TrainStatus(run_id=run_id, state=RunState.pending, reason="submitted"),
                       msg_id=f"{run_id}-pending", retry_for=10.0)
     return record
+
+
+async def cancel_run(bus: Any, run_id: str, reason: str = "cancelled by client") -> RunRecord:
+    """Stop a run: one still pending (no coordinator has claimed it) ends ``cancelled`` at
+    once; a claimed one is marked (``RunRecord.cancel``) for its coordinator, which
+    stops the ranks and ends it ``cancelled``. Returns the record as it now stands (a
+    finished run is returned unchanged: the caller says it was already over).
+    ``RunNotFound`` when there is no such run.
+    """
+    from tandem.common.streams import KV_RUNS
+
+    kv = await bus.typed(KV_RUNS, RunRecord)
+
+    def move(cur: RunRecord | None) -> RunRecord | None:
+        if cur is None or cur.state.terminal or cur.cancel:
+            return None
+        if cur.state == RunState.pending and not cur.coordinator:
+            return struct_replace(cur, state=RunState.cancelled, cancel=reason,
+                                  updated_at=now())
+        return struct_replace(cur, cancel=reason, updated_at=now())
+
+    rec = await kv.update(subjects.token(run_id, "run id"), move)
+    if rec is None:
+        raise RunNotFound(run_id)
+    if rec.state == RunState.cancelled:
+        await bus.publish(subjects.train(run_id, "status"), TrainStatus(
+            run_id=run_id, state=RunState.cancelled, reason=rec.cancel),
+            msg_id=f"{run_id}-cancelled", retry_for=10.0)
+    return rec
+

@@ -72,6 +72,9 @@ MODELS = Subject("models.{cluster}.{node}")
 TRAIN = Subject("train.{run}.{kind}")
 CKPT = Subject("ckpt.{run}.{kind}")
 DLQ = Subject("dlq.{stream}")
+# The job service (nats.micro ``tandem-jobs``): request/reply, one subject per endpoint.
+JOBS = Subject("tandem.jobs.{kind}")  # kind: one of JOB_ENDPOINTS
+JOB_ENDPOINTS = ("generate", "train", "cancel", "status", "models")
 
 
 def gen(cluster: str, lane_: str) -> str:
@@ -92,6 +95,13 @@ def gen_status(task: str) -> str:
 
 def gen_progress(task: str) -> str:
     return f"gen.progress.{token(task, 'task id')}"
+
+
+def jobs(endpoint: str) -> str:
+    """The job service's subject for ``endpoint`` (one of ``JOB_ENDPOINTS``)."""
+    if endpoint not in JOB_ENDPOINTS:
+        raise InvalidToken("job endpoint", endpoint, f"not one of {', '.join(JOB_ENDPOINTS)}")
+    return f"tandem.jobs.{endpoint}"
 
 
 def gen_cancel(task: str) -> str:

@@ -10,21 +10,20 @@ from fastapi import FastAPI, Header, Path, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.common import metrics
-from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobLimits, check_request
+from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobRefused
 from tandem.gateway.generations import Conflict, Gateway
 from tandem.gateway.limits import BodyLimit
-from tandem.gateway.routing import RoutingError
 from tandem.gateway.schemas import Accepted, GenerationView
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
 
 
-def _problems(items: list[tuple[str, str, Any]], where: str = "body") -> JSONResponse:
-    """A 422 in FastAPI's own shape, so every validation error reads the same."""
-    return JSONResponse(status_code=422, content={"detail": [
-        {"type": "value_error", "loc": [where, field], "msg": msg, "input": value}
-        for field, msg, value in items]})
+def refused(exc: JobRefused) -> JSONResponse:
+    """A refusal as HTTP: its status, ``{"detail": ...}`` (a 422's in FastAPI's own shape,
+    so every validation error reads the same), Retry-After when it has one."""
+    headers = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
+    return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
 
 
 def caller(request: Request) -> Caller:
@@ -52,8 +51,7 @@ def _native_telemetry() -> dict[str, Any]:
     return {} if tracing.recording() else {"telemetry": {"tracing": False}}
 
 
-def create_app(gw: Gateway, *, max_body_bytes: int, limits: JobLimits,
-               nats_connected: Any = None) -> Any:
+def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None) -> Any:
     app = FastAPI(
         title="Tandem gateway",
         version="1",
@@ -73,33 +71,18 @@ def create_app(gw: Gateway, *, max_body_bytes: int, limits: JobLimits,
 
         The same ``Idempotency-Key`` returns the same task and never enqueues twice.
         """
-        problems = check_request(req, gw.registry, limits)
-        if problems:
-            return _problems([(p.field, p.message, p.value) for p in problems])
         try:
-            sub = await gw.submit(req, idempotency_key, caller(request))
-        except RoutingError as exc:
-            if exc.field:
-                return _problems([(exc.field, exc.message, getattr(req, exc.field, None))])
-            headers = {"Retry-After": str(int(exc.retry_after or 1))}
-            return JSONResponse(status_code=exc.status, content={"detail": exc.message},
-                                headers=headers)
-        except Conflict as exc:
-            if exc.field:
-                return _problems([(exc.field, exc.message, None)], where="header")
-            return JSONResponse(status_code=exc.status, content={"detail": exc.message},
-                                headers={"Retry-After": "1"} if exc.status == 503 else None)
-        tid = sub.task.task_id
-        status_url = f"{request.scope.get('root_path', '')}/v1/generations/{tid}"
+            sub = await gw.accept(req, idempotency_key, caller(request))
+        except JobRefused as exc:
+            return refused(exc)
+        status_url = f"{request.scope.get('root_path', '')}/v1/generations/{sub.task.task_id}"
         headers = {"Location": status_url}
         if sub.replayed:
             headers["Idempotent-Replayed"] = "true"
         # Built here rather than validated again through ``response_model`` (which
         # documents it): this is the hot path of every submission.
         return JSONResponse(status_code=202, headers=headers, content={
-            "id": tid, "state": sub.record.state.value, "model": sub.task.model,
-            "cluster": sub.record.cluster, "lane": sub.task.lane, "seed": sub.task.seed,
-            "status_url": status_url, "events_url": f"{status_url}/events"})
+            **sub.accepted(), "status_url": status_url, "events_url": f"{status_url}/events"})
 
     @app.get("/v1/generations/{task_id}", response_model=GenerationView,
              responses={404: {}})

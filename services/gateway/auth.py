@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
-from tandem.common.jobs import Caller
+from tandem.common.jobs import OPEN, Caller
 from tandem.common.settings import Settings
 from tandem.common.subjects import token
 
@@ -172,6 +172,56 @@ def needs(method: str, path: str) -> str:
     return Scope.admin
 
 
+class Keyring:
+    """The configured keys, and the one check both doors make: who is this, and may it?
+
+    ``check`` answers the caller for a presented key and a needed scope, or raises
+    ``Denied`` (401 without a known key, 403 without the scope) with the message the
+    client reads. The HTTP Guard and the NATS job service both call it.
+    """
+
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.by_hash = {k.sha256: k for k in keys}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_hash)
+
+    def key(self, presented: str, need: str, what: str) -> ApiKey:
+        key = self.by_hash.get(hash_key(presented)) if presented else None
+        if key is None:
+            AUTH.labels("unauthenticated").inc()
+            why = "an unknown API key" if presented else "no API key"
+            raise Denied(401, why)
+        if need != ANY_KEY and not key.allows(Scope(need)):
+            AUTH.labels("forbidden").inc()
+            raise Denied(403, f"key {key.name!r} lacks scope '{need}' for {what} "
+                         f"(it has {', '.join(key.scopes)})")
+        return key
+
+    def check(self, presented: str, need: str, what: str) -> Caller:
+        """The caller of a request that presents ``presented`` and needs ``need``;
+        without any keys configured, the open caller."""
+        if not self:
+            return OPEN
+        key = self.key(presented, need, what)
+        return Caller(key.name, key.allows(Scope.admin))
+
+
+class Denied(Exception):
+    """A request without a known key (401) or the scope it needs (403)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+def bearer(value: str) -> str:
+    """The key in an ``Authorization: Bearer <key>`` value (or the value itself)."""
+    value = value.strip()
+    return value[7:].strip() if value[:7].lower() == "bearer " else value
+
+
 # ------------------------------------------------------------------------------ the limits
 
 
@@ -216,7 +266,7 @@ class Guard:
     def __init__(self, app: Any, keys: list[ApiKey], settings: AuthSettings,
                  run_state: RunState | None = None) -> None:
         self.app = app
-        self.keys = {k.sha256: k for k in keys}
+        self.keys = Keyring(keys)
         self.s = settings
         self.run_state = run_state
         self.state: dict[str, KeyState] = {}
@@ -247,20 +297,15 @@ class Guard:
         if need == PUBLIC:
             await self.app(scope, receive, send)
             return
-        presented = _presented(scope)
-        key = self.keys.get(hash_key(presented)) if presented else None
-        if key is None:
-            AUTH.labels("unauthenticated").inc()
-            why = "an unknown API key" if presented else "no API key"
-            _log.info("auth.refused", status=401, path=path, why=why)
-            await _reply(send, 401, f"{why}: send 'Authorization: Bearer <key>'",
-                         {"www-authenticate": 'Bearer realm="tandem"'})
-            return
-        if need != ANY_KEY and not key.allows(Scope(need)):
-            AUTH.labels("forbidden").inc()
-            _log.info("auth.refused", status=403, path=path, key=key.name, need=str(need))
-            await _reply(send, 403, f"key {key.name!r} lacks scope '{need}' for {method} "
-                         f"{path} (it has {', '.join(key.scopes)})")
+        try:
+            key = self.keys.key(_presented(scope), need, f"{method} {path}")
+        except Denied as exc:
+            _log.info("auth.refused", status=exc.status, path=path, why=exc.message)
+            if exc.status == 401:
+                await _reply(send, 401, f"{exc.message}: send 'Authorization: Bearer <key>'",
+                             {"www-authenticate": 'Bearer realm="tandem"'})
+            else:
+                await _reply(send, exc.status, exc.message)
             return
         st = self._state(key)
         wait = st.bucket.take()
@@ -338,8 +383,8 @@ class Guard:
 def _presented(scope: dict[str, Any]) -> str:
     headers = dict(scope.get("headers") or [])
     auth = headers.get(b"authorization", b"").decode("latin-1").strip()
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
+    if auth:
+        return bearer(auth)
     return headers.get(b"x-api-key", b"").decode("latin-1").strip()
 
 

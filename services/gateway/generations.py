@@ -30,10 +30,19 @@ from tandem.common.events import (
     TaskState,
     decode,
 )
-from tandem.common.jobs import OPEN, Caller, GenerationRequest, build_task
+from tandem.common.jobs import (
+    OPEN,
+    Caller,
+    GenerationRequest,
+    JobLimits,
+    JobRefused,
+    Problem,
+    build_task,
+    check_request,
+)
 from tandem.common.models import Registry
 from tandem.common.streams import KV_IDEMPOTENCY, KV_NODES, KV_TASKS
-from tandem.gateway.routing import Router, choose_cluster
+from tandem.gateway.routing import Router, RoutingError, choose_cluster
 from tandem.gateway.schemas import ImageRef, view
 
 _log = log.get("tandem.gateway")
@@ -63,6 +72,15 @@ class Submitted:
     record: TaskRecord
     replayed: bool  # an Idempotency-Key replay: nothing new was enqueued
 
+    def accepted(self) -> dict[str, Any]:
+        """What every door answers: the record as accepted and where to follow it."""
+        tid = self.task.task_id
+        return {"id": tid, "state": self.record.state.value, "model": self.task.model,
+                "cluster": self.record.cluster, "lane": self.task.lane, "seed": self.task.seed,
+                "status_subject": subjects.gen_status(tid),
+                "result_subject": subjects.gen_result(tid),
+                "progress_subject": subjects.gen_progress(tid)}
+
 
 def fingerprint(req: GenerationRequest) -> str:
     body = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -74,8 +92,10 @@ class Gateway:
 
     def __init__(self, bus: Bus, registry: Registry, clusters: list[str], *, s3: Any,
                  bucket: str, url_ttl: float, publish_retry_for: float,
-                 sse_ping: float = 15.0, router: Router | None = None) -> None:
+                 sse_ping: float = 15.0, router: Router | None = None,
+                 limits: JobLimits = JobLimits()) -> None:
         self.bus = bus
+        self.limits = limits
         self.router = router  # None: static routing (pin, else the first cluster)
         self.registry = registry
         self.clusters = clusters
@@ -94,6 +114,26 @@ class Gateway:
         self.nodes = await self.bus.typed(KV_NODES, NodeHeartbeat)
 
     # -------------------------------------------------------------------------- submit
+
+    async def accept(self, req: GenerationRequest, idempotency_key: str | None,
+                     caller: Caller = OPEN) -> Submitted:
+        """A request from any door: checked (``jobs.check_request``), then submitted.
+        Raises ``JobRefused`` saying why, the same way for HTTP and the job service."""
+        problems = check_request(req, self.registry, self.limits)
+        if problems:
+            raise JobRefused.invalid(problems)
+        try:
+            return await self.submit(req, idempotency_key, caller)
+        except RoutingError as exc:
+            if exc.field:
+                raise JobRefused.invalid([Problem(exc.field, exc.message, getattr(
+                    req, exc.field, None))]) from None
+            raise JobRefused(exc.status, exc.message, exc.retry_after or 1) from None
+        except Conflict as exc:
+            if exc.field:
+                raise JobRefused.invalid([Problem(exc.field, exc.message)], "header") from None
+            raise JobRefused(exc.status, exc.message,
+                             1 if exc.status == 503 else None) from None
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None,
                      caller: Caller = OPEN) -> Submitted:

@@ -24,8 +24,9 @@ from tandem.common.storage import s3_client
 from tandem.common.streams import Spec, core_streams, gen_stream
 from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
-from tandem.gateway.auth import AuthSettings, Guard, document
+from tandem.gateway.auth import AuthSettings, Guard, Keyring, document, parse_keys
 from tandem.gateway.generations import Gateway
+from tandem.gateway.jobs import JobService
 from tandem.gateway.observe import Observer
 from tandem.gateway.routing import Router, RoutingSettings
 from tandem.gateway.traces import AdmissionTracing
@@ -147,9 +148,11 @@ class GatewayService(Service):
         gw = Gateway(ctx.bus, s.registry, s.cluster_list,
                      s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
-                     router=self.router)
+                     router=self.router, limits=s.job_limits)
         await gw.start()
-        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=s.job_limits)
+        jobs = JobService(gw, Keyring(parse_keys(s.api_keys)))
+        await jobs.start(ctx.bus.nc)
+        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
                             url_ttl=s.result_url_ttl)
@@ -168,6 +171,7 @@ class GatewayService(Service):
             tg.create_task(observer.run(ctx.stopping))
             stopping = tg.create_task(ctx.stopping.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await jobs.stop()  # first: a request now goes to another gateway of the group
             server.stop()
             stopping.cancel()
         sock.close()

@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
 
-from tandem.common import fleet, runs
+from tandem.common import fleet, runs, subjects
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
-from tandem.common.jobs import Caller
+from tandem.common.events import RunRecord, RunState
+from tandem.common.jobs import Caller, JobRefused
 
 RUN_ID = Path(description="The run id returned by POST /v1/training-runs.", max_length=64)
 
@@ -30,37 +31,81 @@ def _view(rec: Any) -> dict[str, Any]:
     }
 
 
+async def submit_training(bus: Any, config: Any, caller: Caller) -> RunRecord:
+    """A run from any door, validated and recorded for ``caller`` by the same code as
+    ``tandem train submit`` (``runs.submit_run``); ``JobRefused`` saying why not."""
+    try:
+        return await runs.submit_run(bus, config, owner=caller.key)
+    except InvalidRunConfig as exc:
+        raise JobRefused(422, [{"type": "value_error", "loc": ["body", *k.split(".")],
+                                "msg": v} for k, v in exc.problems.items()]) from None
+    except RunExists as exc:
+        raise JobRefused(409, str(exc)) from None
+    except InvalidToken as exc:
+        raise JobRefused(422, str(exc)) from None
+
+
+async def training_run(bus: Any, run_id: str, caller: Caller) -> RunRecord:
+    """The run's record; ``JobRefused(404)`` when there is none or it is another key's."""
+    try:
+        rec = await runs.get_run(bus, run_id)
+    except (RunNotFound, InvalidToken) as exc:
+        raise JobRefused(404, str(exc)) from None
+    if not caller.sees(rec.owner):
+        raise JobRefused(404, str(RunNotFound(run_id)))
+    return rec
+
+
+async def cancel_training(bus: Any, run_id: str, caller: Caller) -> RunRecord:
+    """Cancel the caller's run (``runs.cancel_run``); 404 as ``training_run``, 409 when it
+    has already finished."""
+    await training_run(bus, run_id, caller)
+    try:
+        rec = await runs.cancel_run(bus, run_id)
+    except RunNotFound as exc:
+        raise JobRefused(404, str(exc)) from None
+    if rec.state.terminal and rec.state != RunState.cancelled:
+        raise JobRefused(409, f"run {run_id} already {rec.state.value}")
+    return rec
+
+
+def run_view(rec: RunRecord) -> dict[str, Any]:
+    """A run as every door shows it, with the subject its events come on."""
+    return {**_view(rec), "status_subject": subjects.train(rec.run_id, "status")}
+
+
 def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Caller]) -> None:
     @app.post("/v1/training-runs", status_code=202, responses={409: {}, 422: {}})
     async def submit_training_run(config: runs.RunConfig, request: Request,
                                   response: Response) -> Any:
         """Submit a training run (model, data, steps, batch, lr, EMA, checkpoint interval,
         ranks, nodes or cluster, seed). 202 with the run id; the same config under the
-        same ``run_id`` is idempotent, a different one is 409."""
+        same ``run_id`` is idempotent, a different one (or another key's) is 409."""
         try:
-            rec = await runs.submit_run(bus, config, owner=caller(request).key)
-        except InvalidRunConfig as exc:
-            return JSONResponse(status_code=422, content={"detail": [
-                {"type": "value_error", "loc": ["body", *k.split(".")], "msg": v}
-                for k, v in exc.problems.items()]})
-        except (RunExists, InvalidToken) as exc:
-            return JSONResponse(status_code=409 if isinstance(exc, RunExists) else 422,
-                                content={"detail": str(exc)})
+            rec = await submit_training(bus, config, caller(request))
+        except JobRefused as exc:
+            return JSONResponse(status_code=exc.status, content=exc.body())
         url = str(request.url_for("get_training_run", run_id=rec.run_id).path)
         response.headers["Location"] = url
-        return {**_view(rec), "status_url": url}
+        return {**run_view(rec), "status_url": url}
 
     @app.get("/v1/training-runs/{run_id}", responses={404: {}})
     async def get_training_run(request: Request, run_id: str = RUN_ID) -> Any:
         """A run's state, restarts, latest step and committed checkpoint, goodput and
         incidents. Another API key's run is 404 (unless the key is admin)."""
         try:
-            rec = await runs.get_run(bus, run_id)
-            if not caller(request).sees(rec.owner):
-                raise RunNotFound(run_id)
-            return _view(rec)
-        except (RunNotFound, InvalidToken) as exc:
-            return JSONResponse(status_code=404, content={"detail": str(exc)})
+            return run_view(await training_run(bus, run_id, caller(request)))
+        except JobRefused as exc:
+            return JSONResponse(status_code=exc.status, content=exc.body())
+
+    @app.delete("/v1/training-runs/{run_id}", responses={404: {}, 409: {}})
+    async def cancel_training_run(request: Request, run_id: str = RUN_ID) -> Any:
+        """Cancel a run: a pending one never starts; a running one's ranks are stopped
+        by its coordinator and the run ends ``cancelled``."""
+        try:
+            return run_view(await cancel_training(bus, run_id, caller(request)))
+        except JobRefused as exc:
+            return JSONResponse(status_code=exc.status, content=exc.body())
 
 
 def add_fleet_routes(app: FastAPI, bus: Any) -> None:

@@ -91,6 +91,7 @@ class Trainer(Service):
         subs = [
             await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),
             await ctx.bus.nc.subscribe(f"$KV.drains.{self.s.cluster}.*", cb=self._on_drain),
+            await ctx.bus.nc.subscribe(f"$KV.{KV_RUNS}.*", cb=self._on_run_record),
         ]
         async with asyncio.TaskGroup() as tg:
             self.tg = tg
@@ -171,6 +172,19 @@ class Trainer(Service):
         for sup in list(self.supervisors.values()):
             if sup.cluster == ev.cluster:
                 sup.on_health(ev.node, ev.current.value, f"{ev.rule}: {ev.reason}")
+
+    async def _on_run_record(self, msg: Any) -> None:
+        """A run record changed: a cancel asked for a run this coordinator supervises
+        stops it (``runs.cancel_run``)."""
+        sup = self.supervisors.get(msg.subject.rsplit(".", 1)[-1])
+        if sup is None or not msg.data:
+            return
+        try:
+            rec = events.decode(msg.data, RunRecord)
+        except Exception:
+            return
+        if rec.cancel:
+            sup.request_cancel(rec.cancel)
 
     async def _on_drain(self, msg: Any) -> None:
         node = msg.subject.rsplit(".", 1)[-1]

@@ -49,7 +49,7 @@ from tandem.trainer.run_metrics import RunMetrics
 from tandem.trainer.spec import LaunchSpec
 from tandem.trainer.watch import AttemptWatch, Outcome
 
-TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
+TERMINAL = tuple(s for s in RunState if s.terminal)
 RECORD_BACKOFF = Backoff(0.1, max_delay=2.0)  # between writes of the run record
 BAD_HEALTH = (Health.unhealthy, Health.drained)
 
@@ -98,6 +98,17 @@ class RunSupervisor(AttemptWatch):
         self._kv: TypedKV[RunRecord] | None = None
         self._last_kv = 0.0
         self.stragglers = StragglerDetector(config.straggler.ratio, config.straggler.window)
+        self.cancelled = asyncio.Event()  # a client asked to stop the run (cancel_reason)
+        self.cancel_reason = ""
+
+    def request_cancel(self, reason: str) -> None:
+        """A client cancelled the run (``runs.cancel_run``): the attempt in flight stops
+        its ranks and the run ends ``cancelled``; no further attempt starts."""
+        if self.cancelled.is_set():
+            return
+        self.cancel_reason = reason
+        self.cancelled.set()
+        self.q.put_nowait(("cancel", self.attempt_no))
 
     # ------------------------------------------------------------------------ bookkeeping
 
@@ -209,6 +220,8 @@ class RunSupervisor(AttemptWatch):
             self.attempt_no = max((int(x.get("attempt", 0)) for x in r.ranks), default=0)
             if r.state in TERMINAL:
                 return r.state
+            if r.cancel:  # cancelled while no coordinator watched it
+                self.request_cancel(r.cancel)
             if adopted:
                 if r.goodput:
                     self.goodput = Goodput.resumed(r.goodput, r.updated_at)
@@ -230,6 +243,9 @@ class RunSupervisor(AttemptWatch):
     async def _supervise(self, stopping: asyncio.Event) -> RunState:
         wd = self.config.watchdog
         while True:
+            if self.cancelled.is_set():
+                await self._status(RunState.cancelled, self.cancel_reason)
+                return RunState.cancelled
             # One trace per restart cycle: why it began (the incident that ended the cycle
             # before), placement, restore, launch, training, and its outcome, including the
             # status event that reports it.
@@ -245,7 +261,8 @@ class RunSupervisor(AttemptWatch):
             if ended is not None:
                 return ended
             delay = Backoff(wd.backoff_s, max_delay=wd.backoff_max_s).delay(self.restarts)
-            if await _wait(stopping, delay):
+            await _wait_any((stopping, self.cancelled), delay)
+            if stopping.is_set():
                 await self._status(RunState.restarting, "coordinator stopping")
                 return RunState.restarting
 
@@ -261,6 +278,10 @@ class RunSupervisor(AttemptWatch):
             await self._status(RunState.restarting, "coordinator stopping; resumes when "
                                "a coordinator adopts the run")
             return RunState.restarting
+        if outcome.kind == "cancelled":
+            self.goodput.finished()
+            await self._status(RunState.cancelled, self.cancel_reason)
+            return RunState.cancelled
         # The ranks are gone: the newest whole checkpoint is where the next attempt
         # resumes (unless it fails verification, which is reported then).
         on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id)
@@ -372,8 +393,11 @@ def _summary(incident: dict[str, Any]) -> str:
     return " ".join(str(p) for p in parts)
 
 
-async def _wait(stopping: asyncio.Event, seconds: float) -> bool:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stopping.wait(), seconds)
-    return stopping.is_set()
-
+async def _wait_any(events: tuple[asyncio.Event, ...], seconds: float) -> None:
+    """Until one of ``events`` is set, or ``seconds`` have passed."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

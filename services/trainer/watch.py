@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 @dataclass
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
-    #            no_healthy_nodes, stopping
+    #            no_healthy_nodes, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -161,6 +161,8 @@ class AttemptWatch:
                 tag = item[0]
                 if tag == "stop":
                     return Outcome("stopping")
+                if tag == "cancel":  # a client cancelled the run: stop its ranks
+                    return Outcome("cancelled", {"reason": getattr(self, "cancel_reason", "")})
                 if item[1] != self.attempt_no:
                     continue  # from an earlier attempt: its dying ranks or agents
                 if tag == "exit":

@@ -1,0 +1,262 @@
+"""The two transports of ``tandem.client``: the NATS job service and the HTTP API.
+
+Both speak the same contract (``tandem.common.jobs``: a ``GenerationRequest`` or a
+``RunConfig`` in, the accepted record out, ``JobError`` with the HTTP status and the
+API's ``detail`` on refusal), so every method means the same on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+JOBS = "tandem.jobs"  # the job service's subject prefix (tandem.common.subjects.JOBS)
+
+
+class JobError(Exception):
+    """A refused request: ``status`` as HTTP gives it (the job service's error code too)
+    and ``detail``, the API's message or, for 422, one entry per bad field."""
+
+    def __init__(self, status: int, detail: Any) -> None:
+        self.status = status
+        self.detail = detail
+        text = detail if isinstance(detail, str) else "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
+            for d in detail) if isinstance(detail, list) else json.dumps(detail)
+        super().__init__(f"{status}: {text}")
+
+
+class Client:
+    """What both transports offer. ``generate`` and ``train`` take the API's bodies as
+    keyword arguments (``model="digits", class_label=3``); ``idempotency_key`` makes a
+    retry return the first task instead of a second one."""
+
+    async def generate(self, *, idempotency_key: str | None = None,
+                       **request: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def status(self, task_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def events(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
+        """``{"event": "state" | "progress" | "final", ...}`` until the task ends."""
+        raise NotImplementedError
+
+    async def train(self, **config: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def cancel_run(self, run_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def models(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- shared by both
+
+    async def wait(self, task_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """The task's final record (succeeded, failed or cancelled)."""
+        async with asyncio.timeout(timeout):
+            async for event in self.events(task_id):
+                if event["event"] == "final":
+                    return event["record"]
+        return await self.status(task_id)
+
+    async def wait_run(self, run_id: str, timeout: float | None = None,
+                       poll: float = 1.0) -> dict[str, Any]:
+        """The run's record once it has finished (polled: runs take minutes)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                rec = await self.run(run_id)
+                if rec["state"] in TERMINAL:
+                    return rec
+                await asyncio.sleep(poll)  # a run's state changes every few seconds
+
+    async def images(self, record: dict[str, Any]) -> list[bytes]:
+        """The PNGs of a succeeded task, from its presigned URLs."""
+        async with httpx.AsyncClient(timeout=60) as http:
+            out = []
+            for ref in record.get("images", []):
+                r = await http.get(ref["url"])
+                r.raise_for_status()
+                out.append(r.content)
+            return out
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class NatsClient(Client):
+    """Over the NATS job service (``tandem.jobs.*``, request/reply) and the task's own
+    subjects: ``gen.progress.<task>`` (core) and ``gen.status`` / ``gen.result``."""
+
+    def __init__(self, nc: Any, api_key: str | None = None, timeout: float = 10.0) -> None:
+        self.nc = nc
+        self.api_key = api_key
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(cls, url: str, api_key: str | None = None, **options: Any) -> NatsClient:
+        import nats
+
+        return cls(await nats.connect(url, **options), api_key)
+
+    async def request(self, endpoint: str, body: Any,
+                      headers: dict[str, str] | None = None) -> Any:
+        hdrs = dict(headers or {})
+        if self.api_key:
+            hdrs["Authorization"] = f"Bearer {self.api_key}"
+        msg = await self.nc.request(f"{JOBS}.{endpoint}", json.dumps(body).encode(),
+                                    timeout=self.timeout, headers=hdrs or None)
+        data = json.loads(msg.data) if msg.data else {}
+        code = (msg.headers or {}).get("Nats-Service-Error-Code")
+        if code:
+            raise JobError(int(code), data.get("detail", (msg.headers or {}).get(
+                "Nats-Service-Error", "")))
+        return data
+
+    async def generate(self, *, idempotency_key: str | None = None,
+                       **request: Any) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return await self.request("generate", request, headers)
+
+    async def status(self, task_id: str) -> dict[str, Any]:
+        return await self.request("status", {"id": task_id})
+
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        return await self.request("cancel", {"id": task_id})
+
+    async def train(self, **config: Any) -> dict[str, Any]:
+        return await self.request("train", config)
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        return await self.request("status", {"run_id": run_id})
+
+    async def cancel_run(self, run_id: str) -> dict[str, Any]:
+        return await self.request("cancel", {"run_id": run_id})
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self.request("models", {}))["models"]
+
+    async def events(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        async def on(msg: Any) -> None:
+            queue.put_nowait((msg.subject.split(".")[1], json.loads(msg.data)))
+
+        # Subscribed before the record is read: no change can fall between the two.
+        subs = [await self.nc.subscribe(f"gen.{kind}.{task_id}", cb=on)
+                for kind in ("progress", "status", "result")]
+        try:
+            record = await self.status(task_id)
+            yield {"event": "state", "state": record["state"], "cluster": record["cluster"],
+                   "worker": record["worker"]}
+            while record["state"] not in TERMINAL:
+                kind, data = await queue.get()
+                if kind == "progress":
+                    yield {"event": "progress", **data}
+                elif kind == "result" or data.get("state") in TERMINAL:
+                    record = await self.status(task_id)
+                elif data.get("state") != record["state"]:
+                    record = {**record, "state": data["state"]}
+                    yield {"event": "state", "state": data["state"],
+                           "cluster": data.get("cluster", ""), "worker": data.get("worker", "")}
+            yield {"event": "final", "record": record}
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+
+class HttpClient(Client):
+    """Over the gateway's HTTP API (progress by Server-Sent Events)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0,
+                 verify: Any = True) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                                      verify=verify)
+
+    async def _call(self, method: str, path: str, want: int = 200, **kw: Any) -> Any:
+        r = await self.http.request(method, path, **kw)
+        if r.status_code != want:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise JobError(r.status_code, detail)
+        return r.json()
+
+    async def generate(self, *, idempotency_key: str | None = None,
+                       **request: Any) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return await self._call("POST", "/v1/generations", 202, json=request, headers=headers)
+
+    async def status(self, task_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/generations/{task_id}")
+
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/v1/generations/{task_id}")
+
+    async def train(self, **config: Any) -> dict[str, Any]:
+        return await self._call("POST", "/v1/training-runs", 202, json=config)
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/training-runs/{run_id}")
+
+    async def cancel_run(self, run_id: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/v1/training-runs/{run_id}")
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/v1/models"))["models"]
+
+    async def events(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
+        async with self.http.stream("GET", f"/v1/generations/{task_id}/events",
+                                    timeout=None) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise JobError(r.status_code, r.json().get("detail", r.text))
+            kind = ""
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                    if kind == "final":
+                        yield {"event": "final", "record": data}
+                        return
+                    yield {"event": kind, **data}
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def connect(url: str, api_key: str | None = None, **options: Any) -> Client:
+    """A client for ``url``: ``nats://`` (or ``tls://``) uses the job service,
+    ``http(s)://`` the gateway's HTTP API; the same interface either way."""
+    if url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        return await NatsClient.connect(url, api_key, **options)
+    if url.startswith(("http://", "https://")):
+        return HttpClient(url, api_key, **options)
+    raise ValueError(f"tandem.client: {url!r} is neither nats:// nor http(s)://")

@@ -1,0 +1,189 @@
+"""The job service on NATS: ``tandem-jobs``, a ``nats.micro`` service in the gateway.
+
+Programs that already speak NATS (schedulers, notebooks, other services) submit and
+follow jobs by request/reply, with JSON bodies, on ``tandem.jobs.<endpoint>``:
+
+==========  ====================================  =======================================
+endpoint    request body                          reply
+==========  ====================================  =======================================
+generate    a ``GenerationRequest``               the accepted record: id, state, cluster,
+                                                  seed, status / result / progress subjects
+train       a ``RunConfig``                       the run's record and its status subject
+cancel      ``{"id": task}`` or ``{"run_id": r}``  the record after the cancel
+status      ``{"id": task}`` or ``{"run_id": r}``  the record (as ``GET`` over HTTP)
+models      ``{}``                                the model registry (as ``GET /v1/models``)
+==========  ====================================  =======================================
+
+It lives in the gateway because it is the gateway's other door: the same ``Gateway``
+(``accept``: ``jobs.check_request``, routing, the record, the publish) and the same
+training functions answer both, so a job is validated, recorded, owned and made
+idempotent exactly as over HTTP. Headers: ``Authorization: Bearer <key>`` where the
+gateway has keys (the same keys, scopes and ownership as HTTP), ``Idempotency-Key`` on
+``generate``. An error answers with the service API's headers (``Nats-Service-Error``,
+``Nats-Service-Error-Code``: the HTTP status) and the HTTP API's body
+(``{"detail": ...}``; a 422 names each bad field). ``$SRV.PING``, ``$SRV.INFO`` (each
+endpoint with its subject and the JSON Schema of its request in ``metadata``) and
+``$SRV.STATS`` answer as for any NATS service; every gateway joins one queue group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+from pydantic import ValidationError
+
+from tandem.common import log, subjects
+from tandem.common.jobs import Caller, GenerationRequest, JobRefused, Problem, pydantic_problems
+from tandem.common.runs import RunConfig
+from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Scope, bearer
+from tandem.gateway.generations import Conflict, Gateway
+from tandem.gateway.training import cancel_training, run_view, submit_training, training_run
+
+_log = log.get("tandem.gateway.jobs")
+
+NAME = "tandem-jobs"
+VERSION = "1.0.0"
+PREFIX = subjects.JOBS.template.rsplit(".", 1)[0]  # tandem.jobs
+Auth = Callable[[str], Caller]  # the needed scope -> the caller, or raises Denied
+Handler = Callable[[Any, dict[str, str], Auth], Awaitable[dict[str, Any]]]
+_WHICH = {"type": "object", "properties": {
+    "id": {"type": "string", "description": "a generation's task id"},
+    "run_id": {"type": "string", "description": "a training run's id"}},
+    "oneOf": [{"required": ["id"]}, {"required": ["run_id"]}]}
+
+
+class JobService:
+    """The endpoints, bound to a gateway; ``start`` on a connection, ``stop`` to leave."""
+
+    def __init__(self, gw: Gateway, keys: Keyring) -> None:
+        self.gw = gw
+        self.keys = keys
+        self.service: Service | None = None
+
+    async def start(self, nc: Any) -> None:
+        svc = self.service = await add_service(
+            nc, name=NAME, version=VERSION, queue_group=NAME,
+            description="Submit, follow and cancel Tandem jobs (generation, training).")
+        group = svc.add_group(name=PREFIX)
+        endpoints: list[tuple[str, Handler, dict[str, Any]]] = [
+            ("generate", self.generate, GenerationRequest.model_json_schema()),
+            ("train", self.train, RunConfig.model_json_schema()),
+            ("cancel", self.cancel, _WHICH),
+            ("status", self.status, _WHICH),
+            ("models", self.models, {"type": "object"}),
+        ]
+        for name, handler, schema in endpoints:
+            await group.add_endpoint(name=name, handler=self._serve(name, handler), metadata={
+                "request_schema": json.dumps(schema, separators=(",", ":")),
+                "doc": (handler.__doc__ or "").strip().splitlines()[0]})
+        _log.info("jobs.started", service=NAME, subjects=[subjects.jobs(n) for n, *_ in
+                                                           endpoints])
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.stop()
+            self.service = None
+
+    # ------------------------------------------------------------------------ serving
+
+    def _serve(self, name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
+        async def serve(req: Request) -> None:
+            headers = req.headers or {}
+
+            def auth(need: str) -> Caller:
+                return self.keys.check(bearer(headers.get("Authorization", "")), need,
+                                       subjects.jobs(name))
+
+            try:
+                try:
+                    body = json.loads(req.data) if req.data else {}
+                except ValueError as exc:
+                    raise JobRefused(400, f"the request body is not JSON: {exc}") from None
+                reply = await handler(body, headers, auth)
+            except Denied as exc:
+                await self._refuse(req, name, JobRefused(exc.status, exc.message))
+            except JobRefused as exc:
+                await self._refuse(req, name, exc)
+            else:
+                await req.respond(msgspec.json.encode(reply))
+
+        return serve
+
+    async def _refuse(self, req: Request, name: str, exc: JobRefused) -> None:
+        extra = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
+        await req.respond_error(str(exc.status), str(exc), msgspec.json.encode(exc.body()),
+                                headers=extra)
+        # nats.micro counts an error only when a handler raises, and then answers with no
+        # body; this answers with the HTTP API's body, so it counts the error itself.
+        for endpoint in self.service._endpoints if self.service else []:
+            if endpoint._name == name:
+                endpoint._num_errors += 1
+                endpoint._last_error = f"{exc.status} {exc}"
+
+    # ---------------------------------------------------------------------- endpoints
+
+    async def generate(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
+        """Queue a generation (a GenerationRequest); the accepted record."""
+        caller = auth(Scope.generate)
+        try:
+            req = GenerationRequest.model_validate(body)
+        except ValidationError as exc:
+            raise JobRefused.invalid(pydantic_problems(exc)) from None
+        key = headers.get("Idempotency-Key")
+        if key is not None and not 1 <= len(key) <= 255:
+            raise JobRefused.invalid([Problem("Idempotency-Key", "1 to 255 characters")],
+                                     "header")
+        sub = await self.gw.accept(req, key, caller)
+        return {**sub.accepted(), "replayed": sub.replayed}
+
+    async def train(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
+        """Submit a training run (a RunConfig); the run's record."""
+        return run_view(await submit_training(self.gw.bus, body, auth(Scope.train)))
+
+    async def cancel(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
+        """Cancel a generation ({"id"}) or a training run ({"run_id"}); its record."""
+        kind, job_id = _which(body)
+        if kind == "run_id":
+            return run_view(await cancel_training(self.gw.bus, job_id, auth(Scope.train)))
+        try:
+            rec = await self.gw.cancel(job_id, auth(Scope.generate))
+        except Conflict as exc:
+            raise JobRefused(exc.status, exc.message) from None
+        if rec is None:
+            raise JobRefused(404, f"no task {job_id!r}")
+        return self.gw.view(rec)
+
+    async def status(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
+        """A generation's ({"id"}) or a training run's ({"run_id"}) record."""
+        kind, job_id = _which(body)
+        if kind == "run_id":
+            return run_view(await training_run(self.gw.bus, job_id, auth(Scope.train)))
+        rec = await self.gw.record(job_id, auth(Scope.generate))
+        if rec is None:
+            raise JobRefused(404, f"no task {job_id!r}")
+        return self.gw.view(rec)
+
+
+    async def models(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
+        """The model registry: what each model takes, and where it is loaded."""
+        auth(ANY_KEY)
+        return {"models": await self.gw.models()}
+
+
+def _which(body: Any) -> tuple[str, str]:
+    """``("id", task)`` or ``("run_id", run)`` from a cancel or status body."""
+    if not isinstance(body, dict):
+        raise JobRefused(422, 'the body is {"id": <task>} or {"run_id": <run>}')
+    given = [k for k in ("id", "run_id") if k in body]
+    unknown = sorted(set(body) - {"id", "run_id"})
+    if len(given) != 1 or unknown or not isinstance(body[given[0]], str):
+        problems = [Problem(k, "not a field of this request") for k in unknown] or [
+            Problem("id", 'give exactly one of "id" (a task) or "run_id" (a run), a string')]
+        raise JobRefused.invalid(problems)
+    return given[0], body[given[0]]
