@@ -333,5 +333,6 @@ def render(r: dict[str, Any]) -> str:
         f"  tasks: {r['accepted']} accepted, {r['succeeded']} succeeded, lost {r['lost']}, "
         f"not exactly one result {r['results_not_exactly_one']}",
         *([f"  logs: {r['logs']}"] if r["logs"] else []),
-        "  meets goal: " + ("yes" if r["ok"] else "NO"),
+        "  no raw baseline: judged against its goals only; every kill within the bound, "
+        "nothing lost or duplicated: " + ("yes" if r["ok"] else "NO"),
     ])

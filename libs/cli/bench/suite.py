@@ -133,7 +133,8 @@ def table_markdown(report: dict[str, Any]) -> str:
     head = (f"Measured {report['date'][:10]} on {m['cpus']} CPUs, {m['memory_gib']} GiB "
             f"({m['machine']}, Python {m['python']}, commit {m['commit'] or 'unknown'}, load "
             f"average {m['load_avg_1m']} at the start); "
-            + (f"{report['repeat']} repeats each" if report["repeat"] else "default repeats")
+            + (f"{report['repeat']} repeat{'s' * (report['repeat'] != 1)} each" if report["repeat"]
+               else "each bench's default repeats")
             + (" (smoke settings: not figures to quote)" if report["smoke"] else "")
             + "; median [min-max], goals judged on the median.\n\n")
     return head + stats.markdown(report["benches"])

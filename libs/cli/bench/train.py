@@ -98,15 +98,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     per_cpu = stats.Figure("steps_per_cpu_s", "(a) the same per CPU-second of the rank",
                            "steps/CPU-s", raw["tandem_steps_per_cpu_s"],
                            raw["plain_steps_per_cpu_s"], "plain loop")
+    # The rank's cores while in its tandem segments: steps/s over steps per CPU-second.
+    rank = statistics.median(w / c for w, c in zip(
+        raw["tandem_steps_per_s"], raw["tandem_steps_per_cpu_s"], strict=True))
+    window = {**machine.json(), "cores": {"rank process": rank}}
     if steps.met is False:
         cpu_ratio = per_cpu.ratio_spread.median  # type: ignore[union-attr]
         where = ("Tandem's own CPU work per step" if cpu_ratio < GOAL_THROUGHPUT else
                  "waiting, not CPU: per CPU-second the ratio is "
                  f"{cpu_ratio:.3f}, so the wall-clock loss is time the rank was not running")
-        # The rank's cores while in its tandem segments: steps/s over steps per CPU-second.
-        rank = statistics.median(w / c for w, c in zip(
-            raw["tandem_steps_per_s"], raw["tandem_steps_per_cpu_s"], strict=True))
-        window = {**machine.json(), "cores": {"rank process": rank}}
         steps.why = saturation.why(window, extra=[f"the loss is {where}; torch threads "
                                                    f"{args.threads}"])
     n = len(raw["blocked_s"])
@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             [b * 1e3 for b in raw["blocked_s"]], [x * 1e3 for x in raw["sync_save_s"][:n]],
             "synchronous torch.save", goal=stats.Goal("<=", GOAL_BLOCKED))
         if blocked.met is False:
-            blocked.why = saturation.why(machine)
+            blocked.why = saturation.why(window)
         figures.append(blocked)
     fj = stats.figures_json(figures)
     blocked_s = statistics.median(raw["blocked_s"]) if n else 0.0
