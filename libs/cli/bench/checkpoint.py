@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,8 +150,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.checkpointer.mirror import Mirror, MirrorConfig
     from tandem.cli.devstack import NatsServer, S3Server
     from tandem.common.settings import Settings, load
+    from tandem.common import log
     from tandem.common.storage import ensure_bucket, s3_client
 
+    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
     size = args.size_mb * MiB
     with tempfile.TemporaryDirectory(prefix="tandem-bench-ckpt-") as tmp:
         root = Path(tmp)
