@@ -149,8 +149,8 @@ async def _written_to_committed(s3_url: str, nats_url: str, bucket: str, directo
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.checkpointer.mirror import Mirror, MirrorConfig
     from tandem.cli.devstack import NatsServer, S3Server
-    from tandem.common.settings import Settings, load
     from tandem.common import log
+    from tandem.common.settings import Settings, load
     from tandem.common.storage import ensure_bucket, s3_client
 
     log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
