@@ -36,8 +36,10 @@ def _quotient(ratio: float, a: float, b: float) -> bool:
 @pytest.mark.slow
 async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient() -> None:
     r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--images", "4",
-                                    "--steps", "2", "--batch", "2"))
+                                    "--steps", "2", "--batch", "2", "--repeat", "1"))
     a, t, c = r["latency"], r["throughput"], r["batching"]
+    assert set(r["figures"]) == {"latency", "throughput", "throughput_to_floor", "batching"}
+    assert r["figures"]["throughput"]["ratio"]["runs"] == [t["ratio"]]
 
     assert a["requests"] == 3
     for side in ("tandem", "raw_round_trip", "http_hop"):

@@ -9,7 +9,10 @@ routed to again and west has stopped pulling its queue. At the end every accepte
 must have succeeded with exactly one result: ``lost`` must be 0.
 
 With the defaults (heartbeat TTL 6 s, grace 2 s, agent heartbeat every 1 s) failover is
-bounded by TTL + grace + one failover check; the goal is at most twice the TTL.
+bounded by TTL + grace + one failover check; the goal is at most twice the TTL, judged on
+the median of the kills (``--repeat``, also ``--kills``); the run also fails if any kill
+took longer, or a task was lost or run twice. There is no raw baseline (no raw nats-py
+equivalent of a cluster dying): the figures are judged against their goals only.
 
 ``Drill`` (the stack driven over HTTP, tasks watched through KV ``tasks``) is also what
 the failover tests use, so they and this benchmark exercise the same path.
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tandem.cli import http
+from tandem.cli.bench import saturation, stats
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common import subjects
@@ -37,9 +41,11 @@ from tandem.common.bus import Bus
 from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.streams import GEN_EVENTS, HEARTBEAT_TTL, KV_TASKS
 
+SMOKE = ("--repeat", "1", "--tasks", "2")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kills", type=int, default=5, help="times east is killed")
+    stats.add_repeat(p, 5, "--kills", what="times east is killed (each one a failover timed)")
     p.add_argument("--tasks", type=int, default=10, help="tasks stranded per kill")
     p.add_argument("--ttl", type=float, default=HEARTBEAT_TTL,
                    help="heartbeat TTL of the gateway and workers, seconds")
@@ -274,8 +280,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"stack not healthy: {bad}; see {root / 'stack.log'}")
         async with Drill(stack) as d:
             await d.ready(timeout)
-            for _ in range(args.kills):
+            meter = saturation.Meter({}).start()  # the machine, over the kills
+            for _ in range(args.repeat):
                 times.append(await _round(d, stack, args.tasks, timeout))
+            machine = meter.stop()
             recs = await d.terminal(d.accepted, timeout)
             results = await d.results(d.accepted)
     succeeded = [i for i, r in recs.items() if r.state == TaskState.succeeded]
@@ -283,12 +291,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     duplicated = sum(1 for i in succeeded if results.get(i, 0) != 1)
     bound = 2 * args.ttl
     ok = lost == 0 and duplicated == 0 and max(times) <= bound
+    took = stats.Figure("failover", "cluster death -> first stranded task started elsewhere",
+                        "s", times, goal=stats.Goal("<=", bound, on="tandem"),
+                        notes=[stats.NO_BASELINE])
+    if took.met is False:
+        took.why = saturation.why(machine, extra=[
+            f"by design failover waits out the heartbeat TTL ({args.ttl:g} s) and the grace "
+            f"({args.grace:g} s): a median above them is time spent on a busy machine"])
+    kept = stats.Figure("lost", "tasks accepted and not succeeded exactly once", "tasks",
+                        [lost + duplicated], goal=stats.Goal("<=", 0, on="tandem"), digits=0,
+                        notes=["one count over every kill"])
+    fj = stats.figures_json([took, kept])
     if ok:
         shutil.rmtree(root, ignore_errors=True)
     return {
         "heartbeat_ttl_s": args.ttl, "grace_s": args.grace,
         "agent_interval_s": args.agent_interval, "ack_wait_s": args.ack_wait,
-        "kills": args.kills, "tasks_per_kill": args.tasks,
+        "kills": args.repeat, "repeat": args.repeat, "tasks_per_kill": args.tasks,
         "failover_s": [round(t, 3) for t in times],
         "failover_p50_s": round(statistics.median(times), 3),
         "failover_max_s": round(max(times), 3),
@@ -296,6 +315,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "accepted": len(d.accepted), "succeeded": len(succeeded), "lost": lost,
         "results_not_exactly_one": duplicated, "refused": d.refused,
         "logs": "" if ok else str(root),
+        "machine_cpu": machine.json(), "figures": fj,
         "ok": ok,
     }
 
@@ -313,5 +333,6 @@ def render(r: dict[str, Any]) -> str:
         f"  tasks: {r['accepted']} accepted, {r['succeeded']} succeeded, lost {r['lost']}, "
         f"not exactly one result {r['results_not_exactly_one']}",
         *([f"  logs: {r['logs']}"] if r["logs"] else []),
-        "  meets goal: " + ("yes" if r["ok"] else "NO"),
+        "  no raw baseline: judged against its goals only; every kill within the bound, "
+        "nothing lost or duplicated: " + ("yes" if r["ok"] else "NO"),
     ])

@@ -22,6 +22,11 @@ Also, in the bench process, a ``ClusterBoard`` over the live fleet (what the gat
 router reads): the cost of the routing input read as per-cluster summaries against
 building the whole fleet view.
 
+There is no raw baseline (no raw nats-py fleet to set beside it): each figure is judged
+against its goal only, on the median of ``--repeat`` runs of every size (default 1: one
+run of the three sizes takes minutes). A telemetry or burst goal not met says what was
+saturated in that window (each process's CPU from /proc, the machine's busy cores).
+
 One module past ~450 lines on purpose: the fleet it starts, the two windows it measures
 and the report it prints share one set of figures and their names; the fleet's nodes
 (``simfleet``), the load it offers (``load``) and the servers (``tandem.cli.topology``) are
@@ -41,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.cli import http
+from tandem.cli.bench import saturation, stats
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, wait_ready
 from tandem.cli.bench.load import HeartbeatLag, Http, Tasks
 from tandem.cli.devstack import NatsServer, Process, free_port
@@ -51,6 +57,8 @@ GOAL_DELIVERED = 0.99  # telemetry delivered / offered that counts as "no backlo
 # No worker drains the queue when the gateway is measured alone, so its backlog cap (10,000
 # by default) would be hit within seconds and turn the rest of the burst into cheap 429s.
 BACKLOG_UNCAPPED = 10_000_000
+SMOKE = ("--sizes", "4", "--clusters", "2", "--hub-size", "1", "--seconds", "2",
+         "--burst-seconds", "1", "--burst-conns", "4", "--task-rate", "20")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hub-size", type=int, default=3, help="control-plane nats-servers")
     p.add_argument("--nodes-per-proc", type=int, default=250,
                    help="most simulated nodes per agent process")
+    stats.add_repeat(p, 1, what="runs of every size (no baseline: goals only)")
     p.add_argument("--root", type=Path, default=None,
                    help="keep servers' and processes' logs here (default: a temp folder)")
 
@@ -82,17 +91,6 @@ def proc_rss(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine from /proc/stat: how much of the box
-    everything, this bench and every other process, used between two readings."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return float(sum(fields) - idle), float(sum(fields))
 
 
 def histogram(metrics_text: str, name: str) -> list[tuple[float, float]]:
@@ -221,7 +219,8 @@ class _Fleet:
         metrics_text = await asyncio.to_thread(
             http.get_text, f"http://127.0.0.1:{self.procs['gateway'][1]}/metrics")
         return {
-            "t": time.perf_counter(), "machine": machine_cpu(), "load": os.getloadavg()[0],
+            "t": time.perf_counter(), "machine": saturation.machine_cpu(),
+            "load": os.getloadavg()[0],
             "telemetry_seq": tele.state.last_seq, "heartbeat_seq": beats.state.last_seq,
             "samples": sum((h or {}).get("samples", 0) for h in healths),
             "cpu": {**{n: s.cpu_seconds() for n, s in self._servers().items()},
@@ -473,13 +472,80 @@ def _no_backlog(steady: dict[str, Any], args: argparse.Namespace) -> bool:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """``--repeat`` runs of every size; the detail shown is the median run's (by the
+    largest size's telemetry ratio), the figures span every run."""
+    runs = await stats.repeated(args.repeat, lambda r: _once(args, r))
+    result = stats.median_run(runs, _largest_ratio)
+    result["repeat"] = args.repeat
+    result["ok"] = all(x["ok"] for x in runs)  # a size that failed in any run
+    result["figures"] = stats.figures_json(_figures(runs, args))
+    return result
+
+
+def _largest_ratio(run: dict[str, Any]) -> float:
+    return run["sizes"][-1]["steady"]["telemetry"]["ratio"] if run["sizes"] else 0.0
+
+
+def _figures(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[stats.Figure]:
+    """Per size: telemetry delivered/offered and burst tasks/s; the gateway alone."""
+    out = []
+    alone = [x["gateway_alone"] for x in runs]
+    out.append(stats.Figure("gateway_alone", "gateway alone, tasks accepted", "tasks/s",
+                            [g["accepted_per_s"] for g in alone],
+                            goal=stats.Goal(">=", GOAL_TASKS_PER_S, on="tandem"), digits=1,
+                            notes=[stats.NO_BASELINE]))
+    if out[-1].met is False:
+        g = stats.median_run(alone, lambda x: x["accepted_per_s"])
+        out[-1].why = saturation.why({"cores": {"gateway": g["gateway_cpu_cores"]},
+                                      "cpus": os.cpu_count() or 1, "machine_busy_cores": None},
+                                     extra=[f"{g['gateway_cpu_ms_per_task']} ms of gateway "
+                                            "CPU per task"])
+    nodes = [row["nodes"] for row in runs[0]["sizes"]]
+    for n in nodes:
+        rows = [row for x in runs for row in x["sizes"] if row["nodes"] == n]
+        if len(rows) != len(runs):  # a size failed in some run: no spread to report
+            continue
+        tele = stats.Figure(f"telemetry_{n}", f"{n} nodes: telemetry delivered / offered",
+                            "ratio", [r["steady"]["telemetry"]["ratio"] for r in rows],
+                            goal=stats.Goal(">=", GOAL_DELIVERED, on="tandem"), digits=4)
+        burst = stats.Figure(f"burst_{n}", f"{n} nodes: burst tasks accepted", "tasks/s",
+                             [r["burst"]["accepted_per_s"] for r in rows],
+                             goal=stats.Goal(">=", GOAL_TASKS_PER_S, on="tandem"), digits=1)
+        if tele.met is False:
+            row = stats.median_run(rows, lambda r: r["steady"]["telemetry"]["ratio"])
+            tele.why = _why_window(row["steady"], args)
+        if burst.met is False:
+            row = stats.median_run(rows, lambda r: r["burst"]["accepted_per_s"])
+            burst.why = saturation.why(
+                {"cores": {"gateway": row["burst"]["gateway_cpu_cores"]},
+                 "cpus": os.cpu_count() or 1, "machine_busy_cores": None})
+        out += [tele, burst]
+    return out
+
+
+def _why_window(steady: dict[str, Any], args: argparse.Namespace) -> str:
+    """The steady window's readings as a saturation note: every process's cores, the
+    NATS servers summed, the machine's busy cores."""
+    cpus = os.cpu_count() or 1
+    cores = dict(steady["cpu_cores"])
+    cores["all NATS servers"] = steady["nats_cpu_cores"]
+    cores["all agent processes"] = steady["agents_cpu_cores"]
+    lag = steady["heartbeat_lag"]["second_half"]["p99_ms"]
+    return saturation.why({"cores": cores, "cpus": cpus,
+                           "machine_busy_cores": steady["machine_busy"] * cpus},
+                          extra=[f"heartbeat lag p99 {lag} ms at the end of the window "
+                                 f"(interval {args.interval * 1e3:g} ms)"])
+
+
+async def _once(args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
     from tandem.common import log
 
     log.configure("console", "error", stream=sys.stderr)  # stdout: the result
     sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
     rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:
-        root = args.root or Path(tmp)
+        root = (args.root / f"run{r}" if args.repeat > 1 else args.root) if args.root \
+            else Path(tmp)
         alone = await _gateway_alone(args, root / "gateway-alone")
         for n in sizes:
             try:
@@ -520,7 +586,8 @@ def render(r: dict[str, Any]) -> str:
     yes = {True: "yes", False: "NO"}
     lines = [f"tandem bench scale ({r['cpus']} CPUs): {r['clusters']} clusters behind leaf "
              f"nodes, hub of {r['hub_size']}, {r['gpus_per_node']} GPUs/node at "
-             f"{1 / r['interval_s']:g} Hz"]
+             f"{1 / r['interval_s']:g} Hz; no raw baseline: judged against its goals only"
+             + (f"; the median of {r['repeat']} runs shown" if r.get("repeat", 1) > 1 else "")]
     g = r.get("gateway_alone")
     if g:
         lines.append(f"gateway alone (1 nats-server, no fleet, {g['connections']} conns): "
