@@ -38,7 +38,8 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--images", "4",
                                     "--steps", "2", "--batch", "2", "--repeat", "1"))
     a, t, c = r["latency"], r["throughput"], r["batching"]
-    assert set(r["figures"]) == {"latency", "throughput", "throughput_to_floor", "batching"}
+    assert set(r["figures"]) == {"latency", "doors", "throughput", "throughput_to_floor",
+                                "batching"}
     assert r["figures"]["throughput"]["ratio"]["runs"] == [t["ratio"]]
 
     assert a["requests"] == 3
@@ -47,6 +48,10 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
         assert a[side]["p50_ms"] <= a[side]["p99_ms"]
     assert _positive(a["goal_p50_ms"], a["ratio_to_raw_plus_hop"])
     assert a["meets_goal"] == (a["tandem"]["p50_ms"] <= a["goal_p50_ms"])
+    d = a["doors"]  # the job service's and HTTP's submit round trips, same rounds
+    assert _positive(d["nats_submit"]["p50_ms"], d["http_submit"]["p50_ms"], d["ratio"])
+    assert _quotient(d["ratio"], d["nats_submit"]["p50_ms"], d["http_submit"]["p50_ms"])
+    assert d["meets_goal"] == (d["ratio"] <= 1.0)
 
     assert t["tasks"] == 40
     assert _positive(t["tandem_per_s"], t["floor_per_s"], t["raw_per_s"])

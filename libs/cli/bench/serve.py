@@ -5,7 +5,9 @@ processes on free loopback ports, then, in the same run:
 
 (a) latency: HTTP POST of a no-op task -> its ``gen.result`` arrives (p50/p99), beside
     a raw nats-py JetStream publish -> fetch -> ack round trip and a bare HTTP round
-    trip to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop);
+    trip to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop). In the
+    same rounds, the submit round trip (request -> accepted record) by each door: HTTP
+    POST and the NATS job service's ``tandem.jobs.generate``; goal: NATS <= HTTP;
 (b) throughput: a pre-filled queue of no-op tasks drained by one worker (first result
     -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5.
     Beside both, the protocol floor: bare nats-py taking the same durable steps per task
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -296,30 +299,45 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
     await wait_ready(f"{base}/healthz", gw)
     await b.worker("w-lat", "lat", serve="noop")
     loop = asyncio.get_running_loop()
-    tandem, hop = [], []
+    tandem, hop, http_submit, nats_submit = [], [], [], []
+
+    async def result_of(task_id: str) -> float:
+        if task_id in b.results:
+            return b.results[task_id]
+        fut: asyncio.Future[float] = loop.create_future()
+        b.waiters[task_id] = fut
+        return await asyncio.wait_for(fut, 30)
+
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         for i in range(n + 20):  # the first 20 warm up connections and caches
             t0 = time.perf_counter()
             await http.get("/healthz")
             t1 = time.perf_counter()
-            fut: asyncio.Future[float] = loop.create_future()
             r = await http.post("/v1/generations", json={"model": "noop"})
-            task_id = r.json()["id"]
-            if task_id in b.results:
-                done = b.results[task_id]
-            else:
-                b.waiters[task_id] = fut
-                done = await asyncio.wait_for(fut, 30)
+            t2 = time.perf_counter()
+            done = await result_of(r.json()["id"])
+            # The other door, in the same round: the job service's generate on NATS.
+            t3 = time.perf_counter()
+            reply = await bus.nc.request(subjects.jobs("generate"), b'{"model":"noop"}',
+                                         timeout=30)
+            t4 = time.perf_counter()
+            await result_of(json.loads(reply.data)["id"])
             if i >= 20:
                 hop.append(t1 - t0)
                 tandem.append(done - t1)
+                http_submit.append(t2 - t1)
+                nats_submit.append(t4 - t3)
     raw = (await _raw_round_trips(bus, n + 20))[20:]
     p50 = pct(tandem, 0.5)
     bound = GOAL_LATENCY * (pct(raw, 0.5) + pct(hop, 0.5))
+    door_ratio = pct(nats_submit, 0.5) / pct(http_submit, 0.5)
     return {"requests": n, "tandem": ms(tandem), "raw_round_trip": ms(raw),
             "http_hop": ms(hop), "goal_p50_ms": round(bound * 1000, 3),
             "ratio_to_raw_plus_hop": round(p50 / (bound / GOAL_LATENCY), 3),
-            "meets_goal": p50 <= bound}
+            "meets_goal": p50 <= bound,
+            # Submit round trip (request -> accepted record) by each door, same rounds.
+            "doors": {"http_submit": ms(http_submit), "nats_submit": ms(nats_submit),
+                      "ratio": round(door_ratio, 3), "meets_goal": door_ratio <= 1.0}}
 
 
 async def _throughput(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
@@ -424,7 +442,12 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
             fig.why = saturation.why(stats.median_run(runs, lambda x, f=fig: x[f.name][
                 "ratio_to_raw_plus_hop" if f.name == "latency" else "ratio"])["round_cpu"],
                 loop="bench process") + " (over the whole run, every part)"
-    return [latency, throughput, floor, batching]
+    doors = stats.Figure(
+        "doors", "(a) submit round trip p50: NATS job service against HTTP", "ms",
+        [a["doors"]["nats_submit"]["p50_ms"] for a in lat],
+        [a["doors"]["http_submit"]["p50_ms"] for a in lat], "HTTP POST /v1/generations",
+        ratio=[a["doors"]["ratio"] for a in lat], goal=stats.Goal("<=", 1.0))
+    return [latency, doors, throughput, floor, batching]
 
 
 async def _once(args: argparse.Namespace) -> dict[str, Any]:
@@ -477,6 +500,10 @@ def render(r: dict[str, Any]) -> str:
         f"p99 {a['http_hop']['p99_ms']:8.3f} ms",
         f"    p50 / (raw + hop) = {a['ratio_to_raw_plus_hop']:.2f}x  "
         f"(goal <= 3x, {a['goal_p50_ms']:.3f} ms)  meets goal: {yes[a['meets_goal']]}",
+        f"    submit round trip p50: job service (NATS) "
+        f"{a['doors']['nats_submit']['p50_ms']:.3f} ms, HTTP "
+        f"{a['doors']['http_submit']['p50_ms']:.3f} ms: ratio {a['doors']['ratio']:.3f} "
+        f"(goal <= 1)  meets goal: {yes[a['doors']['meets_goal']]}",
         f"(b) no-op throughput, {t['tasks']} queued tasks",
         f"    tandem {t['tandem_per_s']:>10,.1f}/s   raw fetch+ack {t['raw_per_s']:>10,.1f}/s   "
         f"ratio {t['ratio']:.3f}  (goal >= 0.5)  meets goal: {yes[t['meets_goal']]}",
