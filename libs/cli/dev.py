@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="comma-separated services to start (default: every built one)")
     up.add_argument("--auth", action="store_true",
                     help="NATS with one user per service (least-privilege permissions from "
-                    "tandem.common.permissions, fresh passwords in <root>/nats.conf)")
+                    "tandem.common.permissions, fresh passwords in <root>/nats.conf); with "
+                    "--topology leaf, one NATS account per cluster, each leaf bound to its own")
     up.add_argument("--topology", choices=("single", "leaf"), default="single",
                     help="single: one nats-server (default); leaf: the production shape, a "
                     "3-server control-plane cluster holding the streams and one leaf-node "
@@ -136,8 +137,9 @@ def summary(stack: Stack, health: dict[str, str]) -> list[str]:
              f"S3        {stack.s3_endpoint}  (bucket {stack.config.bucket}, in memory)"]
     if stack.topology is not None:
         for cluster, leaf in stack.topology.leaves.items():
-            lines.append(f"leaf      {leaf.url}  ({cluster}'s services; JetStream domain "
-                         f"{stack.topology.domain} in the hub)")
+            how = (f"account cluster-{cluster} on the hub" if stack.topology.accounts
+                   else f"JetStream domain {stack.topology.domain} in the hub")
+            lines.append(f"leaf      {leaf.url}  ({cluster}'s services; {how})")
     for name, child in stack.children.items():
         where = f"  {child.spec.url}" if child.spec.url else ""
         lines.append(f"{name:<22} pid {child.pid:<7} {health.get(name, '?')}{where}")

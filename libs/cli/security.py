@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tandem.common import permissions
+from tandem.common import accounts, permissions
 from tandem.common.subjects import token_list
 
 
@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="cluster name of the control plane's trainer (default: control)")
     nc.add_argument("--roles", action="store_true",
                     help="print each role's allow-lists as JSON instead")
+    nc.add_argument("--accounts", action="store_true",
+                    help="print the leaf topology's accounts block instead: one account per "
+                    "cluster (its leaf's login) and one for the control plane "
+                    "(tandem.common.accounts; deploy/nats/accounts.conf)")
     nc.set_defaults(func=_nats_config)
 
     key = cmd.add_parser(
@@ -53,12 +57,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _nats_config(args: argparse.Namespace) -> int:
-    roles = permissions.declaration(token_list(args.clusters, "cluster"), args.control)
-    if args.roles:
+    clusters = token_list(args.clusters, "cluster")
+    roles = permissions.declaration(clusters, args.control)
+    compose = (tuple(clusters) == permissions.COMPOSE_CLUSTERS
+               and args.control == permissions.CONTROL)
+    if args.accounts:
+        print(accounts.compose_config() if compose
+              else accounts.accounts_config(clusters, control=args.control), end="")
+    elif args.roles:
         print(json.dumps({n: {"publish": r.publish, "subscribe": r.subscribe}
                           for n, r in roles.items()}, indent=2))
-    elif tuple(token_list(args.clusters, "cluster")) == permissions.COMPOSE_CLUSTERS \
-            and args.control == permissions.CONTROL:
+    elif compose:
         print(permissions.compose_config(), end="")
     else:
         print(permissions.nats_config(roles), end="")

@@ -227,12 +227,14 @@ class Stack:
             "TANDEM_METRICS_HOST": HOST,
             "TANDEM_METRICS_PORT": str(metrics_port),
         })
-        if self.auth:
+        if self.topology is not None and cluster in self.topology.leaves:
+            # Its leaf's URL and how it reaches the hub's JetStream. The leaf asks for no
+            # user: under auth the leaf's own login puts it in its cluster's account.
+            leaf = self.topology.env_for(cluster)
+            env.update({f"TANDEM_{k.upper()}": v for k, v in leaf.items()})
+        elif self.auth:
             env.update(TANDEM_NATS_USER=kind.service,
                        TANDEM_NATS_PASSWORD=self.passwords.get(kind.service, ""))
-        if self.topology is not None and cluster in self.topology.leaves:
-            leaf = self.topology.env_for(cluster)  # its leaf's URL and the hub's domain
-            env.update({f"TANDEM_{k.upper()}": v for k, v in leaf.items()})
         env.update({f"TANDEM_{k.upper()}": fmt(str(v), f"env.{k}") for k, v in kind.env.items()})
         return ProcessSpec(
             name=name, argv=(sys.executable, "-m", module_of(kind.service)), env=env,
@@ -272,13 +274,14 @@ class Stack:
 
             shutil.rmtree(self.root / "nats", ignore_errors=True)
         if self.topology_kind == "leaf":
-            if self.auth:
-                raise SettingsError("local stack", {"--auth": "not with --topology leaf yet: "
-                                                    "the leaf servers would need the users too"})
+            # With auth: one NATS account per cluster and one for the control plane
+            # (tandem.common.accounts), each leaf bound to its cluster's account.
             self.topology = Topology(self.root / "nats", [c.name for c in self.config.clusters],
-                                     hub_ports=[(self.ports["nats"], self.ports["nats_monitor"])])
+                                     hub_ports=[(self.ports["nats"], self.ports["nats_monitor"])],
+                                     accounts=self.auth, control=self._control())
             self._tail(self.root / "nats" / "hub" / "n0.log", "nats")
             self.topology.start()
+            self.passwords = dict(self.topology.passwords)
             assert self.topology.hub is not None
             self.nats = self.topology.hub.servers[0]
         else:
@@ -348,6 +351,13 @@ class Stack:
         finally:
             await nc.close()
 
+    def _control(self) -> str:
+        """The cluster name of the control plane's trainer (its durable's name)."""
+        from tandem.common import permissions
+
+        return next((k.cluster for k in self.config.processes if k.service == "trainer"),
+                    permissions.CONTROL)
+
     def _auth_config(self) -> Path:
         """Write ``<root>/nats.conf`` (mode 0600): JetStream plus one user per role with a
         fresh random password, from the one permissions declaration."""
@@ -355,9 +365,8 @@ class Stack:
 
         from tandem.common import permissions
 
-        control = next((k.cluster for k in self.config.processes if k.service == "trainer"),
-                       permissions.CONTROL)
-        roles = permissions.declaration([c.name for c in self.config.clusters], control)
+        roles = permissions.declaration([c.name for c in self.config.clusters],
+                                        self._control())
         self.passwords = {r: secrets.token_urlsafe(18) for r in roles}
         path = self.root / "nats.conf"
         path.touch(mode=0o600)

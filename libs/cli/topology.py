@@ -8,6 +8,7 @@ and the 3-node fixtures.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from tandem.cli import http
 from tandem.cli.devstack import NatsServer
+from tandem.common import accounts as nats_accounts
 from tandem.common.errors import ServerStartError
+from tandem.common.permissions import CONTROL
 
 
 @dataclass
@@ -38,6 +41,7 @@ class NatsCluster:
     ports: list[tuple[int, int]] = field(default_factory=list)
     leaf_ports: list[int] = field(default_factory=list)
     max_consumers: int = 0  # per stream; 0 keeps nats-server's default (1,000 since 2.15)
+    extra: str = ""  # appended to every server's config (the accounts of the leaf topology)
 
     def start(self, timeout: float = 30) -> NatsCluster:
         """Start every server; each binds its own free ports (none is chosen for it).
@@ -95,6 +99,7 @@ class NatsCluster:
         if self.leafnodes:
             leaf = self.leaf_ports[i] if i < len(self.leaf_ports) else -1
             text += f"leafnodes {{ listen: \"{host}:{leaf}\" }}\n"
+        text += self.extra
         assert srv.config_path is not None
         srv.config_path.parent.mkdir(parents=True, exist_ok=True)
         srv.config_path.write_text(text)
@@ -176,6 +181,12 @@ class Topology:
     Control-plane services (gateway, trainer, checkpointer) connect to ``hub_url``;
     a GPU cluster's agents and workers to ``url_for(cluster)`` with
     ``TANDEM_NATS_JS_DOMAIN=<domain>`` (``env_for`` gives both).
+
+    With ``accounts`` the hub runs ``tandem.common.accounts``' layout with fresh random
+    ``passwords`` (by user): the control-plane roles' users in the control plane's
+    account, and each leaf logged in as its cluster's ``leaf-<cluster>``, so
+    everything behind a leaf is in that cluster's account and may do only what it
+    imports. The leaves themselves authenticate nobody: the leaf is the cluster's door.
     """
 
     root: Path
@@ -186,24 +197,41 @@ class Topology:
     # NOTE: every node's agent watches its drain key (one ordered consumer on KV_drains
     # each), so a fleet over 1,000 nodes needs more than nats-server's per-stream default.
     max_consumers: int = 10_000
+    accounts: bool = False
+    control: str = CONTROL  # the cluster name of the control plane's trainer
+    passwords: dict[str, str] = field(default_factory=dict)
     hub: NatsCluster | None = None
     leaves: dict[str, LeafNode] = field(default_factory=dict)
 
     def start(self, timeout: float = 30) -> Topology:
+        extra = ""
+        if self.accounts:
+            self.passwords = {u: secrets.token_urlsafe(18)
+                              for u in nats_accounts.users(self.clusters)}
+            extra = nats_accounts.accounts_config(self.clusters, self.passwords, self.control)
         try:
             self.hub = NatsCluster(root=self.root / "hub", size=self.hub_size,
                                    domain=self.domain, leafnodes=True,
-                                   ports=self.hub_ports,
-                                   max_consumers=self.max_consumers).start(timeout)
+                                   ports=self.hub_ports, max_consumers=self.max_consumers,
+                                   extra=extra).start(timeout)
             for c in self.clusters:
                 leaf = LeafNode(name=f"leaf-{c}", log_path=self.root / f"leaf-{c}.log",
-                                remotes=self.hub.leaf_urls)
+                                remotes=self._remotes(c))
                 self.leaves[c] = leaf
                 leaf.start(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _remotes(self, cluster: str) -> list[str]:
+        """The hub's leaf-node URLs, with the cluster's login under ``accounts``."""
+        assert self.hub is not None
+        if not self.accounts:
+            return self.hub.leaf_urls
+        user = nats_accounts.leaf_user(cluster)
+        return [u.replace("://", f"://{user}:{self.passwords[user]}@", 1)
+                for u in self.hub.leaf_urls]
 
     @property
     def hub_url(self) -> str:
@@ -225,6 +253,11 @@ class Topology:
         """``TANDEM_*`` values that connect a process of ``cluster`` (None: control plane)."""
         if cluster is None:
             return {"nats_url": self.hub_url}
+        if self.accounts:  # JetStream by its account's imports; its push deliveries
+            # come in under its own inbox prefix
+            return {"nats_url": self.url_for(cluster),
+                    "nats_js_api_prefix": nats_accounts.JS_API,
+                    "nats_inbox_prefix": nats_accounts.inbox_prefix(cluster)}
         return {"nats_url": self.url_for(cluster), "nats_js_domain": self.domain}
 
     @property

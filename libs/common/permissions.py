@@ -117,14 +117,21 @@ class _Grants:
         }
         return self
 
-    def kv(self, bucket: str, write: bool = False) -> _Grants:
+    def kv(self, bucket: str, write: bool = False, keys: str = ">",
+           by_key: bool = False) -> _Grants:
+        """Read ``bucket`` and, with ``write``, write the keys matching ``keys``.
+
+        ``by_key``: reads of one key at a time only (direct get by subject), no watch,
+        key listing or get by sequence, so the bucket cannot be walked.
+        """
         s = f"KV_{bucket}"
         self.stream(s)
-        self.follows(s)  # watch, keys
-        self.pub |= {
-            f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>", f"{API}.STREAM.MSG.GET.{s}"}
+        self.pub.add(f"{API}.DIRECT.GET.{s}.>")
+        if not by_key:
+            self.follows(s)  # watch, keys
+            self.pub |= {f"{API}.DIRECT.GET.{s}", f"{API}.STREAM.MSG.GET.{s}"}
         if write:
-            self.pub.add(f"$KV.{bucket}.>")
+            self.pub.add(f"$KV.{bucket}.{keys}")
         return self
 
     def reads_last(self, stream: str) -> _Grants:
@@ -148,17 +155,27 @@ class _Grants:
 # --------------------------------------------------------------------------- the declaration
 
 
-def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Role]:
+def declaration(clusters: Sequence[str], control: str = CONTROL,
+                home: str | None = None) -> dict[str, Role]:
     """Every role, for a deployment whose GPU clusters are ``clusters``.
 
     GEN streams are per cluster, so the lists name each cluster's stream (NATS wildcards
     match whole tokens only: ``GEN_*`` cannot be written). Trainers may run in the
     control plane (``control``) or in a GPU cluster; each cluster has its own durable.
+
+    ``home``: the roles as they run in that GPU cluster, whose account they share (the
+    leaf topology, ``accounts_config``): the subjects that name a cluster (telemetry,
+    health, models, its nodes' heartbeats) name only ``home``. Without it, every
+    cluster's: one server whose users serve every cluster.
     """
     clusters = [subjects.token(c, "cluster") for c in clusters]
     if not clusters:
         raise ValueError("a permissions declaration needs at least one cluster")
     gen_result, gen_status = subjects.GEN_RESULT.wildcard, subjects.GEN_STATUS.wildcard
+    home = None if home is None else subjects.token(home, "cluster")
+    nodes = ">" if home is None else f"{home}.>"  # KV nodes keys are <cluster>.<node>
+    telemetry, health, models = (s.filter(cluster=home) for s in (
+        subjects.TELEMETRY, subjects.HEALTH, subjects.MODELS))
 
     gateway = (
         _Grants("gateway", "HTTP edge: enqueues generations, follows them, submits runs")
@@ -181,9 +198,11 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
     worker = (
         _Grants("inference-worker", "pulls generation tasks, publishes results and progress")
         .publishes(gen_result, streams.GEN_EVENTS).publishes(gen_status, streams.GEN_EVENTS)
-        .emits(subjects.GEN_PROGRESS.wildcard, subjects.MODELS.wildcard)
+        .emits(subjects.GEN_PROGRESS.wildcard, models)
         .listens(subjects.gen_cancel_all())
-        .kv(streams.KV_TASKS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+        # A task's record by its id only: the worker never walks the bucket.
+        .kv(streams.KV_TASKS, write=True, by_key=True).kv(streams.KV_NODES)
+        .kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS)  # a run: model's newest committed checkpoint, on start
         # Failover discovers the clusters' queues by the names of the streams on gen.*.*
         # (STREAM.NAMES, granted by follows()), then STREAM.INFO of each queue it may pull.
@@ -196,10 +215,10 @@ def declaration(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Ro
 
     agent = (
         _Grants("cluster-agent", "node telemetry, health transitions, heartbeats")
-        .publishes(subjects.TELEMETRY.wildcard, streams.TELEMETRY)
-        .publishes(subjects.HEALTH.wildcard, streams.HEALTH).reads_last(streams.HEALTH)
-        .listens(subjects.MODELS.wildcard)
-        .kv(streams.KV_NODES, write=True).kv(streams.KV_DRAINS)
+        .publishes(telemetry, streams.TELEMETRY)
+        .publishes(health, streams.HEALTH).reads_last(streams.HEALTH)
+        .listens(models)
+        .kv(streams.KV_NODES, write=True, keys=nodes).kv(streams.KV_DRAINS)
     )
 
     trainer = (
@@ -264,26 +283,32 @@ def nats_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None =
     ``passwords`` maps a role to its password, written quoted; a role without one gets
     ``$TANDEM_NATS_PASSWORD_<ROLE>``, which nats-server reads from its environment.
     """
-    passwords = passwords or {}
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += ["authorization {", "  users: ["]
+    lines += ["authorization {", "  users: [", *users_config(roles, passwords, "    "),
+              "  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def users_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None = None,
+                 indent: str = "") -> list[str]:
+    """One user per role with its allow-lists, as the lines of a ``users`` list;
+    passwords as for ``nats_config``."""
+    passwords = passwords or {}
+    lines: list[str] = []
     for name in sorted(roles):
         role = roles[name]
         pw = _q(passwords[name]) if name in passwords else "$" + password_env(name)
-        ind = "        "
+        ind = indent + "    "
+        lines += [f"{indent}# {role.description}", f"{indent}{{",
+                  f"{indent}  user: {_q(name)}", f"{indent}  password: {pw}"]
         lines += [
-            f"    # {role.description}",
-            "    {",
-            f"      user: {_q(name)}",
-            f"      password: {pw}",
-            "      permissions: {",
-            f"        publish: {{ allow: {_list(role.publish, ind)} }}",
-            f"        subscribe: {{ allow: {_list(role.subscribe, ind)} }}",
-            "      }",
-            "    }",
+            f"{indent}  permissions: {{",
+            f"{ind}publish: {{ allow: {_list(role.publish, ind)} }}",
+            f"{ind}subscribe: {{ allow: {_list(role.subscribe, ind)} }}",
+            f"{indent}  }}",
+            f"{indent}}}",
         ]
-    lines += ["  ]", "}", ""]
-    return "\n".join(lines)
+    return lines
 
 
 COMPOSE_CLUSTERS = ("east", "west")

@@ -157,11 +157,13 @@ async def _connect(settings: Settings, name: str, stopping: asyncio.Event, lg: A
 
 
 def provisionable(service: Service, s: Settings) -> Sequence[Spec]:
-    """What ``service`` provisions at start. Connected as a restricted NATS user it may
-    touch only its own role's streams (``permissions``), so it leaves the others to the
-    services that own them rather than wait on requests the server refuses."""
+    """What ``service`` provisions at start. Connected as a restricted NATS user, or in
+    a cluster's account that imports the control plane's JetStream under a prefix (the
+    leaf topology with accounts), it may touch only its own role's streams
+    (``permissions``), so it leaves the others to the services that own them rather than
+    wait on requests the server refuses or nobody answers."""
     specs = service.streams()
-    if not (s.nats_user or s.nats_creds):
+    if not (s.nats_user or s.nats_creds or s.nats_js_api_prefix):
         return specs
     from tandem.common import permissions
 

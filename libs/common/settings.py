@@ -40,6 +40,14 @@ class Settings(BaseSettings):
     nats_js_domain: str | None = Field(
         None, description="JetStream domain of the control plane, for a process connected "
         "through a GPU cluster's leaf-node server (e.g. 'hub'); unset: the server's own.")
+    nats_js_api_prefix: str | None = Field(
+        None, description="JetStream API prefix, for a process whose NATS account imports "
+        "the control plane's JetStream (the leaf topology with accounts: "
+        "JS.control-plane.API); unset: $JS.API, or the domain's.")
+    nats_inbox_prefix: str | None = Field(
+        None, description="Prefix of this process's reply inboxes (default _INBOX). In "
+        "the leaf topology with accounts, _INBOX_<cluster>: the control plane delivers a "
+        "cluster's push consumers (KV watches) by that prefix.")
     stream_replicas: int = Field(
         1, ge=1, le=5, description="Replicas of each stream: 1 locally, 3 in production."
     )
@@ -78,6 +86,19 @@ class Settings(BaseSettings):
     @classmethod
     def _token(cls, value: str, info) -> str:  # type: ignore[no-untyped-def]
         return token(value, info.field_name)
+
+    @field_validator("nats_inbox_prefix")
+    @classmethod
+    def _inbox(cls, value: str | None) -> str | None:
+        return None if value is None else token(value, "nats_inbox_prefix")
+
+    @field_validator("nats_js_api_prefix")
+    @classmethod
+    def _prefix(cls, value: str | None) -> str | None:
+        if value is not None:
+            for part in value.split("."):
+                token(part, "nats_js_api_prefix")
+        return value
 
     @field_validator("nats_url")
     @classmethod

@@ -60,6 +60,24 @@ class Subject:
     def wildcard(self) -> str:
         return ".".join("*" if p.startswith("{") else p for p in self.template.split("."))
 
+    def filter(self, **tokens: str | None) -> str:
+        """The filter with the named placeholders filled (each validated) and the rest
+        ``*``: ``TELEMETRY.filter(cluster="east")`` is ``telemetry.east.*``; a value of
+        None leaves its placeholder a wildcard."""
+        out = []
+        for part in self.template.split("."):
+            name = part[1:-1] if part.startswith("{") else None
+            if name is None:
+                out.append(part)
+            elif tokens.get(name) is not None:
+                out.append(token(tokens[name], name))
+            else:
+                out.append("*")
+        unknown = set(tokens) - {p[1:-1] for p in self.template.split(".") if p.startswith("{")}
+        if unknown:
+            raise ValueError(f"{self.template} has no placeholder {', '.join(sorted(unknown))}")
+        return ".".join(out)
+
 
 GEN = Subject("gen.{cluster}.{lane}")
 GEN_RESULT = Subject("gen.result.{task}")

@@ -35,7 +35,8 @@ _log = log.get("tandem.bus")
 
 
 class DomainJetStream(JetStreamContext):
-    """JetStream in another domain (the control plane, reached through a leaf node).
+    """JetStream in another domain (the control plane, reached through a leaf node), or
+    under an API prefix (another account's, imported).
 
     API calls go to ``$JS.<domain>.API`` (nats-py does that). KV writes must too, as
     ``$JS.<domain>.API.$KV.<bucket>.<key>``: the server does not carry ``$KV.>`` across
@@ -58,15 +59,24 @@ class Bus(Publishing):
     ``emit``) come from ``publish.Publishing``.
     """
 
-    def __init__(self, nc: NATS, service: str, js_domain: str | None = None) -> None:
+    def __init__(self, nc: NATS, service: str, js_domain: str | None = None,
+                 js_prefix: str | None = None) -> None:
+        """``js_domain`` or ``js_prefix`` (an account importing the control plane's
+        JetStream API under a prefix): where JetStream lives, if not in this account."""
         self.nc = nc
-        self.js: JetStreamContext = (
-            nc.jetstream() if js_domain is None else DomainJetStream(nc, domain=js_domain))
+        if js_prefix is not None:
+            self.js: JetStreamContext = DomainJetStream(nc, prefix=js_prefix)
+            self.api_prefix = js_prefix
+        elif js_domain is not None:
+            self.js = DomainJetStream(nc, domain=js_domain)
+            self.api_prefix = f"$JS.{js_domain}.API"
+        else:
+            self.js = nc.jetstream()
+            self.api_prefix = "$JS.API"
         self.service = service
         self._kv: dict[str, KeyValue] = {}
         self._typed: dict[tuple[str, type], TypedKV[Any]] = {}
         self._acks = None  # the pipelined publish's inbox, made on the first send
-        self.api_prefix = "$JS.API" if js_domain is None else f"$JS.{js_domain}.API"
 
     @classmethod
     async def connect(cls, settings: Settings, service: str, **options: Any) -> Bus:
@@ -97,6 +107,8 @@ class Bus(Publishing):
             )
         if settings.nats_creds:
             auth["user_credentials"] = settings.nats_creds
+        if settings.nats_inbox_prefix:
+            auth["inbox_prefix"] = settings.nats_inbox_prefix
         if settings.nats_tls_ca:
             import ssl
 
@@ -117,7 +129,7 @@ class Bus(Publishing):
         )
         opts.update(options)
         nc = await nats.connect(**opts)
-        return cls(nc, service, settings.nats_js_domain)
+        return cls(nc, service, settings.nats_js_domain, settings.nats_js_api_prefix)
 
     async def provision(self, specs: Sequence[Spec]) -> list[str]:
         created = await provision(self.js, specs)
