@@ -209,6 +209,56 @@ async def test_an_agent_cannot_touch_generation_queues(
     assert info.state.messages == 0
 
 
+async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    from nats.micro import add_service
+
+    srv, passwords = auth_nats
+    with structlog.testing.capture_logs() as logs:
+        gateway = await Bus.connect(as_role(srv, passwords, "gateway"), "gateway")
+        client = await Bus.connect(as_role(srv, passwords, "client"), "client")
+        try:
+            def denied(subject: str) -> bool:
+                return any(e["event"] == "nats.permission_denied" and e["user"] == "client"
+                           and e["subject"] == subject.lower() for e in logs)
+
+            async def accepted(req: Any) -> None:  # the gateway's role serves the endpoint
+                await req.respond(b'{"id": "t1"}')
+
+            svc = await add_service(gateway.nc, name="tandem-jobs", version="1.0.0")
+            await svc.add_group(name="tandem.jobs").add_endpoint(name="generate",
+                                                                 handler=accepted)
+            await gateway.nc.flush()  # its subscriptions are on the server before a request
+            reply = await client.nc.request(subjects.jobs("generate"), b"{}", timeout=5)
+            assert reply.data == b'{"id": "t1"}'
+            info = await client.nc.request("$SRV.INFO.tandem-jobs", b"", timeout=5)
+            assert b'"tandem.jobs.generate"' in info.data
+            results: list[bytes] = []
+
+            async def on_result(msg: Any) -> None:
+                results.append(msg.data)
+
+            await client.nc.subscribe("gen.result.*", cb=on_result)  # following a job
+            await client.nc.flush()
+            await admin.nc.publish("gen.result.t1", b"{}")  # as a worker's result reaches it
+            await until(lambda: results == [b"{}"])
+            # Nothing else: no queue, no stream API, no KV write, nobody's telemetry.
+            with pytest.raises(NatsTimeout):
+                await client.publish(subjects.gen("east", "interactive"),
+                                     GenerationTask(task_id="x", model="noop"), timeout=0.5)
+            for subject in ("$KV.tasks.t1", "$JS.API.STREAM.INFO.GEN_EAST"):
+                await client.emit(subject, b"{}")
+            await client.nc.subscribe("telemetry.>")
+            await until(lambda: all(denied(s) for s in (
+                "gen.east.interactive", "$KV.tasks.t1", "$JS.API.STREAM.INFO.GEN_EAST",
+                "telemetry.>")))
+            await svc.stop()
+        finally:
+            await client.drain()
+            await gateway.drain()
+    assert (await admin.js.stream_info("GEN_EAST")).state.messages == 0
+
+
 async def test_what_the_dashboard_and_failover_read_is_allowed(
         auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
     """Reads the end-to-end test does not reach: a run's step history replayed by the

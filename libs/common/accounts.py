@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tandem.common import permissions, subjects
-from tandem.common.permissions import ADMIN, API, CONTROL, INBOX
+from tandem.common.permissions import ADMIN, API, CLIENT, CONTROL, INBOX
 
 CONTROL_ACCOUNT = "control-plane"
 # The prefix a cluster's processes reach the control plane's JetStream API by
@@ -42,7 +42,7 @@ JS_API = "JS.control-plane.API"
 # The roles whose processes run in a GPU cluster, behind its leaf (stack.toml's per-node
 # processes); the others run in the control plane.
 CLUSTER_ROLES = ("inference-worker", "cluster-agent")
-CONTROL_ROLES = ("gateway", "trainer", "checkpointer", ADMIN)
+CONTROL_ROLES = ("gateway", "trainer", "checkpointer", CLIENT, ADMIN)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ INBOX = "_INBOX.>"
 ADMIN = "admin"
 CONTROL = "control"  # the cluster name of control-plane processes (gateway, trainer, ...)
 GEN = "GEN_*"  # every cluster's work queue, as a provisioning pattern
+CLIENT = "client"  # programs outside Tandem that submit jobs (the job service)
+JOBS = subjects.JOBS.wildcard  # tandem.jobs.*: the job service's endpoints
+SRV = "$SRV.>"  # the NATS service API's discovery: PING, INFO, STATS
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Role:
     # ``KV_<bucket>``) and ``<stream>/<durable>``; per-cluster names as ``GEN_*``, so a
     # process can tell what is its own without knowing the deployment's clusters.
     provisions: frozenset[str] = frozenset()
+    # It answers requests (the job service): it may publish to a requester's reply
+    # subject, and only while that reply is due (nats-server's ``allow_responses``).
+    responds: bool = False
 
     def may_provision(self, spec: Spec) -> bool:
         if self.name == ADMIN:
@@ -78,6 +84,7 @@ class _Grants:
     pub: set[str] = field(default_factory=set)
     sub: set[str] = field(default_factory=lambda: {INBOX})
     provisions: set[str] = field(default_factory=set)
+    responds: bool = False
 
     def stream(self, name: str, pattern: str | None = None) -> _Grants:
         self.provisions.add(pattern or name)
@@ -147,9 +154,15 @@ class _Grants:
         self.sub.update(subs)
         return self
 
+    def serves(self, *subs: str) -> _Grants:
+        """Answers requests on ``subs`` (a NATS service: its endpoints and ``$SRV``)."""
+        self.sub.update(subs)
+        self.responds = True
+        return self
+
     def role(self) -> Role:
         return Role(self.name, self.description, tuple(sorted(self.pub)),
-                    tuple(sorted(self.sub)), frozenset(self.provisions))
+                    tuple(sorted(self.sub)), frozenset(self.provisions), self.responds)
 
 
 # --------------------------------------------------------------------------- the declaration
@@ -190,6 +203,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .listens(subjects.train_kind_filter("step"), subjects.train_kind_filter("checkpoint"),
                  subjects.GEN_RESULT.wildcard)
         .follows(streams.TRAIN)
+        .serves(JOBS, SRV)  # the job service, tandem-jobs (services/gateway/jobs.py)
     )
     for c in clusters:
         gateway.publishes(subjects.gen_cluster_filter(c), subjects.gen_stream_name(c), GEN)
@@ -224,7 +238,8 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
     trainer = (
         _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
         .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
-        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>")
+        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>",
+                 f"$KV.{streams.KV_RUNS}.*")  # a run's record changed: a client's cancel
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
     )
     for c in dict.fromkeys([control, *clusters]):
@@ -237,9 +252,19 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .kv(streams.KV_RUNS, write=True)
     )
 
+    # Programs outside Tandem: jobs through the job service, and what follows a job.
+    client = (
+        _Grants(CLIENT, "programs that submit jobs: the job service, job status, progress "
+                "and results; no queue, stream or bucket of their own")
+        .emits(JOBS, SRV)
+        .listens(gen_status, gen_result, subjects.GEN_PROGRESS.wildcard,
+                 subjects.train_kind_filter("status"))
+    )
+
     admin = Role(ADMIN, "operators, the CLI and the local stack's provisioning: everything",
                  (">",), (">",))
-    roles = [g.role() for g in (gateway, worker, agent, trainer, checkpointer)] + [admin]
+    roles = [g.role() for g in (gateway, worker, agent, trainer, checkpointer, client)]
+    roles.append(admin)
     return {r.name: r for r in roles}
 
 
@@ -305,6 +330,7 @@ def users_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None 
             f"{indent}  permissions: {{",
             f"{ind}publish: {{ allow: {_list(role.publish, ind)} }}",
             f"{ind}subscribe: {{ allow: {_list(role.subscribe, ind)} }}",
+            *([f"{ind}allow_responses: true"] if role.responds else []),
             f"{indent}  }}",
             f"{indent}}}",
         ]
