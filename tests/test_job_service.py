@@ -180,7 +180,7 @@ def test_the_python_client_answers_the_same_over_nats_and_http(jobs: Jobs,
 def test_the_readme_example_runs_as_printed(jobs: Jobs, tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     [code] = re.findall(r"<!-- bus-example -->\n```python\n(.*?)```", readme, re.S)
-    assert len(code.strip().splitlines()) <= 16
+    assert len([line for line in code.splitlines() if line.strip()]) <= 13
     script = tmp_path / "example.py"
     script.write_text(code)
     res = subprocess.run([PYTHON, "-I", str(script)], capture_output=True, text=True,
