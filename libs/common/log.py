@@ -32,14 +32,33 @@ def _trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+class _Std:
+    """``sys.stdout`` or ``sys.stderr`` as it is when a line is written, not when logging
+    was configured: code that swaps them later (a redirect, pytest's capture, which
+    closes its buffer afterwards) must not leave logging writing to a closed file."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(text)
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+    def isatty(self) -> bool:
+        return getattr(sys, self.name).isatty()
+
+
 def configure(fmt: str = "auto", level: str = "info", *, stream: TextIO | None = None,
               **context: Any) -> None:
     """Configure structlog (and stdlib logging through it) once per process.
 
     Services log to stdout; a command whose stdout is its result (``--json``) passes
-    ``stream=sys.stderr``.
+    ``stream=sys.stderr``. Either is looked up at each write (``_Std``).
     """
-    out = stream or sys.stdout
+    out: Any = (_Std("stderr") if stream is sys.stderr else
+                _Std("stdout") if stream is None or stream is sys.stdout else stream)
     json_out = fmt == "json" or (fmt == "auto" and not out.isatty())
     renderer: Any = (
         structlog.processors.JSONRenderer() if json_out else structlog.dev.ConsoleRenderer()
