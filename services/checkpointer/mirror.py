@@ -127,9 +127,19 @@ class Mirror:
         self.on_progress = on_progress
         self._pool = ThreadPoolExecutor(max(1, config.concurrency),
                                         thread_name_prefix="ckpt-upload")
+        # Completes each multipart file as soon as its own parts are in, while the next
+        # files' parts upload: a pool of its own, so a completion waiting for its parts
+        # never holds a thread those parts need.
+        self._completer = ThreadPoolExecutor(max(1, config.concurrency),
+                                             thread_name_prefix="ckpt-complete")
+        # Feeds each file's whole-file digest its blocks in order (one thread: FIFO), beside
+        # the thread that reads them, so reading and hashing overlap instead of adding up.
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._completer.shutdown(wait=True, cancel_futures=True)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------------- the attempt
 
@@ -324,12 +334,13 @@ class Mirror:
                     mp = _Multipart(self, key, entry, paths[entry.name])
                     large.append(mp)
                     mp.start(budget)
+                    mp.done = self._completer.submit(mp.finish)
                 else:
                     budget.acquire()
                     small.append(self._pool.submit(self._put_single, key, entry,
                                                    paths[entry.name], budget))
             for mp in large:
-                mp.finish()
+                mp.done.result()  # type: ignore[union-attr]
             for fut in small:
                 fut.result()
         except BaseException:
@@ -384,6 +395,8 @@ class _Multipart:
         self.parts: list[Future[dict[str, Any]]] = []
         self.whole = hashlib.sha256()
         self.failed: BaseException | None = None
+        self.done: Future[None] | None = None  # finish(), run by the mirror's completer
+        self.hashed: Future[None] | None = None  # the last block fed to ``whole``
 
     def start(self, budget: _Budget) -> None:
         cfg = self.m.cfg
@@ -402,8 +415,12 @@ class _Multipart:
                     budget.release()
                     break
                 number += 1
-                self.whole.update(block)
                 self.parts.append(self.m._pool.submit(self._part, number, block, budget))
+                # The previous block is hashed by now (it was hashed while this one was
+                # read), so at most one block beyond the budget is held for the digest.
+                if self.hashed is not None:
+                    self.hashed.result()
+                self.hashed = self.m._hasher.submit(self.whole.update, block)
 
     def _part(self, number: int, block: bytes, budget: _Budget) -> dict[str, Any]:
         try:
@@ -421,6 +438,8 @@ class _Multipart:
             budget.release()
 
     def finish(self) -> None:
+        if self.hashed is not None:
+            self.hashed.result()
         if self.whole.hexdigest() != self.entry.sha256:
             raise LocalCheckpointError(self.entry.name,
                                        "local file's sha256 differs from manifest")
@@ -444,10 +463,13 @@ class _Multipart:
     def abort(self) -> None:
         for f in self.parts:
             f.cancel()
+        # Wait for parts in flight, so the abort is not followed by a late part, and for
+        # finish() (it ends once its parts have), so it does not complete what is aborted.
+        wait(self.parts)
+        if self.done is not None:
+            wait([self.done])
         if self.upload_id is None:
             return
-        # Wait for parts in flight, so the abort is not followed by a late part.
-        wait(self.parts)
         # Best effort: the next attempt and the start-up sweep abort what is left.
         with contextlib.suppress(Exception):
             self.m.s3.abort_multipart_upload(Bucket=self.m.cfg.bucket, Key=self.key,

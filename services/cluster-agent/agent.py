@@ -81,6 +81,8 @@ class NodeAgent:
         self.state = Health.healthy  # last published
         self.seq = 0  # number of the last published transition
         self.samples = 0
+        self.telemetry_stored = 0  # samples the stream acknowledged (its PubAck: stored)
+        self.telemetry_failed = 0  # samples whose publish raised (no ack from the stream)
         self.heartbeats = 0
         self.last: list[GpuSample] = []
         self.gpus = 0
@@ -172,7 +174,12 @@ class NodeAgent:
             metrics.set_gpus(self.cluster, self.node, samples)
         telemetry = NodeTelemetry(cluster=self.cluster, node=self.node, gpus=samples, at=now,
                                   seq=self.samples)
-        await self.bus.publish(self._telemetry_subject, telemetry)
+        try:
+            await self.bus.publish(self._telemetry_subject, telemetry)
+        except Exception:
+            self.telemetry_failed += 1
+            raise
+        self.telemetry_stored += 1
         async with self._lock:
             changes = self.tracker.observe(samples, now)
             for c in changes:

@@ -1,12 +1,14 @@
-"""checkpoint mirror against raw boto3 upload_file, and checkpoint written -> committed.
+"""checkpoint mirror against raw boto3's parallel transfer, and written -> committed.
 
 Starts moto's S3 server and a nats-server on free loopback ports. One synthetic
 checkpoint (``--size-mb``, split like a real one: optimizer state half, model and EMA
 weights a quarter each, plus small RNG/data-position files) is uploaded, alternating
 rounds, by:
 
-- raw: boto3 ``upload_file`` of each file in turn, with a ``TransferConfig`` of the same
-  multipart threshold, part size and concurrency (boto3's own CRC checksums);
+- raw: every file handed at once to one boto3 ``TransferManager`` (``TransferConfig`` of
+  the same multipart threshold, part size and concurrency: its parts and small files
+  share ``max_concurrency`` threads, as the mirror's share its pool; boto3's own CRC
+  checksums): as parallel as boto3 goes, so the mirror's overlap of files is no edge;
 - tandem: the checkpointer's ``Mirror``: SHA-256 sent with every part and file, the
   whole file hashed and compared with the manifest, what S3 stored verified (composite
   checksum for multipart files, read-back for single-request ones, as moto does not
@@ -34,7 +36,7 @@ from typing import Any
 
 from tandem.cli.bench import saturation, stats
 
-GOAL = 0.8
+GOAL = 0.9  # of boto3's parallel transfer (issue 21: the baseline as parallel as Tandem)
 MiB = 1 << 20
 SMOKE = ("--size-mb", "12", "--part-mb", "5", "--commits", "1", "--concurrency", "4")
 
@@ -74,16 +76,23 @@ def _clear(s3: Any, bucket: str) -> None:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
-def _raw(s3: Any, bucket: str, directory: Path, prefix: str, args: argparse.Namespace) -> float:
-    from boto3.s3.transfer import TransferConfig
-
-    cfg = TransferConfig(multipart_threshold=args.part_mb * MiB,
-                         multipart_chunksize=args.part_mb * MiB,
-                         max_concurrency=args.concurrency)
+def _raw(tm: Any, bucket: str, directory: Path, prefix: str) -> float:
+    """Every file through one boto3 ``TransferManager`` at once: its parts and small files
+    share ``max_concurrency`` threads, as the mirror's share its pool."""
     t = time.perf_counter()
-    for path in sorted(directory.iterdir()):
-        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}", Config=cfg)
+    futures = [tm.upload(str(path), bucket, f"{prefix}/{path.name}")
+               for path in sorted(directory.iterdir())]
+    for fut in futures:
+        fut.result()
     return time.perf_counter() - t
+
+
+def _transfer_manager(s3: Any, args: argparse.Namespace) -> Any:
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+    return create_transfer_manager(s3, TransferConfig(
+        multipart_threshold=args.part_mb * MiB, multipart_chunksize=args.part_mb * MiB,
+        max_concurrency=args.concurrency))
 
 
 def _tandem(mirror: Any, directory: Path, run: str, step: int) -> float:
@@ -173,12 +182,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                              multipart_threshold=args.part_mb * MiB,
                                              part_size=args.part_mb * MiB,
                                              concurrency=args.concurrency))
+            tm = _transfer_manager(s3, args)
             procs = {"bench process": saturation.this_process, "moto (S3)": s3srv.cpu_seconds}
 
             async def side(name: str, r: int) -> dict[str, Any]:
                 meter = saturation.Meter(procs).start()
                 if name == "raw":
-                    dt = await asyncio.to_thread(_raw, s3, bucket, source, f"raw/{r}", args)
+                    dt = await asyncio.to_thread(_raw, tm, bucket, source, f"raw/{r}")
                 else:
                     dt = await asyncio.to_thread(_tandem, mirror, source, "bench", r + 1)
                 used = meter.stop()
@@ -193,6 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "raw": lambda r: side("raw", r), "tandem": lambda r: side("tandem", r + 1)})
             finally:
                 mirror.close()
+                tm.shutdown()
             hash_rate = saturation.sha256_mib_per_s()
             commit_s = await _written_to_committed(s3srv.url, nats.url, bucket, root,
                                                    args)
@@ -203,7 +214,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tandem_s = [x["s"] for x in runs["tandem"]]
     mirror_fig = stats.Figure("mirror", "mirror throughput", "MiB/s",
                               [args.size_mb / t for t in tandem_s],
-                              [args.size_mb / t for t in raw_s], "raw boto3 upload_file",
+                              [args.size_mb / t for t in raw_s], "raw boto3 TransferManager",
                               goal=stats.Goal(">=", GOAL), digits=1)
     if mirror_fig.met is False:
         r = stats.median_run(range(args.repeat), lambda i: mirror_fig.ratio[i])  # type: ignore[index]
@@ -252,7 +263,7 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join([
         f"checkpoint mirror, {r['size_mb']} MiB in {len(r['files'])} files, "
         f"{r['part_mb']} MiB parts x {r['concurrency']}, {r['repeat']} repeats interleaved",
-        f"  raw boto3 upload_file : {r['raw_mb_s']:8.1f} MiB/s median  {r['raw_s']} s",
+        f"  raw boto3 transfer    : {r['raw_mb_s']:8.1f} MiB/s median  {r['raw_s']} s",
         f"  tandem mirror+verify  : {r['tandem_mb_s']:8.1f} MiB/s median  {r['tandem_s']} s",
         f"  ratio                 : {r['ratio']:.3f} median of the repeats' ratios "
         f"(goal >= {r['goal']})",

@@ -57,6 +57,8 @@ class SimFleet(Service):
             "nodes": len(self.agents), "started": self.running_since is not None,
             "running_since": self.running_since,
             "samples": sum(a.samples for a in self.agents),
+            "telemetry_stored": sum(a.telemetry_stored for a in self.agents),
+            "telemetry_failed": sum(a.telemetry_failed for a in self.agents),
             "heartbeats": sum(a.heartbeats for a in self.agents),
             "unhealthy": sum(a.state.value != "healthy" for a in self.agents),
         }
