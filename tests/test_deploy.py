@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +29,7 @@ import yaml
 
 from tandem.cli.certs import dev_certs
 from tandem.cli.run import service_class
-from tandem.common import permissions
+from tandem.common import accounts, permissions
 from tandem.common.errors import SettingsError
 from tandem.common.runner import HttpEndpoint, Service
 from tandem.common.settings import load
@@ -98,16 +98,33 @@ def tandem_containers(overlay: str) -> Iterator[tuple[dict[str, Any], dict[str, 
                 yield w, c, svc
 
 
-def env_of(overlay: str, container: dict[str, Any]) -> dict[str, Any]:
+def env_of(overlay: str, container: dict[str, Any],
+           secrets: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The container's environment as Kubernetes builds it: envFrom ConfigMaps in order,
-    then env (a ``valueFrom`` entry maps to its source, not a value)."""
+    then env, each ``$(NAME)`` in a value expanded from what comes before it, as the
+    kubelet does. A ``configMapKeyRef`` maps to the ConfigMap's value; a ``secretKeyRef``
+    to ``secrets["<secret>/<key>"]`` when given; any other ``valueFrom`` to its source
+    (and a ``$(NAME)`` of it stays as written, as the kubelet leaves unknown names)."""
     maps = objects(overlay, "ConfigMap")
     env: dict[str, Any] = {}
     for source in container.get("envFrom", []):
         assert "configMapRef" in source, f"{container['name']}: envFrom {source} hides names"
         env.update(maps[source["configMapRef"]["name"]]["data"])
     for e in container.get("env", []):
-        env[e["name"]] = e["value"] if "value" in e else e["valueFrom"]
+        if "value" in e:
+            env[e["name"]] = re.sub(
+                r"\$\((\w+)\)",
+                lambda m: env[m[1]] if isinstance(env.get(m[1]), str) else m[0], e["value"])
+            continue
+        ref = e["valueFrom"]
+        if "configMapKeyRef" in ref:
+            env[e["name"]] = maps[ref["configMapKeyRef"]["name"]]["data"][
+                ref["configMapKeyRef"]["key"]]
+        elif "secretKeyRef" in ref and secrets is not None:
+            env[e["name"]] = secrets[
+                f"{ref['secretKeyRef']['name']}/{ref['secretKeyRef']['key']}"]
+        else:
+            env[e["name"]] = ref
     return env
 
 
@@ -122,14 +139,49 @@ def port_number(container: dict[str, Any], port: int | str) -> int:
     return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
 
 
-def host_of(url: str) -> tuple[str, int]:
-    m = re.fullmatch(r"nats://([a-z0-9.-]+):(\d+)", url)
+def host_of(url: str, scheme: str = "nats") -> tuple[str, int]:
+    m = re.fullmatch(rf"{scheme}://([a-z0-9.-]+):(\d+)", url)
     assert m, url
     return m.group(1), int(m.group(2))
 
 
 def nats_conf(overlay: str, configmap: str, key: str) -> str:
     return objects(overlay, "ConfigMap")[configmap]["data"][key]
+
+
+def hub_accounts() -> str:
+    """The accounts block the hub includes, as rendered."""
+    return nats_conf("control-plane", generated("nats-accounts", "control-plane"),
+                     "accounts.conf")
+
+
+def account_users(conf: str, account: str) -> list[str]:
+    """The users of one account of an ``accounts`` block (``accounts_config``'s layout)."""
+    m = re.search(rf'^  "{re.escape(account)}": {{\n(.*?)^  }}$', conf, re.M | re.S)
+    assert m, account
+    return re.findall(r'user: "([^"]+)"', m.group(1))
+
+
+def config_lines(text: str) -> str:
+    """A nats-server config without its comments."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def hub_port(name: str) -> int:
+    """A port of hub.conf: ``client`` (the top-level listen) or ``leafnodes``."""
+    conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    pattern = (r"^listen: 0\.0\.0\.0:(\d+)$" if name == "client"
+               else r"^leafnodes \{\n\s+listen: 0\.0\.0\.0:(\d+)$")
+    return int(re.search(pattern, conf, re.M).group(1))
+
+
+def ca_is_mounted_from(secret: str, workload: dict[str, Any], container: dict[str, Any],
+                       path: str) -> bool:
+    """Whether ``path`` lies in a mount of a volume of Secret ``secret``."""
+    volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+    return any(path.startswith(m["mountPath"].rstrip("/") + "/")
+               and volumes[m["name"]].get("secret", {}).get("secretName") == secret
+               for m in container["volumeMounts"])
 
 
 def generated(name: str, overlay: str) -> str:
@@ -358,54 +410,142 @@ def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
 # ------------------------------------------------------------------- planes and clusters
 
 
-def test_each_cluster_overlay_points_its_services_at_its_own_leaf_and_cluster() -> None:
-    hub = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
-    domain = re.search(r"^\s+domain: (\w+)$", hub, re.M).group(1)
+def test_each_cluster_overlay_puts_its_agents_and_workers_behind_its_leaf_in_its_account() -> None:
+    """accounts.CLUSTER_ROLES connect to their own cluster's leaf with no user (the leaf's
+    login is the account), JetStream by the imported API prefix, replies under the
+    cluster's inbox prefix: what compose.leaf.yaml gives them."""
     for overlay in CLUSTERS:
         services = objects(overlay, "Service")
         leaf = objects(overlay, "Deployment")["nats-leaf"]
+        behind = set()
         for w, c, svc in tandem_containers(overlay):
             if w["kind"] == "Job" or c["name"] == "own-checkpoints":
                 continue  # ranks speak to their coordinator only
             env = env_of(overlay, c)
             assert env["TANDEM_CLUSTER"] == overlay, (overlay, svc)
+            assert "TANDEM_NATS_JS_DOMAIN" not in env, (overlay, svc)
+            if svc not in accounts.CLUSTER_ROLES:
+                assert svc in accounts.CONTROL_ROLES, svc  # the next test's
+                continue
+            behind.add(svc)
             host, port = host_of(env["TANDEM_NATS_URL"])
             target = services[host]
             assert selects(target["spec"]["selector"], leaf), (overlay, svc, host)
             assert port in {p["port"] for p in target["spec"]["ports"]}
-            assert env["TANDEM_NATS_JS_DOMAIN"] == domain, (overlay, svc)
+            assert not {"TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD"} & set(env), (overlay, svc)
+            assert env["TANDEM_NATS_JS_API_PREFIX"] == accounts.JS_API, (overlay, svc)
+            assert env["TANDEM_NATS_INBOX_PREFIX"] == accounts.inbox_prefix(overlay), svc
+        assert behind == set(accounts.CLUSTER_ROLES), overlay
         (nats,) = pod_spec(leaf)["containers"]
         env = env_of(overlay, nats)
-        assert env["SERVER_NAME"] == "leaf-$(TANDEM_CLUSTER)-$(POD_NAME)"
-        plane = env["TANDEM_CLUSTER"]["configMapKeyRef"]["name"]
-        assert objects(overlay, "ConfigMap")[plane]["data"]["TANDEM_CLUSTER"] == overlay
-        assert "jetstream" not in nats_conf(overlay, generated("nats-leaf", overlay),
-                                            "leaf.conf").replace("JetStream", "")
+        assert env["SERVER_NAME"] == f"leaf-{overlay}-$(POD_NAME)"
+        # No JetStream, and nobody asked for a password: the leaf is the cluster's door.
+        conf = config_lines(nats_conf(overlay, generated("nats-leaf", overlay), "leaf.conf"))
+        for word in ("jetstream", "authorization", "accounts", "users"):
+            assert word not in conf, (overlay, word)
+
+
+def test_each_cluster_s_leaf_logs_in_to_the_hub_as_its_own_leaf_user() -> None:
+    conf = hub_accounts()
+    remote = objects("control-plane", "Service")["nats-remote"]["spec"]
+    for overlay in CLUSTERS:
+        (nats,) = pod_spec(objects(overlay, "Deployment")["nats-leaf"])["containers"]
+        env = env_of(overlay, nats, secrets={"nats-leaf/password": "PW"})
+        m = re.fullmatch(r"nats-leaf://([\w-]+):PW@([a-z0-9.-]+):(\d+)", env["HUB_URL"])
+        assert m, env["HUB_URL"]
+        user, host, port = m.group(1), m.group(2), int(m.group(3))
+        assert user == accounts.leaf_user(overlay)
+        # ... the one user of its cluster's account on the hub, and of no other account
+        assert account_users(conf, accounts.account(overlay)) == [user]
+        assert conf.count(f'user: "{user}"') == 1
+        # its password from this cluster's Secret, the hub's leaf port behind nats-remote
+        raw = {e["name"]: e for e in nats["env"]}
+        assert raw["LEAF_PASSWORD"]["valueFrom"] == {
+            "secretKeyRef": {"name": "nats-leaf", "key": "password"}}
+        assert host == env["NATS_HUB_HOST"] != ""
+        assert port in {p["port"] for p in remote["ports"]
+                        if p["targetPort"] == "leafnodes"} and hub_port("leafnodes") == 7422
+
+
+def test_control_plane_roles_in_a_gpu_cluster_reach_the_hub_as_their_role_s_user() -> None:
+    """The trainer and the checkpointer stay beside the ranks and the node-local
+    checkpoints, but they are control-plane roles (accounts.CONTROL_ROLES): they dial the
+    hub's client port through nats-remote, over TLS, as their users of the control-plane
+    account, never the leaf (whose account imports only the agents' and workers' grants)."""
+    conf = hub_accounts()
+    control_users = account_users(conf, accounts.CONTROL_ACCOUNT)
+    hub_conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    assert re.search(r"^tls \{\n\s+cert_file: ", hub_conf, re.M)  # TLS on the client port
+    assert "allow_non_tls" not in config_lines(hub_conf)
+    remote = objects("control-plane", "Service")["nats-remote"]["spec"]
+    client_ports = {p["port"] for p in remote["ports"] if p["targetPort"] == "client"}
+    for overlay in CLUSTERS:
+        seen = set()
+        for w, c, svc in tandem_containers(overlay):
+            if (svc in accounts.CLUSTER_ROLES or w["kind"] == "Job"
+                    or c["name"] == "own-checkpoints"):
+                continue
+            env = env_of(overlay, c)
+            host, port = host_of(env["TANDEM_NATS_URL"], "tls")
+            assert host == env["NATS_HUB_HOST"] and port in client_ports, (overlay, svc)
+            assert port == hub_port("client")
+            assert env["TANDEM_NATS_USER"] == svc and svc in control_users, (overlay, svc)
+            assert env["TANDEM_NATS_PASSWORD"] == {"secretKeyRef": {
+                "name": "tandem-nats", "key": permissions.password_env(svc)}}
+            for name in ("TANDEM_NATS_JS_API_PREFIX", "TANDEM_NATS_INBOX_PREFIX",
+                         "TANDEM_NATS_JS_DOMAIN"):
+                assert name not in env, (overlay, svc, name)
+            assert ca_is_mounted_from("nats-hub-ca", w, c, env["TANDEM_NATS_TLS_CA"])
+            seen.add(svc)
+        assert seen == {"trainer", "checkpointer"}, overlay
 
 
 def test_the_control_plane_reaches_the_hub_and_routes_to_every_cluster_overlay() -> None:
     hub = objects("control-plane", "StatefulSet")["nats"]
     services = objects("control-plane", "Service")
-    for _, c, svc in tandem_containers("control-plane"):
+    control_users = account_users(hub_accounts(), accounts.CONTROL_ACCOUNT)
+    for w, c, svc in tandem_containers("control-plane"):
         env = env_of("control-plane", c)
-        host, _ = host_of(env["TANDEM_NATS_URL"])
+        host, _ = host_of(env["TANDEM_NATS_URL"], "tls")
         assert selects(services[host]["spec"]["selector"], hub), svc
-        assert "TANDEM_NATS_JS_DOMAIN" not in env  # the hub's own domain
+        assert env["TANDEM_NATS_USER"] == svc and svc in control_users
+        assert ca_is_mounted_from("nats-hub-ca", w, c, env["TANDEM_NATS_TLS_CA"])
+        for name in ("TANDEM_NATS_JS_DOMAIN", "TANDEM_NATS_JS_API_PREFIX",
+                     "TANDEM_NATS_INBOX_PREFIX"):
+            assert name not in env, (svc, name)  # the account's own JetStream, _INBOX
     (gateway,) = pod_spec(objects("control-plane", "Deployment")["gateway"])["containers"]
     assert env_of("control-plane", gateway)["TANDEM_CLUSTERS"].split(",") == CLUSTERS
 
 
-def test_the_hub_is_three_jetstream_servers_with_the_generated_users() -> None:
+def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> None:
     hub = objects("control-plane", "StatefulSet")["nats"]
     assert hub["spec"]["replicas"] == 3 and hub["spec"]["volumeClaimTemplates"]
-    conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    conf = config_lines(nats_conf("control-plane", generated("nats-hub", "control-plane"),
+                                  "hub.conf"))
     for i in range(3):
         assert f"nats-route://nats-{i}.{hub['spec']['serviceName']}:6222" in conf
-    assert "include ./auth.conf" in conf
-    auth = nats_conf("control-plane", generated("nats-auth", "control-plane"), "auth.conf")
-    assert auth == (ROOT / "deploy/nats/auth.conf").read_text() == permissions.compose_config()
+    # The generated accounts and nothing beside them: no users of a plain auth.conf.
+    assert re.findall(r"^include (.+)$", conf, re.M) == ["./accounts.conf"]
+    assert "authorization" not in conf and "users" not in conf
+    acc = hub_accounts()
+    assert acc == (ROOT / "deploy/nats/accounts.conf").read_text() == accounts.compose_config()
+    # ... for exactly these cluster overlays: one account each, and every user once
+    assert re.findall(r'^  "([^"]+)": \{$', acc, re.M) == [
+        accounts.CONTROL_ACCOUNT, *(accounts.account(c) for c in CLUSTERS)]
+    assert sorted(re.findall(r'user: "([^"]+)"', acc)) == sorted(accounts.users(CLUSTERS))
     for cluster in CLUSTERS:  # every cluster overlay's queue has its workers' grants
-        assert f'"$JS.API.CONSUMER.MSG.NEXT.GEN_{cluster.upper()}.workers-{cluster}"' in auth
+        assert (f'subject: "$JS.API.CONSUMER.MSG.NEXT.GEN_{cluster.upper()}.workers-{cluster}"'
+                in acc)
+    # Every password it reads is in the hub's environment, from the Secret tandem-nats,
+    # and the doc's command creates each one.
+    (c,) = pod_spec(hub)["containers"]
+    assert c["envFrom"] == [{"secretRef": {"name": "tandem-nats"}}]
+    wanted = set(re.findall(r"password: \$(\w+)", acc))
+    assert wanted == {permissions.password_env(u) for u in accounts.users(CLUSTERS)}
+    doc = (ROOT / "docs/deploy.md").read_text()
+    (listed,) = re.findall(r"for u in ([A-Z_ ]+); do\n\s+echo --from-literal="
+                           r"TANDEM_NATS_PASSWORD_\$u=", doc)
+    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted
     assert objects("control-plane", "PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1
 
 
@@ -427,24 +567,29 @@ def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str,
 def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) -> None:
     hub = {"hub.conf": nats_conf("control-plane", generated("nats-hub", "control-plane"),
                                  "hub.conf"),
-           "auth.conf": nats_conf("control-plane", generated("nats-auth", "control-plane"),
-                                  "auth.conf")}
-    passwords = {permissions.password_env(r): "pw" for r in permissions.declaration(CLUSTERS)}
+           "accounts.conf": hub_accounts()}
+    passwords = {permissions.password_env(u): "pw" for u in accounts.users(CLUSTERS)}
     _nats_check(tmp_path / "hub", hub, "hub.conf", {"SERVER_NAME": "nats-0", **passwords})
+    with pytest.raises(AssertionError, match="TANDEM_NATS_PASSWORD_LEAF_"):
+        leafless = {k: v for k, v in passwords.items() if "LEAF" not in k}
+        _nats_check(tmp_path / "hub-1", hub, "hub.conf", {"SERVER_NAME": "nats-0", **leafless})
     for cluster in CLUSTERS:
-        leaf = {"leaf.conf": nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")}
-        _nats_check(tmp_path / cluster, leaf, "leaf.conf",
-                    {"SERVER_NAME": f"leaf-{cluster}-0",
-                     "HUB_URL": "nats-leaf://admin:pw@hub.example.com:7422"})
+        leaf = objects(cluster, "Deployment")["nats-leaf"]
+        (nats,) = pod_spec(leaf)["containers"]
+        env = env_of(cluster, nats, secrets={"nats-leaf/password": "pw"})
+        files = {"leaf.conf": nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")}
+        _nats_check(tmp_path / cluster, files, "leaf.conf",
+                    {"SERVER_NAME": env["SERVER_NAME"].replace("$(POD_NAME)", "nats-leaf-0"),
+                     "HUB_URL": env["HUB_URL"]})
 
 
-def test_the_hub_s_leaf_port_is_what_the_load_balancer_exposes() -> None:
-    conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
-    port = int(re.search(r"leafnodes \{\n\s+listen: 0\.0\.0\.0:(\d+)", conf).group(1))
-    lb = objects("control-plane", "Service")["nats-leafnodes"]["spec"]
+def test_what_gpu_clusters_reach_is_the_hub_s_client_and_leaf_ports_behind_one_balancer() -> None:
+    lb = objects("control-plane", "Service")["nats-remote"]["spec"]
     (c,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
     assert lb["type"] == "LoadBalancer"
-    assert [port_number(c, p["targetPort"]) for p in lb["ports"]] == [port]
+    assert sorted(port_number(c, p["targetPort"]) for p in lb["ports"]) == sorted(
+        [hub_port("client"), hub_port("leafnodes")])
+    assert all(p["port"] == port_number(c, p["targetPort"]) for p in lb["ports"])
 
 
 # ----------------------------------------------------------------- drains and disruption
