@@ -214,8 +214,12 @@ async def stream_messages(bus: Bus, stream: str, subject: str) -> list[Any]:
 
 async def wait_result(bus: Bus, task_id: str, timeout: float = DEADLINE) -> Any:
     """The task's first ``gen.result`` message in ``GEN_EVENTS`` (waits for it)."""
-    sub = await bus.js.subscribe(subjects.gen_result(task_id), stream="GEN_EVENTS",
-                                 ordered_consumer=True)
+    return await first_on(bus, subjects.gen_result(task_id), timeout)
+
+
+async def first_on(bus: Bus, subject: str, timeout: float = DEADLINE) -> Any:
+    """The first message stored in ``GEN_EVENTS`` on ``subject`` (waits for it)."""
+    sub = await bus.js.subscribe(subject, stream="GEN_EVENTS", ordered_consumer=True)
     try:
         return await sub.next_msg(timeout=timeout)
     finally:
