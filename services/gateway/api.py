@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.common import metrics
 from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobRefused
-from tandem.gateway.generations import Conflict, Gateway
+from tandem.gateway.generations import Gateway
 from tandem.gateway.limits import BodyLimit
 from tandem.gateway.schemas import Accepted, GenerationView
 from tandem.gateway.training import add_fleet_routes, add_training_routes
@@ -119,12 +119,9 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None) 
     async def cancel_generation(request: Request, task_id: str = TASK_ID) -> Any:
         """Cancel: a queued task never runs, a running one stops within one step."""
         try:
-            rec = await gw.cancel(task_id, caller(request))
-        except Conflict as exc:
-            return JSONResponse(status_code=exc.status, content={"detail": exc.message})
-        if rec is None:
-            return _not_found(task_id)
-        return gw.view(rec)
+            return gw.view(await gw.cancel(task_id, caller(request)))
+        except JobRefused as exc:
+            return refused(exc)
 
     @app.get("/v1/models")
     async def list_models() -> Any:

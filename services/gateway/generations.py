@@ -235,17 +235,17 @@ class Gateway:
 
     # -------------------------------------------------------------------------- cancel
 
-    async def cancel(self, task_id: str, caller: Caller = OPEN) -> TaskRecord | None:
-        """Cancel a queued or running task; None if unknown (or another key's);
-        ``Conflict`` if finished."""
+    async def cancel(self, task_id: str, caller: Caller = OPEN) -> TaskRecord:
+        """Cancel a queued or running task (again: the same answer). ``JobRefused``: 404
+        if unknown (or another key's), 409 if it finished otherwise; both doors say so."""
         assert self.tasks is not None
         if await self.record(task_id, caller) is None:
-            return None
+            raise JobRefused(404, f"no task {task_id!r}")
         rec = await self.tasks.update(task_id, moves.to_cancelled())
         if rec is None:
-            return None
+            raise JobRefused(404, f"no task {task_id!r}")
         if rec.state != TaskState.cancelled:
-            raise Conflict(409, f"task {task_id} already {rec.state.value}")
+            raise JobRefused(409, f"task {task_id} already {rec.state.value}")
         # Core NATS reaches a worker running it now; one that pulls it later reads the
         # record first and never runs it.
         await self.bus.emit(subjects.gen_cancel(task_id), b"")

@@ -42,7 +42,7 @@ from tandem.common import log, subjects
 from tandem.common.jobs import Caller, GenerationRequest, JobRefused, Problem, pydantic_problems
 from tandem.common.runs import RunConfig
 from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Scope, bearer
-from tandem.gateway.generations import Conflict, Gateway
+from tandem.gateway.generations import Gateway
 from tandem.gateway.training import cancel_training, run_view, submit_training, training_run
 
 _log = log.get("tandem.gateway.jobs")
@@ -151,13 +151,7 @@ class JobService:
         kind, job_id = _which(body)
         if kind == "run_id":
             return run_view(await cancel_training(self.gw.bus, job_id, auth(Scope.train)))
-        try:
-            rec = await self.gw.cancel(job_id, auth(Scope.generate))
-        except Conflict as exc:
-            raise JobRefused(exc.status, exc.message) from None
-        if rec is None:
-            raise JobRefused(404, f"no task {job_id!r}")
-        return self.gw.view(rec)
+        return self.gw.view(await self.gw.cancel(job_id, auth(Scope.generate)))
 
     async def status(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """A generation's ({"id"}) or a training run's ({"run_id"}) record."""
