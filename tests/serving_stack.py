@@ -89,12 +89,15 @@ class ServingStack:
         self.nats = NatsServer(name=name, log_path=root / "nats.log", store_dir=root / "js")
         self.bucket = f"{name}-{uuid.uuid4().hex[:8]}"
         self.models = models
+        self.seal_key = uuid.uuid4().hex
         self.children: list[Child] = []
 
     def env(self, **extra: str) -> dict[str, str]:
         """Settings every child of this stack shares, with ``extra`` on top."""
         base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url,
-                "s3_bucket": self.bucket, "s3_access_key": "tandem", "s3_secret_key": "tandem"}
+                "s3_bucket": self.bucket, "s3_access_key": "tandem", "s3_secret_key": "tandem",
+                # The gateway seals what it enqueues; the workers move sealed tasks unread.
+                "task_seal_key": self.seal_key}
         return {**base, **({"models": self.models} if self.models else {}), **extra}
 
     def settings(self) -> Settings:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tandem.cli.devstack import S3Server
 from tandem.common import subjects
+from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, TaskRecord, TaskState, decode
 from tandem.common.jobs import JobLimits, check_task
@@ -104,9 +105,10 @@ def raw(task_id: str, **fields: Any) -> bytes:
     return json.dumps({"task_id": task_id, **fields}).encode()
 
 
-async def publish(bus: Bus, cluster: str, lane: str, data: bytes) -> None:
+async def publish(bus: Bus, cluster: str, lane: str, data: bytes,
+                  headers: dict[str, str] | None = None) -> None:
     await bus.js.publish(subjects.gen(cluster, lane), data,
-                         headers={"Nats-Msg-Id": uuid.uuid4().hex})
+                         headers={"Nats-Msg-Id": uuid.uuid4().hex, **(headers or {})})
 
 
 async def test_oversized_and_misrouted_tasks_on_the_bus_never_start(door: Door,
@@ -182,9 +184,13 @@ async def test_a_raw_publish_under_a_queued_tasks_id_is_refused_and_the_task_run
     # on the interactive lane, which a worker takes first.
     assert (await (await bus.typed(KV_TASKS, TaskRecord)).get(task_id))[0].state == \
         TaskState.queued  # type: ignore[index]
+    # The intruder even carries the victim's seal (copied off the stream): the seal is of
+    # the victim's bytes, so it says nothing of the intruder's and the worker reads first.
+    sent = await bus.js.get_last_msg(f"GEN_{PARKED.upper()}", subjects.gen(PARKED, "batch"))
+    stolen = {moves.RECORD_SEAL: sent.headers[moves.RECORD_SEAL]}
     await publish(bus, PARKED, "interactive", raw(
         task_id, model="digits", class_label=7, steps=3, num_images=1, width=16, height=16,
-        cluster=PARKED))
+        cluster=PARKED), headers=stolen)
     door.start_worker("w-parked", PARKED)
     await _victim_intact(door, bus, task_id, body)
 

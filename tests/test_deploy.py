@@ -283,7 +283,7 @@ def test_every_service_s_settings_load_from_what_its_pod_is_given(
             for name, value in env_of(overlay, c).items():
                 if isinstance(value, dict):
                     ref = value.get("fieldRef", {}).get("fieldPath")
-                    value = sources.get(ref, "0") if ref else "secret-value"
+                    value = sources.get(ref, "0") if ref else "secret-value-of-a-k8s-secret"
                 if value.startswith("@/etc/tandem/"):  # a mounted file: stand one in
                     value = f"@{keys}"
                 monkeypatch.setenv(name, value)

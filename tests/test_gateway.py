@@ -25,6 +25,7 @@ from tandem.gateway.generations import Gateway
 from tests.conftest import PYTHON
 
 MAX_BODY = 4096
+SEAL_KEY = b"a test seal key, not a secret"
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
                         s3_secret_key="tandem"))
     g = Gateway(bus, Registry.parse(""), [settings.cluster, "other"], s3=s3, bucket="b",
                 url_ttl=60, publish_retry_for=1.0,
-                limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512))
+                limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512),
+                seal_key=SEAL_KEY)
     await g.start()
     return g
 
@@ -75,6 +77,12 @@ async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
     stored = await (await bus.typed(KV_TASKS, TaskRecord)).get(body["id"])
     assert stored is not None
     assert stored[0].task == task and stored[0] == moves.queued(task, settings.cluster)
+    # Sealed with that record's revision: a worker holding the key moves it unread; to
+    # anyone else (another key, no key, other bytes) the seal says nothing.
+    assert moves.as_sealed(task, msg.data, msg.headers, SEAL_KEY) == stored
+    assert moves.as_sealed(task, msg.data, msg.headers, b"another key of 16+ chars") is None
+    assert moves.as_sealed(task, msg.data, msg.headers, None) is None
+    assert moves.as_sealed(task, msg.data + b" ", msg.headers, SEAL_KEY) is None
 
 
 async def test_same_idempotency_key_returns_same_task_and_never_enqueues_twice(

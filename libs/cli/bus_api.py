@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tandem.cli import wire_types
 from tandem.common import permissions, streams, subjects
+from tandem.common import tasks as moves
 from tandem.common.bus import acks, headers
 from tandem.common.streams import ConsumerSpec, KVSpec, StreamSpec
 from tandem.common.subjects import Subject
@@ -123,6 +124,11 @@ HEADERS: list[tuple[str, str, str]] = [
      "W3C trace context: a consumer's span joins the producer's trace"),
     (headers.EXPECTED_LAST, "`gen.result` (`0`), KV writes (the revision)",
      "compare-and-set: stored only if the subject's last sequence is that one"),
+    (moves.RECORD_SEAL, "a task the gateway enqueued (`gen.<cluster>.<lane>`)",
+     "`<revision>.<HMAC-SHA256>` of the revision and the task bytes, keyed by "
+     "`TANDEM_TASK_SEAL_KEY`: the record at that revision is the one the gateway created "
+     "for this body, so the worker's first move needs no read; absent or wrong, the "
+     "worker reads the record first (a bare publish needs none)"),
 ]
 
 

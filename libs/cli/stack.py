@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -105,6 +106,9 @@ class Stack:
         # connects as its own role, provisioning and settings() as admin.
         self.auth = auth
         self.passwords: dict[str, str] = {}
+        # The gateway seals what it enqueues and the workers check (tasks.seal): one
+        # fresh key per stack, so a task sealed by another stack's gateway is read first.
+        self.seal_key = secrets.token_hex(16)
         self.root = Path(root)
         self.out = Output(sink or sys.stdout)
         self.fresh = fresh
@@ -226,6 +230,7 @@ class Stack:
             "TANDEM_NODE": node,
             "TANDEM_METRICS_HOST": HOST,
             "TANDEM_METRICS_PORT": str(metrics_port),
+            "TANDEM_TASK_SEAL_KEY": self.seal_key,
         })
         if self.topology is not None and cluster in self.topology.leaves:
             # Its leaf's URL and how it reaches the hub's JetStream. The leaf asks for no

@@ -4,12 +4,18 @@ Each function returns an update function for ``TypedKV.update``: it gets the cur
 record and returns the new one, or None to leave it (the move would go backwards, or the
 task is already terminal). The gateway and the worker share these, so the rules of
 ``events.TASK_ORDER`` are written once, and so is the rule that a task id belongs to the
-body first recorded under it (``claim``).
+body first recorded under it (``claim``). A task the gateway enqueued carries its seal
+(``seal``): the revision of the record it created, keyed by a secret the workers share,
+so a worker's first move on it needs no read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable
+
+from pydantic import Field, SecretStr
 
 from tandem.common.errors import TaskConflict
 from tandem.common.events import (
@@ -20,6 +26,7 @@ from tandem.common.events import (
     now,
     struct_replace,
 )
+from tandem.common.settings import Settings
 
 Move = Callable[[TaskRecord | None], TaskRecord | None]
 
@@ -35,6 +42,57 @@ def queued(task: GenerationTask, cluster: str) -> TaskRecord:
     """The record the gateway creates (its times are the submission's)."""
     return TaskRecord(task=task, state=TaskState.queued, cluster=cluster,
                       created_at=task.submitted_at, updated_at=task.submitted_at)
+
+
+# The gateway's word that the record at a revision is the one it created for these task
+# bytes: "<revision>.<HMAC-SHA256 hex>", keyed by TANDEM_TASK_SEAL_KEY.
+RECORD_SEAL = "Tandem-Record-Seal"
+
+
+class SealSettings(Settings):
+    """The key the gateway seals the tasks it enqueues with, and the workers check."""
+
+    task_seal_key: SecretStr | None = Field(
+        None, min_length=16, description="Shared secret of the gateway and the workers "
+        "(at least 16 characters): a task the gateway sealed needs no record read before "
+        "its first move. Unset: no seals; every worker reads each record first.")
+
+    @property
+    def seal_key(self) -> bytes | None:
+        key = self.task_seal_key
+        return key.get_secret_value().encode() if key is not None else None
+
+
+def _mac(key: bytes, revision: int, data: bytes) -> str:
+    return hmac.new(key, b"%d\n" % revision + data, hashlib.sha256).hexdigest()
+
+
+def seal(key: bytes | None, revision: int | None, data: bytes) -> dict[str, str] | None:
+    """The ``Tandem-Record-Seal`` header for task bytes ``data`` whose record the gateway
+    created at ``revision``; None without a key or a revision."""
+    if key is None or revision is None:
+        return None
+    return {RECORD_SEAL: f"{revision}.{_mac(key, revision, data)}"}
+
+
+def as_sealed(task: GenerationTask, data: bytes, headers: dict[str, str],
+              key: bytes | None) -> tuple[TaskRecord, int] | None:
+    """The record the gateway created for ``task`` and its revision, if the delivery
+    carries a valid seal of exactly these bytes; None otherwise (read the record).
+
+    A compare-and-set at that revision succeeds only while the record is still the one
+    created, so a sealed task's first move needs no read. A publisher without the key
+    cannot forge a seal, so it cannot aim the worker's compare-and-set at another task's
+    record (its delivery is read and checked by ``claim``); replaying a sealed message
+    replays the same body, a duplicate delivery.
+    """
+    raw = headers.get(RECORD_SEAL)
+    if key is None or not raw or not task.cluster:
+        return None
+    rev, _, mac = raw.partition(".")
+    if not rev.isdigit() or not hmac.compare_digest(mac, _mac(key, int(rev), data)):
+        return None
+    return queued(task, task.cluster), int(rev)
 
 
 def claim(task: GenerationTask, rec: TaskRecord | None) -> TaskRecord | None:

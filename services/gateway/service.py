@@ -22,6 +22,7 @@ from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import s3_client
 from tandem.common.streams import Spec, core_streams, gen_stream
+from tandem.common.tasks import SealSettings
 from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
 from tandem.gateway.auth import AuthSettings, Guard, Keyring, document, parse_keys
@@ -32,7 +33,8 @@ from tandem.gateway.routing import Router, RoutingSettings
 from tandem.gateway.traces import AdmissionTracing
 
 
-class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, RegistrySettings):
+class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, SealSettings,
+                      RegistrySettings):
     """``TANDEM_*`` settings of the gateway (see README.md)."""
 
     http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
@@ -148,7 +150,7 @@ class GatewayService(Service):
         gw = Gateway(ctx.bus, s.registry, s.cluster_list,
                      s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
-                     router=self.router, limits=s.job_limits)
+                     router=self.router, limits=s.job_limits, seal_key=s.seal_key)
         await gw.start()
         jobs = JobService(gw, Keyring(parse_keys(s.api_keys)))
         await jobs.start(ctx.bus.nc)

@@ -63,6 +63,7 @@ from tandem.common.streams import (
     gen_consumers,
     gen_stream,
 )
+from tandem.common.tasks import SealSettings
 from tandem.inference_worker import phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.drain import Drain
@@ -80,7 +81,7 @@ GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
 
 
-class WorkerSettings(FailoverSettings, JobLimitSettings, RegistrySettings):
+class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistrySettings):
     """``TANDEM_*`` settings of the inference worker (see README.md)."""
 
     serve: str = Field("", description="Comma-separated models this worker serves; "
@@ -143,6 +144,7 @@ class InferenceWorker(Service):
         self.s: WorkerSettings = settings
         self.registry = settings.registry
         self.limits = settings.job_limits
+        self.seal_key = settings.seal_key
         served = subjects.token_list(settings.serve, "model") or self.registry.names()
         unknown = [m for m in served if m not in self.registry]
         if unknown:
@@ -317,13 +319,15 @@ class InferenceWorker(Service):
                 raise Retry(f"model {task.model} is not served by {self.worker_id}", delay=1.0)
             assert self.tasks is not None
             cluster = self._cluster_of(d)
+            # A task the gateway sealed moves with no read (records.as_sealed); any
+            # other is read first: a body that is not the one recorded under its id
+            # raises TaskConflict (dead-lettered, never run; records.claim).
+            expect = records.as_sealed(task, d.msg.data, d.headers, self.seal_key)
             if task.noop:
-                await self._dispatch_only(task, cluster)
+                await self._dispatch_only(task, cluster, expect)
                 return
-            # The first move reads the record: a body that is not the one recorded under
-            # its id raises TaskConflict (dead-lettered, never run; records.claim).
             rec = await self.tasks.update(task.task_id, records.to_running(
-                task, cluster, self.worker_id, d.num_delivered))
+                task, cluster, self.worker_id, d.num_delivered), expect=expect)
             if rec is None or rec.state.terminal:
                 if rec is not None and rec.state == TaskState.succeeded:
                     # Done by an earlier delivery whose ack was lost: the result's msg id
@@ -385,11 +389,12 @@ class InferenceWorker(Service):
         if problems:
             raise InvalidTask(task.task_id, problems)
 
-    async def _dispatch_only(self, task: GenerationTask, cluster: str) -> None:
+    async def _dispatch_only(self, task: GenerationTask, cluster: str,
+                             expect: tuple[TaskRecord, int] | None) -> None:
         """A no-op task: nothing runs, so it goes straight to succeeded (benchmarks)."""
         assert self.tasks is not None
         rec = await self.tasks.update(task.task_id, records.to_succeeded(
-            [], adopt=task, cluster=cluster, worker=self.worker_id))
+            [], adopt=task, cluster=cluster, worker=self.worker_id), expect=expect)
         if rec is not None and rec.state == TaskState.succeeded:
             await self._publish_result(rec)
             TASKS_DONE.labels("succeeded").inc()

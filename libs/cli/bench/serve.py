@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -77,11 +78,13 @@ class _Bench:
         self.procs: list[Process] = []
         self.results: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[float]] = {}
+        self.seal_key = secrets.token_hex(16).encode()  # the gateway's and the workers'
 
     def env(self, **values: str) -> dict[str, str]:
         base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url, "s3_bucket": "bench",
                 "s3_access_key": "tandem", "s3_secret_key": "tandem", "log_level": "warning",
-                "log_format": "json", "metrics_port": str(free_port())}
+                "log_format": "json", "metrics_port": str(free_port()),
+                "task_seal_key": self.seal_key.decode()}
         return child_env(**{**base, **values})
 
     def spawn(self, name: str, module: str, env: dict[str, str]) -> Process:
@@ -115,9 +118,13 @@ class _Bench:
         """Record and enqueue ``tasks`` as the gateway would, before any worker pulls."""
         await bus.provision([streams.gen_stream(cluster)])
         kv = await bus.typed(streams.KV_TASKS, TaskRecord)
-        await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster)) for t in tasks))
-        sent = [(subjects.gen(cluster, t.lane), encode(t), bus.headers(t.task_id))
-                for t in tasks]
+        revisions = await asyncio.gather(*(kv.create(t.task_id, moves.queued(t, cluster))
+                                           for t in tasks))
+        sent = []
+        for t, rev in zip(tasks, revisions, strict=True):
+            data = encode(t)
+            sent.append((subjects.gen(cluster, t.lane), data,
+                         bus.headers(t.task_id, moves.seal(self.seal_key, rev, data))))
         for i in range(0, len(sent), 256):
             await bus.send(sent[i:i + 256])
 
@@ -209,11 +216,11 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     """No-op tasks/s through the bare protocol: per task what the worker must do on the
     wire, in plain nats-py, with nothing else (no tracing, metrics, retries or checks).
 
-    Fetch 64; per task, decode it, read its record (a direct get: the worker must see
-    that the record holds this very body before it runs anything) and compare-and-set it
-    to succeeded at the revision read (``Nats-Expected-Last-Subject-Sequence``); wait for
-    those acks; publish each result, once only (expected last sequence 0); wait for
-    those acks; ack the tasks.
+    Fetch 64; per task, decode it, check the gateway's seal (``tasks.seal``: the record
+    at that revision is the one created for this very body, so no read is needed) and
+    compare-and-set the record to succeeded at the sealed revision
+    (``Nats-Expected-Last-Subject-Sequence``); wait for those acks; publish each result,
+    once only (expected last sequence 0); wait for those acks; ack the tasks.
     Publishes are pipelined on one reply inbox (cheaper than ``publish_async``'s future
     per message), so this is the most a nats-py client can get out of these steps.
     """
@@ -226,18 +233,15 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     await bus.provision([spec])
     sub = await bus.js.pull_subscribe_bind(durable="floor", stream=spec.stream)
     nc, kv_prefix, inbox = bus.nc, f"$KV.{streams.KV_TASKS}.", bus.nc.new_inbox()
-    direct = f"$JS.API.DIRECT.GET.KV_{streams.KV_TASKS}."
     loop = asyncio.get_running_loop()
     waiting: dict[str, list[Any]] = {}  # round -> [acks left, future]
 
     async def on_ack(msg: Any) -> None:
-        key, i = msg.subject.rsplit(".", 2)[1:]
+        key = msg.subject.rsplit(".", 2)[1]
         entry = waiting[key]
         if entry[1].done():
             return
-        if key[0] == "g":  # a direct get: its revision, for the compare-and-set
-            entry[2][int(i)] = (msg.headers or {}).get("Nats-Sequence", "")
-        elif b'"error"' in msg.data:  # never expected: every write is the first since queued
+        if b'"error"' in msg.data:  # never expected: every write is the first since queued
             entry[1].set_exception(RuntimeError(f"floor: a write was refused: {msg.data!r}"))
             return
         entry[0] -= 1
@@ -246,14 +250,12 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
 
     acks = await nc.subscribe(f"{inbox}.*.*", cb=on_ack)
 
-    async def send(key: str, items: list[tuple[str, bytes, dict[str, str] | None]]
-                   ) -> list[str]:
-        entry = waiting[key] = [len(items), loop.create_future(), [""] * len(items)]
+    async def send(key: str, items: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+        entry = waiting[key] = [len(items), loop.create_future()]
         for i, (subject, data, headers) in enumerate(items):
             await nc.publish(subject, data, reply=f"{inbox}.{key}.{i}", headers=headers)
         await asyncio.wait_for(entry[1], 5)
         del waiting[key]
-        return entry[2]
 
     got = rounds = 0
     meter.start()
@@ -261,11 +263,13 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     while got < n:
         msgs = await sub.fetch(64, timeout=5)
         records, results = [], []
-        tasks_in = [decode(msg.data, GenerationTask) for msg in msgs]
         rounds += 1
-        revisions = await send(f"g{rounds}", [(f"{direct}{kv_prefix}{t.task_id}", b"", None)
-                                              for t in tasks_in])
-        for task, rev in zip(tasks_in, revisions, strict=True):
+        for msg in msgs:
+            task = decode(msg.data, GenerationTask)
+            sealed = msg.headers[moves.RECORD_SEAL]
+            rev = sealed.partition(".")[0]
+            if moves.seal(b.seal_key, int(rev), msg.data) != {moves.RECORD_SEAL: sealed}:
+                raise RuntimeError(f"floor: task {task.task_id} is not sealed by the bench")
             record = encode(TaskRecord(task=task, state=TaskState.succeeded, cluster=cluster,
                                        created_at=task.submitted_at, updated_at=time.time()))
             records.append((f"{kv_prefix}{task.task_id}", record,
