@@ -188,9 +188,11 @@ async def test_scale_bench_runs_a_tiny_fleet_and_reports_every_figure() -> None:
     assert row["nodes"] == 4 and row["gpus"] == 32
     tele = steady["telemetry"]
     assert tele["nominal_per_s"] == 4.0
-    # Offered is what the agents tried to publish, stored what the stream kept.
+    # The ratio is over the samples whose publish ended in the window (stored or raised),
+    # so it is at most 1 whatever was in flight at the window's edges.
     assert tele["offered"] > 0 and tele["delivered"] > 0 and tele["delivered_per_s"] > 0
-    assert tele["ratio"] == round(tele["delivered"] / tele["offered"], 4)
+    assert tele["ended"] == tele["delivered"] + tele["publish_failed"]
+    assert tele["ratio"] == round(tele["delivered"] / tele["ended"], 4) <= 1.0
     assert steady["tasks"]["accepted"] > 0 and steady["tasks"]["not_done_30s_after"] == 0
     assert row["burst"]["accepted"] > 0 and row["burst"]["not_done_60s_after"] == 0
     assert steady["routing"]["p50_us"] is not None

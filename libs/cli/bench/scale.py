@@ -317,6 +317,12 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
     nominal = f.nodes / a.interval
     tried = s1["samples"] - s0["samples"]
     stored = s1["acked"] - s0["acked"]
+    # The ratio is over the samples whose publish ended (acked or raised) in the window.
+    # Each node publishes its next sample only once the last one ended, so a sample in
+    # flight at either edge belongs to exactly one window; stored / tried was off by the
+    # difference of the two edges' in-flight samples (up to one per node: 1.0152 once).
+    failed = s1["failed"] - s0["failed"]
+    ended = stored + failed
     counted = s1["t_counts"] - s0["t_counts"]
     nats_cpu = sum(cpu.get(s.name, 0.0) for s in f.topo.servers)
     agents_cpu = sum(cpu[n] for n in f.agent_procs())
@@ -329,11 +335,11 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
                       "delivered_per_s": round(stored / counted, 1),
                       "stream_stored_per_s": round(
                           (s1["telemetry_seq"] - s0["telemetry_seq"]) / counted, 1),
-                      "ratio": round(stored / tried, 4) if tried else 0.0,
-                      "offered": tried, "delivered": stored,
+                      "ratio": round(stored / ended, 4) if ended else 0.0,
+                      "offered": tried, "delivered": stored, "ended": ended,
                       # Publishes that raised in the agents: what was lost for sure (the
                       # rest of a shortfall is still in flight when the window closes).
-                      "publish_failed": s1["failed"] - s0["failed"],
+                      "publish_failed": failed,
                       "nominal_per_s": round(nominal, 1),
                       "on_schedule": round(tried / counted / nominal, 4)},
         "heartbeats_per_s": round((s1["heartbeat_seq"] - s0["heartbeat_seq"]) / dt, 1),

@@ -42,9 +42,10 @@ def figures(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[stats.
         tele = stats.Figure(f"telemetry_{n}", f"{n} nodes: telemetry stored / offered",
                             "ratio", [r["steady"]["telemetry"]["ratio"] for r in rows],
                             goal=stats.Goal(">=", GOAL_DELIVERED, on="tandem"), digits=4,
-                            notes=["offered: the samples the agents tried to publish; "
-                                   "stored: those the stream acknowledged (PubAck), counted "
-                                   "in the same agent process's reply"])
+                            notes=["offered: the samples whose publish ended in the window "
+                                   "(acknowledged or raised; each node publishes one at a "
+                                   "time); stored: those the stream acknowledged (PubAck), "
+                                   "counted in the same agent process's reply"])
         schedule = stats.Figure(
             f"schedule_{n}", f"{n} nodes: agents' samples / nodes x rate", "ratio",
             [r["steady"]["telemetry"]["on_schedule"] for r in rows], digits=4,
