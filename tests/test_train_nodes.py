@@ -1,0 +1,174 @@
+"""Training over node agents: one trainer agent per (simulated) node, driven over the bus.
+
+The local stack is configured as a cluster of four nodes with a trainer node agent on
+each (``scope = "node"``, ``TRAINER_ROLE = "node"``) and one coordinator with
+``LAUNCHER = "nodes"``: it forks nothing, it orders each placed node's agent. Two runs
+share it, each over two of the nodes x 1 rank: one is left alone, the other loses a node
+agent to kill -9 in the middle (its torchrun and rank die with it) and restarts, with a
+replacement agent as a DaemonSet would bring, from its newest checkpoint.
+
+The nodes share this machine's disk for checkpoints (one folder, as the single-box stack
+has): each agent rebases the launch spec onto its own folders, and the checkpoint
+itself is rank 0's (DDP) on node 0.
+
+Every wait is on a KV update or a stream event, with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
+from tandem.cli.train import render_status
+from tandem.common.bus import Bus
+from tandem.common.events import CheckpointWritten, RunState, TrainStatus, TrainStep
+from tandem.common.runs import submit_run
+from tandem.trainer.launcher import proc_state
+from tests.test_train_runs import finished, ranks_of, tiny, until_event
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600),
+              pytest.mark.slow]
+
+CLUSTER = "nodes"
+STACK_TOML = f"""
+[ports]
+nats = 0
+nats_monitor = 0
+s3 = 0
+
+[[clusters]]
+name = "{CLUSTER}"
+nodes = 4
+
+[[processes]]
+service = "trainer"
+scope = "global"
+name = "trainer"
+cluster = "{CLUSTER}"
+[processes.env]
+LAUNCHER = "nodes"
+CHECKPOINT_ROOT = "{{root}}/checkpoints"
+WORK_ROOT = "{{root}}/coordinator"
+STATUS_EVERY_S = "0.5"
+AGENT_LOST_AFTER_S = "10"
+
+[[processes]]
+service = "trainer"
+scope = "node"
+name = "trainer-node"
+[processes.env]
+TRAINER_ROLE = "node"
+CHECKPOINT_ROOT = "{{root}}/checkpoints"
+WORK_ROOT = "{{root}}/nodes/{{node}}"
+ORPHAN_AFTER_S = "10"
+"""
+
+
+@dataclass
+class Nodes:
+    stack: Stack
+    runs: dict[str, asyncio.Task[dict[str, Any]]]
+
+
+def agent(i: int) -> str:
+    return f"{CLUSTER}/trainer-node-{i}"
+
+
+async def plain_run(stack: Stack, bus: Bus) -> dict[str, Any]:
+    run = "plain"
+    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=["node-0", "node-1"], steps=12))
+    return {"record": await finished(bus, run)}
+
+
+async def killed_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """kill -9 node-3's agent once a checkpoint is whole and the run is past it; then a
+    replacement agent comes up on node-3."""
+    run = "killed"
+    # rank 1 is slowed so the run is still training when the kill lands
+    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=["node-2", "node-3"], steps=40,
+                               faults={"slow_rank": 1, "slow_s": 0.1}))
+    ckpt = await until_event(bus, run, lambda e: isinstance(e, CheckpointWritten))
+    await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.attempt == 1
+                      and e.step > ckpt.step)
+    ranks = await ranks_of(bus, run, 1)
+    killed = await asyncio.to_thread(stack.kill, agent(3))
+    await asyncio.to_thread(stack.restart, agent(3))
+    rec = await finished(bus, run)
+    return {"record": rec, "killed": killed, "checkpoint": ckpt.step,
+            "rank_on_node_3": ranks[1], "events": await events_until_end(bus, run)}
+
+
+async def events_until_end(bus: Bus, run: str) -> list[Any]:
+    out: list[Any] = []
+
+    def collect(ev: Any) -> bool:
+        out.append(ev)
+        return isinstance(ev, TrainStatus) and ev.state.terminal
+
+    await until_event(bus, run, collect)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("nodes")
+    (root / "stack.toml").write_text(STACK_TOML)
+    config = StackConfig.load(root / "stack.toml")
+    with open(root / "stack.log", "w") as sink, Stack(config, root / "stack", sink,
+                                                        grace=5.0) as st:
+        health = st.start(services=["trainer"], health_timeout=120)
+        assert set(health.values()) == {"healthy"}, health
+        yield st
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nodes(stack: Stack) -> AsyncIterator[Nodes]:
+    bus = await Bus.connect(stack.settings(), "test")
+    tasks = {"plain": asyncio.create_task(plain_run(stack, bus)),
+             "killed": asyncio.create_task(killed_agent_run(stack, bus))}
+    yield Nodes(stack, tasks)
+    for t in tasks.values():
+        t.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    await bus.drain()
+
+
+async def test_a_run_over_two_node_agents_with_one_rank_each_completes(nodes: Nodes) -> None:
+    rec = (await nodes.runs["plain"])["record"]
+    assert rec.state == RunState.succeeded, render_status(rec)
+    assert rec.incidents == [] and rec.restarts == 0
+    assert sorted(r["node"] for r in rec.ranks) == ["node-0", "node-1"]
+    # Each node's torchrun ran from its own agent's folder, not the coordinator's.
+    root = Path(nodes.stack.root)
+    for i in (0, 1):
+        folder = root / "nodes" / f"node-{i}" / "plain" / f"attempt-1-node{i}"
+        spec = json.loads((folder / "launch.json").read_bytes())
+        assert spec["attempt_dir"] == str(folder) and spec["rank_nodes"] == ["node-0", "node-1"]
+        assert (folder / f"agent-{i}-node-{i}.log").exists()
+
+
+async def test_a_node_agent_killed_mid_run_takes_its_rank_and_the_run_resumes_from_a_checkpoint(
+        nodes: Nodes) -> None:
+    got = await nodes.runs["killed"]
+    rec = got["record"]
+    assert got["killed"] == [agent(3)]
+    assert rec.state == RunState.succeeded, render_status(rec)
+    first = rec.incidents[0]
+    assert first["attempt"] == 1 and first["kind"] in ("rank_exit", "node_lost"), rec.incidents
+    # The rank on the killed agent's node did not outlive it.
+    assert proc_state(got["rank_on_node_3"]) in ("gone", "Z")
+    starts = [e.reason for e in got["events"] if isinstance(e, TrainStatus)
+              and e.state == RunState.starting and e.reason.startswith("attempt 2 ")]
+    assert len(starts) == 1, starts
+    resumed = int(starts[0].split("resuming from step ")[1].split()[0].rstrip(","))
+    assert resumed >= got["checkpoint"] > 0
+    assert rec.latest_step == 40
