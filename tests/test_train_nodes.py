@@ -11,6 +11,7 @@ The nodes share this machine's disk for checkpoints (one folder, as the single-b
 has): each agent rebases the launch spec onto its own folders, and the checkpoint
 itself is rank 0's (DDP) on node 0.
 
+NATS runs with the generated users: the coordinator and the agents are the trainer role.
 Every wait is on a KV update or a stream event, with a deadline.
 """
 
@@ -123,8 +124,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("nodes")
     (root / "stack.toml").write_text(STACK_TOML)
     config = StackConfig.load(root / "stack.toml")
+    # With auth: the coordinator and its agents log in as the trainer role, so what they
+    # send each other must be what tandem.common.permissions grants it.
     with open(root / "stack.log", "w") as sink, Stack(config, root / "stack", sink,
-                                                        grace=5.0) as st:
+                                                        grace=5.0, auth=True) as st:
         health = st.start(services=["trainer"], health_timeout=120)
         assert set(health.values()) == {"healthy"}, health
         yield st
