@@ -1,11 +1,12 @@
 """Training over node agents: one trainer agent per (simulated) node, driven over the bus.
 
-The local stack is configured as a cluster of four nodes with a trainer node agent on
+The local stack is configured as a cluster of six nodes with a trainer node agent on
 each (``scope = "node"``, ``TRAINER_ROLE = "node"``) and one coordinator with
-``LAUNCHER = "nodes"``: it forks nothing, it orders each placed node's agent. Two runs
-share it, each over two of the nodes x 1 rank: one is left alone, the other loses a node
-agent to kill -9 in the middle (its torchrun and rank die with it) and restarts, with a
-replacement agent as a DaemonSet would bring, from its newest checkpoint.
+``LAUNCHER = "nodes"``: it forks nothing, it orders each placed node's agent. Three runs
+share it, each over two of the nodes x 1 rank: one is left alone; one loses a node agent
+to kill -9 in the middle (its torchrun and rank die with it) and restarts, with a
+replacement agent as a DaemonSet would bring, from its newest checkpoint; one has a node
+agent frozen (SIGSTOP) until the coordinator gives the silent node up and restarts.
 
 The nodes share this machine's disk for checkpoints (one folder, as the single-box stack
 has): each agent rebases the launch spec onto its own folders, and the checkpoint
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +50,7 @@ s3 = 0
 
 [[clusters]]
 name = "{CLUSTER}"
-nodes = 4
+nodes = 6
 
 [[processes]]
 service = "trainer"
@@ -60,7 +62,7 @@ LAUNCHER = "nodes"
 CHECKPOINT_ROOT = "{{root}}/checkpoints"
 WORK_ROOT = "{{root}}/coordinator"
 STATUS_EVERY_S = "0.5"
-AGENT_LOST_AFTER_S = "10"
+AGENT_LOST_AFTER_S = "5"
 
 [[processes]]
 service = "trainer"
@@ -108,6 +110,28 @@ async def killed_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
             "rank_on_node_3": ranks[1], "events": await events_until_end(bus, run)}
 
 
+async def frozen_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """SIGSTOP node-5's agent (its torchrun and rank train on, but it reports nothing)
+    until the coordinator has given it up; then let it go on."""
+    run = "frozen"
+    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=["node-4", "node-5"], steps=100,
+                               faults={"slow_rank": 1, "slow_s": 0.1}))
+    ckpt = await until_event(bus, run, lambda e: isinstance(e, CheckpointWritten))
+    await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.attempt == 1
+                      and e.step > ckpt.step)
+    frozen = stack.children[agent(5)]
+    frozen.signal(signal.SIGSTOP)
+    try:
+        lost = await until_event(bus, run, lambda e: isinstance(e, TrainStatus)
+                                 and e.state == RunState.restarting and e.incident is not None
+                                 and e.incident.get("attempt") == 1)
+    finally:
+        frozen.signal(signal.SIGCONT)
+    rec = await finished(bus, run)
+    return {"record": rec, "lost": lost.incident, "checkpoint": ckpt.step,
+            "events": await events_until_end(bus, run)}
+
+
 async def events_until_end(bus: Bus, run: str) -> list[Any]:
     out: list[Any] = []
 
@@ -137,7 +161,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 async def nodes(stack: Stack) -> AsyncIterator[Nodes]:
     bus = await Bus.connect(stack.settings(), "test")
     tasks = {"plain": asyncio.create_task(plain_run(stack, bus)),
-             "killed": asyncio.create_task(killed_agent_run(stack, bus))}
+             "killed": asyncio.create_task(killed_agent_run(stack, bus)),
+             "frozen": asyncio.create_task(frozen_agent_run(stack, bus))}
     yield Nodes(stack, tasks)
     for t in tasks.values():
         t.cancel()
@@ -169,9 +194,26 @@ async def test_a_node_agent_killed_mid_run_takes_its_rank_and_the_run_resumes_fr
     assert first["attempt"] == 1 and first["kind"] in ("rank_exit", "node_lost"), rec.incidents
     # The rank on the killed agent's node did not outlive it.
     assert proc_state(got["rank_on_node_3"]) in ("gone", "Z")
-    starts = [e.reason for e in got["events"] if isinstance(e, TrainStatus)
+    assert resumed_from(got["events"]) >= got["checkpoint"] > 0
+    assert rec.latest_step == 40
+
+
+async def test_a_node_agent_gone_silent_is_given_up_and_the_run_resumes_from_a_checkpoint(
+        nodes: Nodes) -> None:
+    """Its reports stop (the process is frozen, its ranks still train): the coordinator
+    declares the node lost, as a dead local agent, and restarts from a checkpoint."""
+    got = await nodes.runs["frozen"]
+    rec, lost = got["record"], got["lost"]
+    assert lost["kind"] == "node_lost" and lost["node"] == "node-5", lost
+    assert lost["detector"].startswith("node agent silent for ")
+    assert rec.state == RunState.succeeded, render_status(rec)
+    assert resumed_from(got["events"]) >= got["checkpoint"] > 0
+    assert rec.latest_step == 100
+
+
+def resumed_from(evs: list[Any]) -> int:
+    """The step attempt 2 resumed from, as its starting status says."""
+    starts = [e.reason for e in evs if isinstance(e, TrainStatus)
               and e.state == RunState.starting and e.reason.startswith("attempt 2 ")]
     assert len(starts) == 1, starts
-    resumed = int(starts[0].split("resuming from step ")[1].split()[0].rstrip(","))
-    assert resumed >= got["checkpoint"] > 0
-    assert rec.latest_step == 40
+    return int(starts[0].split("resuming from step ")[1].split()[0].rstrip(","))
