@@ -150,3 +150,12 @@ async def test_an_agent_disowned_by_its_coordinator_kills_its_ranks(
     coordinator.mode = "disown"
     await until_true("torchrun is gone", lambda: proc_state(reply.pid) in GONE)
     await until_true("the rank is gone", lambda: proc_state(rank) in GONE)
+
+
+def test_a_role_or_launcher_that_does_not_exist_is_refused_naming_the_variable() -> None:
+    for name, value in (("trainer_role", "worker"), ("launcher", "k8s")):
+        env = service_env(**{name: value})
+        res = subprocess.run([PYTHON, "-m", "tandem.trainer"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 2, res.stderr
+        assert f"TANDEM_{name.upper()}" in res.stderr
