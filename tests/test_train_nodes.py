@@ -92,16 +92,23 @@ async def plain_run(stack: Stack, bus: Bus) -> dict[str, Any]:
     return {"record": await finished(bus, run)}
 
 
-async def killed_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
-    """kill -9 node-3's agent once a checkpoint is whole and the run is past it; then a
-    replacement agent comes up on node-3."""
-    run = "killed"
-    # rank 1 is slowed so the run is still training when the kill lands
-    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=["node-2", "node-3"], steps=40,
+async def past_a_checkpoint(bus: Bus, run: str, nodes: list[str],
+                            steps: int) -> CheckpointWritten:
+    """Submit ``run`` on ``nodes`` (rank 1 slowed, so it still trains when the test acts);
+    return its first checkpoint once attempt 1 has trained past it."""
+    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=nodes, steps=steps,
                                faults={"slow_rank": 1, "slow_s": 0.1}))
     ckpt = await until_event(bus, run, lambda e: isinstance(e, CheckpointWritten))
     await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.attempt == 1
                       and e.step > ckpt.step)
+    return ckpt
+
+
+async def killed_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
+    """kill -9 node-3's agent once a checkpoint is whole and the run is past it; then a
+    replacement agent comes up on node-3."""
+    run = "killed"
+    ckpt = await past_a_checkpoint(bus, run, ["node-2", "node-3"], 40)
     ranks = await ranks_of(bus, run, 1)
     killed = await asyncio.to_thread(stack.kill, agent(3))
     await asyncio.to_thread(stack.restart, agent(3))
@@ -114,11 +121,7 @@ async def frozen_agent_run(stack: Stack, bus: Bus) -> dict[str, Any]:
     """SIGSTOP node-5's agent (its torchrun and rank train on, but it reports nothing)
     until the coordinator has given it up; then let it go on."""
     run = "frozen"
-    await submit_run(bus, tiny(run, cluster=CLUSTER, nodes=["node-4", "node-5"], steps=100,
-                               faults={"slow_rank": 1, "slow_s": 0.1}))
-    ckpt = await until_event(bus, run, lambda e: isinstance(e, CheckpointWritten))
-    await until_event(bus, run, lambda e: isinstance(e, TrainStep) and e.attempt == 1
-                      and e.step > ckpt.step)
+    ckpt = await past_a_checkpoint(bus, run, ["node-4", "node-5"], 100)
     frozen = stack.children[agent(5)]
     frozen.signal(signal.SIGSTOP)
     try:
