@@ -11,6 +11,9 @@ from tandem.common.events import (
     GenerationStatus,
     GenerationTask,
     GenEvent,
+    NodeLaunch,
+    NodeOrder,
+    NodeStop,
     TaskState,
     TrainEvent,
     TrainStep,
@@ -53,6 +56,11 @@ def test_subjects_are_built_from_tokens() -> None:
         subjects.gen("east", "urgent")
     with pytest.raises(InvalidToken):
         subjects.train("run1", "weights")
+    assert subjects.trainer_node("east", "gpu-7") == "trainer.node.east.gpu-7"
+    assert subjects.trainer_report("east", "r1") == "trainer.report.east.r1"
+    assert subjects.TRAINER_REPORT.filter(cluster="east") == "trainer.report.east.*"
+    with pytest.raises(InvalidToken):
+        subjects.trainer_node("east", "gpu.7")
 
 
 def test_event_decoding_ignores_unknown_fields() -> None:
@@ -77,3 +85,10 @@ def test_tagged_unions_decode_each_kind() -> None:
     assert decode(encode(step), TrainEvent) == step
     with pytest.raises(EventDecodeError):
         decode(msgspec.json.encode({"type": "nope", "task_id": "t"}), GenEvent)
+    launch = NodeLaunch(run_id="r", attempt=2, node="n", node_rank=1, nnodes=2, per_node=8,
+                        master_addr="10.0.0.1", master_port=29500, spec={"run_id": "r"})
+    stop = NodeStop(run_id="r", attempt=2, reason="attempt ended")
+    assert decode(encode(launch), NodeOrder) == launch
+    assert decode(encode(stop), NodeOrder) == stop
+    with pytest.raises(EventDecodeError):
+        decode(b'{"kind":"reboot","run_id":"r","attempt":1}', NodeOrder)

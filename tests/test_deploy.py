@@ -31,9 +31,11 @@ from tandem.cli.certs import dev_certs
 from tandem.cli.run import service_class
 from tandem.common import accounts, permissions
 from tandem.common.errors import SettingsError
+from tandem.common.events import NodeLaunch
 from tandem.common.runner import HttpEndpoint, Service
 from tandem.common.settings import load
 from tandem.trainer.launcher import LocalLauncher, Placement
+from tandem.trainer.node_agent import node_command
 
 from .conftest import ROOT
 from .settings_support import unknown_settings
@@ -244,16 +246,17 @@ def test_every_service_is_deployed_from_its_dockerfile_image() -> None:
 
 
 def test_a_service_container_runs_its_image_s_own_service() -> None:
-    """The image's CMD runs tandem.<SERVICE>; only the ranks and the init step override it."""
+    """The image's CMD runs tandem.<SERVICE>; only the init step overrides it. The
+    trainer's node agents are its image in the node role (``trainer-node``)."""
     for overlay in OVERLAYS:
         for w, c, svc in tandem_containers(overlay):
-            if w["metadata"]["name"] == "trainer-ranks":
-                assert c["command"][:3] == ["python", "-m", "torch.distributed.run"]
-            elif c["name"] == "own-checkpoints":
+            if c["name"] == "own-checkpoints":
                 assert c["command"][0] == "chown"
-            else:
-                assert "command" not in c and "args" not in c, (overlay, c["name"])
-                assert w["metadata"]["labels"]["app.kubernetes.io/name"] == svc
+                continue
+            assert "command" not in c and "args" not in c, (overlay, c["name"])
+            node_role = env_of(overlay, c).get("TANDEM_TRAINER_ROLE") == "node"
+            name = f"{svc}-node" if node_role else svc
+            assert w["metadata"]["labels"]["app.kubernetes.io/name"] == name
 
 
 # ---------------------------------------------------------------------------- settings
@@ -270,27 +273,36 @@ def test_every_service_s_settings_load_from_what_its_pod_is_given(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Values too, not just names: each service's settings validate from its env as the
     pod would have it (downward-API fields and Secrets given plausible values)."""
-    keys = tmp_path / "keys.json"
-    keys.write_text("[]")
-    sources = {"spec.nodeName": "gpu-node-7", "metadata.name": "pod-abc12",
-               "status.podIP": "10.1.2.3"}
     for overlay in OVERLAYS:
         for w, c, svc in tandem_containers(overlay):
             if c["name"] == "own-checkpoints":
                 continue
-            for name in [n for n in os.environ if n.startswith("TANDEM_")]:
-                monkeypatch.delenv(name)
-            for name, value in env_of(overlay, c).items():
-                if isinstance(value, dict):
-                    ref = value.get("fieldRef", {}).get("fieldPath")
-                    value = sources.get(ref, "0") if ref else "secret-value-of-a-k8s-secret"
-                if value.startswith("@/etc/tandem/"):  # a mounted file: stand one in
-                    value = f"@{keys}"
-                monkeypatch.setenv(name, value)
             try:
-                load(service_class(svc).settings_class, svc)
+                pod_settings(overlay, c, svc, tmp_path, monkeypatch)
             except SettingsError as exc:
                 pytest.fail(f"{overlay}/{w['metadata']['name']}: {exc}")
+
+
+POD_SOURCES = {"spec.nodeName": "gpu-node-7", "metadata.name": "pod-abc12",
+               "status.podIP": "10.1.2.3"}
+
+
+def pod_settings(overlay: str, c: dict[str, Any], svc: str, tmp_path: Path,
+                 monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The settings ``svc`` loads from its container's env as the pod would have it:
+    downward-API fields from ``POD_SOURCES``, Secrets and mounted files stood in."""
+    keys = tmp_path / "keys.json"
+    keys.write_text("[]")
+    for name in [n for n in os.environ if n.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    for name, value in env_of(overlay, c).items():
+        if isinstance(value, dict):
+            ref = value.get("fieldRef", {}).get("fieldPath")
+            value = POD_SOURCES.get(ref, "0") if ref else "secret-value-of-a-k8s-secret"
+        if value.startswith("@/etc/tandem/"):  # a mounted file: stand one in
+            value = f"@{keys}"
+        monkeypatch.setenv(name, value)
+    return load(service_class(svc).settings_class, svc)
 
 
 def test_secrets_come_from_secrets_and_no_configmap_holds_one() -> None:
@@ -326,7 +338,7 @@ def test_gpu_pods_request_gpus_and_nothing_else_does() -> None:
                 assert spec["runtimeClassName"] == "nvidia", name
                 assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true", name
                 assert any(t["key"] == GPU for t in spec["tolerations"]), name
-    assert requesting == {"inference-worker": 1, "trainer-ranks": 8}
+    assert requesting == {"inference-worker": 1, "trainer-node": 8}
 
 
 def test_the_agent_sees_every_gpu_of_its_node_without_taking_one_or_privilege() -> None:
@@ -378,8 +390,8 @@ def test_probes_ask_paths_and_ports_the_service_runner_serves() -> None:
         for w, c, _svc in tandem_containers(overlay):
             probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")
                       if k in c}
-            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
-                assert not probes  # ranks report to the coordinator, not to the kubelet
+            if c["name"] == "own-checkpoints":
+                assert not probes  # a one-shot init step
                 continue
             assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, c["name"]
             assert probes["readinessProbe"]["httpGet"]["path"] == "/healthz"
@@ -418,9 +430,9 @@ def test_each_cluster_overlay_puts_its_agents_and_workers_behind_its_leaf_in_its
         services = objects(overlay, "Service")
         leaf = objects(overlay, "Deployment")["nats-leaf"]
         behind = set()
-        for w, c, svc in tandem_containers(overlay):
-            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
-                continue  # ranks speak to their coordinator only
+        for _w, c, svc in tandem_containers(overlay):
+            if c["name"] == "own-checkpoints":
+                continue
             env = env_of(overlay, c)
             assert env["TANDEM_CLUSTER"] == overlay, (overlay, svc)
             assert "TANDEM_NATS_JS_DOMAIN" not in env, (overlay, svc)
@@ -482,8 +494,7 @@ def test_control_plane_roles_in_a_gpu_cluster_reach_the_hub_as_their_role_s_user
     for overlay in CLUSTERS:
         seen = set()
         for w, c, svc in tandem_containers(overlay):
-            if (svc in accounts.CLUSTER_ROLES or w["kind"] == "Job"
-                    or c["name"] == "own-checkpoints"):
+            if svc in accounts.CLUSTER_ROLES or c["name"] == "own-checkpoints":
                 continue
             env = env_of(overlay, c)
             host, port = host_of(env["TANDEM_NATS_URL"], "tls")
@@ -601,7 +612,7 @@ def test_every_pod_s_grace_period_outlasts_its_service_s_drain() -> None:
         "drain_timeout"].default
     for overlay in OVERLAYS:
         for w, c, svc in tandem_containers(overlay):
-            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+            if c["name"] == "own-checkpoints":
                 continue
             drain = float(env_of(overlay, c).get("TANDEM_DRAIN_TIMEOUT", default))
             pause = 0
@@ -632,27 +643,36 @@ def test_gateway_and_workers_have_budgets_that_select_them_and_leave_room() -> N
 # ------------------------------------------------------------------------------ trainer
 
 
-def test_the_ranks_job_runs_the_launcher_s_command_line_with_a_stable_rendezvous() -> None:
+def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator orders node agents (no rank is its child); each agent, named by its
+    node, runs exactly ``LocalLauncher.command`` with the rendezvous on its pod's IP."""
     for overlay in CLUSTERS:
-        job = objects(overlay, "Job")["trainer-ranks"]
-        spec, pod = job["spec"], pod_spec(job)
-        (c,) = pod["containers"]
-        nnodes, per_node = spec["completions"], int(c["resources"]["limits"][GPU])
-        assert spec["completionMode"] == "Indexed" and spec["parallelism"] == nnodes
-        assert spec["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
-        headless = objects(overlay, "Service")[pod["subdomain"]]["spec"]
-        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
-        assert selects(headless["selector"], job)
-        rendezvous = f"{job['metadata']['name']}-0.{pod['subdomain']}"
-        launcher = LocalLauncher(python="python", master_addr=rendezvous)
-        expected = launcher.command(Placement(nodes=[f"n{i}" for i in range(nnodes)],
-                                              per_node=per_node),
-                                    "$(NODE_RANK)", 29500, Path("/launch/launch.json"))  # type: ignore[arg-type]
-        assert c["command"] == expected
-        env = {e["name"]: e for e in c["env"]}
-        assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-            "metadata.annotations['batch.kubernetes.io/job-completion-index']")
-        assert port_number(c, "rendezvous") == 29500
+        (coordinator,) = pod_spec(objects(overlay, "Deployment")["trainer"])["containers"]
+        assert env_of(overlay, coordinator)["TANDEM_LAUNCHER"] == "nodes"
+        agents = objects(overlay, "DaemonSet")["trainer-node"]
+        (c,) = pod_spec(agents)["containers"]
+        env = env_of(overlay, c)
+        assert env["TANDEM_TRAINER_ROLE"] == "node"
+        assert env["TANDEM_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["TANDEM_RENDEZVOUS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert agents["spec"]["updateStrategy"]["type"] == "OnDelete"
+        settings = pod_settings(overlay, c, "trainer", tmp_path, monkeypatch)
+        assert settings.trainer_role == "node" and settings.node == "gpu-node-7"
+        per_node = int(c["resources"]["limits"][GPU])
+        nodes = ["gpu-node-3", "gpu-node-7"]
+        spec_path = Path(settings.work_root) / "r1" / "attempt-1-node1" / "launch.json"
+        order = NodeLaunch(run_id="r1", attempt=1, node="gpu-node-7", node_rank=1, nnodes=2,
+                           per_node=per_node, master_addr="10.1.2.9", master_port=29500,
+                           spec={"rank_nodes": [n for n in nodes for _ in range(per_node)]})
+        expected = LocalLauncher(python=settings.python, master_addr="10.1.2.9").command(
+            Placement(nodes=nodes, per_node=per_node), 1, 29500, spec_path)
+        assert node_command(settings, order, "10.1.2.9", 29500, spec_path) == expected
+        # node rank 0 opens the rendezvous where the other pods reach it
+        assert settings.rendezvous_host == POD_SOURCES["status.podIP"]
+        # its folders are the pod's writable mounts
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {settings.work_root, settings.checkpoint_root} <= mounts
 
 
 def test_one_coordinator_per_cluster_never_two_at_once() -> None:
@@ -668,7 +688,7 @@ def test_one_coordinator_per_cluster_never_two_at_once() -> None:
 def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_folder() -> None:
     for overlay in CLUSTERS:
         pods = {"trainer": objects(overlay, "Deployment")["trainer"],
-                "trainer-ranks": objects(overlay, "Job")["trainer-ranks"],
+                "trainer-node": objects(overlay, "DaemonSet")["trainer-node"],
                 "checkpointer": objects(overlay, "DaemonSet")["checkpointer"]}
         mounts = set()
         for name, w in pods.items():
@@ -677,8 +697,7 @@ def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_fold
             (mount,) = [m for m in c["volumeMounts"] if m["name"] == "checkpoints"]
             (volume,) = [v for v in spec["volumes"] if v["name"] == "checkpoints"]
             mounts.add((volume["hostPath"]["path"], mount["mountPath"]))
-            if name != "trainer-ranks":
-                assert env_of(overlay, c)["TANDEM_CHECKPOINT_ROOT"] == mount["mountPath"]
+            assert env_of(overlay, c)["TANDEM_CHECKPOINT_ROOT"] == mount["mountPath"]
             # the checkpointer runs wherever a checkpoint can be written
             for key, value in pod_spec(pods["checkpointer"])["nodeSelector"].items():
                 assert spec["nodeSelector"][key] == value, name
@@ -727,7 +746,7 @@ def test_every_service_is_scraped_by_the_servicemonitor() -> None:
         scraped = [s for s in objects(overlay, "Service").values()
                    if all(s["metadata"]["labels"].get(k) == v for k, v in want.items())]
         for w, c, svc in tandem_containers(overlay):
-            if w["kind"] == "Job" or c["name"] == "own-checkpoints":
+            if c["name"] == "own-checkpoints":
                 continue
             (service,) = [s for s in scraped if selects(s["spec"]["selector"], w)]
             (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]

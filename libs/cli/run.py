@@ -29,7 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tandem.common.runner import main
+    # Exactly what ``python -m tandem.<service>`` runs: a service's entry may choose by
+    # its settings what it starts (the trainer: coordinator or node agent).
+    import runpy
 
-    main(service_class(args.service))
+    runpy.run_module("tandem." + args.service.replace("-", "_"), run_name="__main__",
+                     alter_sys=True)
     return 0

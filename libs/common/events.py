@@ -462,3 +462,71 @@ class RunRecord(Event, kw_only=True):
     # A client asked to stop the run, and why: its coordinator stops the ranks and ends
     # the run ``cancelled`` (a run not yet claimed is cancelled at once).
     cancel: str = ""
+
+
+# --------------------------------------------------------------- trainer coordinator <-> nodes
+
+
+class NodeLaunch(Event, kw_only=True, tag="launch", tag_field="kind"):
+    """Coordinator → one node's trainer agent: run torchrun for this node of an attempt.
+
+    ``master_port`` 0 asks the agent (then node rank 0) to pick the rendezvous port on its
+    own address and say it in its reply; the other nodes are told node 0's address/port.
+    ``spec`` is the attempt's ``LaunchSpec`` (``tandem.trainer.spec``) as JSON builtins:
+    both ends are the trainer's, and the agent rebases its paths onto its own disk.
+    """
+
+    run_id: str
+    attempt: int
+    node: str
+    node_rank: int
+    nnodes: int
+    per_node: int
+    master_addr: str = ""
+    master_port: int = 0
+    spec: dict[str, Any] = {}
+    report_every_s: float = 1.0  # how often the agent reports while the ranks run
+
+
+class NodeStop(Event, kw_only=True, tag="stop", tag_field="kind"):
+    """Coordinator → a node's agent: kill this attempt's ranks and torchrun (SIGKILL)."""
+
+    run_id: str
+    attempt: int
+    reason: str = ""
+
+
+NodeOrder = NodeLaunch | NodeStop
+
+
+class NodeReply(Event, kw_only=True):
+    """A node agent's answer to an order. ``ok`` False: refused (``error`` says why)."""
+
+    node: str
+    ok: bool = True
+    error: str = ""
+    master_addr: str = ""  # a launch: the rendezvous it used (chosen by node rank 0)
+    master_port: int = 0
+    pid: int = 0  # the torchrun agent's pid
+    exit_code: int | None = None  # a stop: torchrun's exit code; None if it held nothing
+    log_path: str = ""  # where this node's torchrun output goes (on the node)
+
+
+class NodeReport(Event, kw_only=True):
+    """A node agent → the run's coordinator, on ``trainer.report.<cluster>.<run>``: every
+    ``report_every_s`` while torchrun runs (liveness) and once when it exits."""
+
+    run_id: str
+    attempt: int
+    node: str
+    running: bool = True
+    exit_code: int | None = None  # set once torchrun exited
+    pid: int = 0
+    at: float = msgspec.field(default_factory=now)
+
+
+class NodeReportReply(Event, kw_only=True):
+    """The coordinator's answer to a report: ``keep`` False tells the agent its attempt
+    is no longer the run's (a stop it missed, a newer attempt), so it kills the ranks."""
+
+    keep: bool = True

@@ -241,6 +241,10 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>",
                  f"$KV.{streams.KV_RUNS}.*")  # a run's record changed: a client's cancel
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
+        # The coordinator and its node agents share the role: orders to the agents and
+        # their reports, each a request the other side answers (nodes.py).
+        .emits(subjects.TRAINER_NODE.wildcard, subjects.TRAINER_REPORT.wildcard)
+        .serves(subjects.TRAINER_NODE.wildcard, subjects.TRAINER_REPORT.wildcard)
     )
     for c in dict.fromkeys([control, *clusters]):
         trainer.consumes(streams.trainer_consumer(c), f"{streams.TRAIN}/trainer-*")

@@ -90,6 +90,10 @@ MODELS = Subject("models.{cluster}.{node}")
 TRAIN = Subject("train.{run}.{kind}")
 CKPT = Subject("ckpt.{run}.{kind}")
 DLQ = Subject("dlq.{stream}")
+# The trainer coordinator and its node agents (core NATS request/reply, no stream: an
+# order to an absent agent must fail now, not be replayed to a later one).
+TRAINER_NODE = Subject("trainer.node.{cluster}.{node}")  # launch and stop orders to a node
+TRAINER_REPORT = Subject("trainer.report.{cluster}.{run}")  # node agents' reports of a run
 # The job service (nats.micro ``tandem-jobs``): request/reply, one subject per endpoint.
 JOBS = Subject("tandem.jobs.{kind}")  # kind: one of JOB_ENDPOINTS
 JOB_ENDPOINTS = ("generate", "train", "cancel", "status", "models")
@@ -168,6 +172,17 @@ def ckpt_kind_filter(kind: str) -> str:
     if kind not in CKPT_KINDS:
         raise InvalidToken("checkpoint event kind", kind, f"must be one of {', '.join(CKPT_KINDS)}")
     return f"ckpt.*.{kind}"
+
+
+def trainer_node(cluster: str, node: str) -> str:
+    """Orders (``NodeOrder``) to the trainer agent of one node; it replies ``NodeReply``."""
+    return f"trainer.node.{token(cluster, 'cluster')}.{token(node, 'node')}"
+
+
+def trainer_report(cluster: str, run: str) -> str:
+    """Node agents' ``NodeReport`` of a run's attempt; its coordinator replies
+    ``NodeReportReply`` (whether the attempt is still wanted)."""
+    return f"trainer.report.{token(cluster, 'cluster')}.{token(run, 'run id')}"
 
 
 def dlq(stream: str) -> str:

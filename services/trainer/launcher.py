@@ -1,23 +1,34 @@
 """Starting, stopping and inspecting one attempt's ranks (no torch).
 
 Every node of the placement gets one torchrun agent (``python -m
-torch.distributed.run``) with a static rendezvous at the first node's address: this is
-the multi-node launch, done here for nodes that share this host (the local stack, the
-tests). On a real fleet the same command line runs on each node; ``LocalLauncher`` is
-the seam. Each agent is its own process group, so a stop kills every rank it forked.
+torch.distributed.run``) with a static rendezvous at the first node's address. Where it
+runs is the ``Launcher``'s, one interface (``start``/``poll``/``stop``) with two kinds:
+
+- ``LocalLauncher``: every node's torchrun is a child process of the coordinator's own
+  host (the single-box stack, most tests; ``TANDEM_LAUNCHER=local``, the default).
+- ``NodeLauncher`` (``nodes.py``): each node's own trainer agent (``node_agent.py``) is
+  sent a launch order over the bus and runs torchrun there (``TANDEM_LAUNCHER=nodes``).
+
+Both run exactly ``LocalLauncher.command``'s command line (``spawn``). Each torchrun is
+its own session, so a stop kills every rank it forked (``kill_agent``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from tandem.trainer.spec import LaunchSpec
 
 
 @dataclass
@@ -45,21 +56,113 @@ def place(ranks: int, healthy: list[str]) -> Placement | None:
 
 @dataclass
 class Agent:
+    """One node's torchrun agent: a child process here (``proc``), or one a node agent
+    runs (``pid`` and ``log_path`` are then the node's)."""
+
     node: str
-    proc: asyncio.subprocess.Process
-    log_path: Path
+    log_path: Path | str
+    proc: asyncio.subprocess.Process | None = None
+    pid: int = 0
+
+
+@dataclass
+class AgentEnded:
+    """A node's torchrun agent ended: its exit code, or None when it was lost (its node
+    agent stopped reporting), and what found it."""
+
+    node: str
+    code: int | None
+    detector: str = "torchrun agent exited"
 
 
 @dataclass
 class Attempt:
     agents: list[Agent] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
+    run_id: str = ""
+    number: int = 0
+    cluster: str = ""
+    # The NodeLauncher's bookkeeping of this attempt (reports, subscription).
+    state: object = None
 
     def pids(self) -> list[int]:
-        return [a.proc.pid for a in self.agents]
+        return [a.proc.pid if a.proc else a.pid for a in self.agents]
+
+
+class LaunchFailed(Exception):
+    """An attempt could not be started on ``node``: its agent is absent or refused
+    (``reason``). The attempt fails like one whose agent exited; the run restarts."""
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"launch on {node} failed: {reason}")
+        self.node = node
+        self.reason = reason
+
+
+class Launcher(Protocol):
+    """Where an attempt's torchrun agents run. ``start`` returns once every node's agent
+    is started (or raises ``LaunchFailed``); ``poll`` waits for the next agent to end
+    and returns each one once; ``stop`` kills what is left and returns the exit codes
+    by node (None: unknown)."""
+
+    async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
+                    attempt_dir: Path) -> Attempt: ...
+
+    async def poll(self, attempt: Attempt) -> AgentEnded: ...
+
+    async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
+                   timeout: float = 10.0) -> dict[str, int | None]: ...
+
+
+def rank_env(env: dict[str, str] | None, node: str) -> dict[str, str]:
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base["PYTHONUNBUFFERED"] = "1"
+    return {**base, "TANDEM_NODE": node}
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the forked torchrun, before exec: SIGTERM when the process that launched it
+    dies (Linux). torchrun answers SIGTERM by stopping its ranks, so a node agent
+    killed -9 takes its ranks with it instead of leaving them training unobserved."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def spawn(command: list[str], log_path: Path, env: dict[str, str],
+                with_parent: bool = False) -> asyncio.subprocess.Process:
+    """Start one node's torchrun agent in a session of its own, output to ``log_path``;
+    ``with_parent``: it is sent SIGTERM if this process dies (``_die_with_parent``)."""
+    with open(log_path, "ab") as log:  # noqa: ASYNC230 - local file, instant
+        return await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if with_parent and sys.platform == "linux" else None)
+
+
+def kill_agent(pid: int, rank_pids: Sequence[int] = ()) -> None:
+    """SIGKILL a torchrun agent's ranks, then its process group.
+
+    torchrun starts each rank in a session of its own, so killing an agent's process
+    group does not reach its ranks: they are found (as the agent's children, plus the
+    pids the ranks reported) and their groups killed first.
+    """
+    victims = set(rank_pids) | set(children(pid))
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(victim, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 class LocalLauncher:
+    """Every node's torchrun as a child process of this host (see the module docstring)."""
+
     def __init__(self, python: str = sys.executable, master_addr: str = "127.0.0.1",
                  monitor_interval: float = 0.5) -> None:
         self.python = python
@@ -78,44 +181,42 @@ class LocalLauncher:
             "-m", "tandem.trainer.rank", str(spec_path),
         ]
 
-    async def start(self, placement: Placement, spec_path: Path, attempt_dir: Path,
-                    env: dict[str, str] | None = None) -> Attempt:
+    async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
+                    attempt_dir: Path, env: dict[str, str] | None = None) -> Attempt:
         port = rendezvous_port(self.master_addr)
-        attempt = Attempt()
-        base = dict(os.environ if env is None else env)
-        base.setdefault("OMP_NUM_THREADS", "1")
-        base["PYTHONUNBUFFERED"] = "1"
+        attempt = Attempt(run_id=spec.run_id, number=spec.attempt)
         for i, node in enumerate(placement.nodes):
             log_path = attempt_dir / f"agent-{i}-{node}.log"
-            with open(log_path, "ab") as log:  # noqa: ASYNC230 - local file, instant
-                proc = await asyncio.create_subprocess_exec(
-                    *self.command(placement, i, port, spec_path),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                    env={**base, "TANDEM_NODE": node}, start_new_session=True)
-            attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path))
+            proc = await spawn(self.command(placement, i, port, spec_path), log_path,
+                               rank_env(env, node))
+            attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path, pid=proc.pid))
         return attempt
 
-    async def stop(self, attempt: Attempt, rank_pids: list[int] = (),  # type: ignore[assignment]
-                   timeout: float = 10.0) -> dict[str, int | None]:
-        """SIGKILL the ranks and every agent; return the agents' exit codes by node.
+    async def poll(self, attempt: Attempt) -> AgentEnded:
+        ended: set[str] = attempt.state if isinstance(attempt.state, set) else set()
+        attempt.state = ended
+        waits = {asyncio.ensure_future(a.proc.wait()): a for a in attempt.agents
+                 if a.proc is not None and a.node not in ended}
+        if not waits:
+            await asyncio.Event().wait()  # every agent reported: nothing more will end
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        agent = waits[next(iter(done))]
+        ended.add(agent.node)
+        assert agent.proc is not None
+        return AgentEnded(agent.node, agent.proc.returncode)
 
-        torchrun starts each rank in a session of its own, so killing an agent's process
-        group does not reach its ranks: they are found (as the agents' children, plus the
-        pids the ranks reported) and their groups killed first.
-        """
-        victims = set(rank_pids)
+    async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
+                   timeout: float = 10.0) -> dict[str, int | None]:
+        """SIGKILL the ranks and every agent; return the agents' exit codes by node."""
         for a in attempt.agents:
-            victims.update(children(a.proc.pid))
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        for a in attempt.agents:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(a.proc.pid, signal.SIGKILL)
+            kill_agent(a.pid, rank_pids)
         codes: dict[str, int | None] = {}
         for a in attempt.agents:
+            assert a.proc is not None
             try:
                 codes[a.node] = await asyncio.wait_for(a.proc.wait(), timeout)
             except TimeoutError:

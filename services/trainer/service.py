@@ -5,6 +5,8 @@
   ``<cluster>.<node>``), so of several coordinators exactly one runs it.
 - ``health.<cluster>.*`` and KV ``drains`` (core subscriptions): node health changes go
   to every supervisor, which restarts a run without a node that turned bad.
+- Each attempt is started by the configured ``Launcher`` (``TANDEM_LAUNCHER``): local
+  torchrun children, or each node's trainer agent ordered over the bus (``nodes.py``).
 - On start, runs this coordinator owned that are not finished are adopted (their ranks
   died with the previous coordinator process) and resume from their newest checkpoint.
 """
@@ -16,7 +18,7 @@ import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -33,7 +35,8 @@ from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings
 from tandem.common.streams import KV_RUNS, Spec, core_streams, trainer_consumer
-from tandem.trainer.launcher import LocalLauncher
+from tandem.trainer.launcher import Launcher, LocalLauncher
+from tandem.trainer.nodes import NodeLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
 
 
@@ -55,6 +58,31 @@ class TrainerSettings(Settings):
     data_root: str = Field(
         "", description="Directory every image_folder data set must be under (relative "
         "data.path values start there); empty: any path this host can read.")
+    trainer_role: Literal["coordinator", "node"] = Field(
+        "coordinator", description="coordinator: claims and supervises runs; node: this "
+        "node's trainer agent, which runs torchrun for the node when a coordinator orders "
+        "it (node_agent.py). Same image, same settings.")
+    rendezvous_host: str = Field(
+        "127.0.0.1", description="Node agent: the address of this node that the other "
+        "nodes' torchrun reach its static rendezvous on (node rank 0); on Kubernetes the "
+        "pod's IP.")
+    orphan_after_s: float = Field(
+        10.0, gt=0, le=600, description="Node agent: with no answer from the coordinator "
+        "this long, it kills its ranks (nobody supervises them any more).")
+    launcher: Literal["local", "nodes"] = Field(
+        "local", description="Coordinator: local runs every node's torchrun as a child "
+        "process of this host (one box); nodes orders each node's trainer agent over the "
+        "bus (a cluster: one agent per node).")
+    report_every_s: float = Field(
+        1.0, gt=0, le=60, description="launcher=nodes: how often node agents report a "
+        "running torchrun (their liveness).")
+    agent_lost_after_s: float = Field(
+        10.0, gt=0, le=600, description="Coordinator, launcher=nodes: a node agent silent "
+        "this long is lost; its attempt restarts from the newest valid checkpoint.")
+    launch_within_s: float = Field(
+        30.0, gt=0, le=3600, description="Coordinator, launcher=nodes: how long a launch "
+        "order is retried while a node has no agent (a pod restarting) before the attempt "
+        "fails.")
 
 
 class Trainer(Service):
@@ -67,7 +95,7 @@ class Trainer(Service):
         self.s: TrainerSettings = settings
         self.me = subjects.node_key(settings.cluster, settings.node)
         self.supervisors: dict[str, RunSupervisor] = {}
-        self.launcher = LocalLauncher(python=settings.python)
+        self.launcher: Launcher = LocalLauncher(python=settings.python)
         self._slots = asyncio.Semaphore(settings.max_runs)
 
     def streams(self) -> Sequence[Spec]:
@@ -87,6 +115,11 @@ class Trainer(Service):
 
     async def run(self, ctx: Context) -> None:
         self.ctx = ctx
+        if self.s.launcher == "nodes":
+            self.launcher = NodeLauncher(
+                ctx.bus, self.s.cluster, report_every_s=self.s.report_every_s,
+                lost_after_s=self.s.agent_lost_after_s,
+                launch_within_s=self.s.launch_within_s, log=ctx.log)
         kv = await ctx.bus.typed(KV_RUNS, RunRecord)
         subs = [
             await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),

@@ -44,7 +44,7 @@ from tandem.common.events import (
 from tandem.common.runs import RunConfig
 from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS
 from tandem.trainer.health import Goodput, StragglerDetector
-from tandem.trainer.launcher import LocalLauncher, Placement, place
+from tandem.trainer.launcher import Launcher, LaunchFailed, Placement, place
 from tandem.trainer.run_metrics import RunMetrics
 from tandem.trainer.spec import LaunchSpec
 from tandem.trainer.watch import AttemptWatch, Outcome
@@ -72,7 +72,7 @@ class RunSupervisor(AttemptWatch):
     rank channel included (``AttemptWatch``, in ``watch.py``)."""
 
     def __init__(self, bus: Bus, cfg: SupervisorConfig, run_id: str, config: RunConfig,
-                 launcher: LocalLauncher, log: Any) -> None:
+                 launcher: Launcher, log: Any) -> None:
         self.bus = bus
         self.cfg = cfg
         self.run_id = run_id
@@ -344,7 +344,12 @@ class RunSupervisor(AttemptWatch):
                            nodes=placement.nodes)
         with tracing.tracer().start_as_current_span("launch", attributes={
                 "tandem.nodes": placement.nodes, "tandem.ranks": self.config.ranks}):
-            attempt = await self.launcher.start(placement, spec_path, attempt_dir)
+            try:
+                attempt = await self.launcher.start(placement, spec, spec_path, attempt_dir)
+            except LaunchFailed as exc:
+                self.placement = None
+                return Outcome("launch_failed", {"node": exc.node, "reason": exc.reason,
+                                                 "detector": "node agent refused or absent"})
         self.goodput.launched()
         try:
             outcome = await self._watch(attempt, attempt_dir, stopping)

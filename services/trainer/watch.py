@@ -13,9 +13,10 @@ What it does:
   ``channel.RankMessage`` by its one typed decoder and queued. A line that does not
   decode ends the connection, logged with the reason: the rank is treated as failing,
   as a broken connection is (see the note there).
-- ``_watch``: one attempt's queue (rank messages, connections closing, agents exiting,
-  health, stop) with a deadline (the startup timeout, then the hang limit); it
-  dispatches each message by its type and returns the attempt's ``Outcome``.
+- ``_watch``: one attempt's queue (rank messages, connections closing, agents ending as
+  the launcher's ``poll`` reports them, an agent lost included, health, stop) with a
+  deadline (the startup timeout, then the hang limit); it dispatches each message by
+  its type and returns the attempt's ``Outcome``.
 - ``relay``: a ``StepReport`` or ``CheckpointWritten`` becomes bus events, KV ``runs``
   updates, goodput, stragglers and metrics.
 """
@@ -46,7 +47,13 @@ from tandem.trainer.channel import (
     StepReport,
 )
 from tandem.trainer.health import Goodput, HangWatch, StragglerDetector
-from tandem.trainer.launcher import Attempt, Placement, capture_stacks, proc_state
+from tandem.trainer.launcher import (
+    Attempt,
+    Launcher,
+    Placement,
+    capture_stacks,
+    proc_state,
+)
 from tandem.trainer.run_metrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -56,7 +63,7 @@ if TYPE_CHECKING:
 @dataclass
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
-    #            no_healthy_nodes, stopping, cancelled
+    #            no_healthy_nodes, launch_failed, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,6 +87,7 @@ class AttemptWatch:
     stragglers: StragglerDetector
     metrics: RunMetrics
     _last_kv: float
+    launcher: Launcher
 
     if TYPE_CHECKING:  # the supervisor's bookkeeping, which this half calls
         async def _status(self, state: RunState, reason: str = "",
@@ -117,7 +125,7 @@ class AttemptWatch:
                      stopping: asyncio.Event) -> Outcome:
         wd = self.config.watchdog
         hang = HangWatch(wd.hang_multiple, wd.hang_floor_s)
-        waiters = [asyncio.create_task(self._agent_exit(a.node, a.proc)) for a in attempt.agents]
+        waiters = [asyncio.create_task(self._agent_exits(attempt))]
         stop_task = asyncio.create_task(self._on_stop(stopping))
         started, last_step_at, done = time.monotonic(), None, False
         finished_at: float | None = None  # when the last step was done and all said goodbye
@@ -166,12 +174,14 @@ class AttemptWatch:
                 if item[1] != self.attempt_no:
                     continue  # from an earlier attempt: its dying ranks or agents
                 if tag == "exit":
-                    node, code = item[2], item[3]
+                    node, code, detector = item[2], item[3], item[4]
                     exits[node] = code
                     if anomaly is not None:
                         if len(exits) == len(attempt.agents):
                             return anomaly
                         continue
+                    if code is None:  # its node agent went silent: the node is gone
+                        return Outcome("node_lost", {"node": node, "detector": detector})
                     if code != 0:
                         return Outcome("rank_exit", {
                             "node": node, "exit_code": code,
@@ -238,9 +248,12 @@ class AttemptWatch:
         nodes = self.placement.rank_nodes if self.placement else []
         return nodes[rank] if 0 <= rank < len(nodes) else ""
 
-    async def _agent_exit(self, node: str, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        self.q.put_nowait(("exit", self.attempt_no, node, code))
+    async def _agent_exits(self, attempt: Attempt) -> None:
+        """Every torchrun agent's end, as the launcher sees it, into the queue."""
+        while True:
+            ended = await self.launcher.poll(attempt)
+            self.q.put_nowait(("exit", attempt.number or self.attempt_no, ended.node,
+                               ended.code, ended.detector))
 
     async def _on_stop(self, stopping: asyncio.Event) -> None:
         await stopping.wait()

@@ -25,7 +25,7 @@ from tandem.common import log, metrics, subjects
 from tandem.common.bus.consumer import Consumer, Delivery
 from tandem.common.bus.kv import TypedKV
 from tandem.common.bus.publish import Publishing
-from tandem.common.events import DeadLetter
+from tandem.common.events import DeadLetter, decode, encode
 from tandem.common.permissions import violation
 from tandem.common.settings import Settings
 from tandem.common.streams import ConsumerSpec, Spec, provision
@@ -136,6 +136,16 @@ class Bus(Publishing):
         if created:
             _log.info("bus.provisioned", created=created)
         return created
+
+    # ---------------------------------------------------------------------- request/reply
+
+    async def request(self, subject: str, event: Any, reply_type: type[E], *,
+                      timeout: float = 2.0) -> E:
+        """Core NATS request/reply, typed both ways: ``event`` encoded, the reply decoded
+        as ``reply_type`` (``EventDecodeError`` if it is not one). No responders and no
+        reply within ``timeout`` raise nats' errors, which ``retry.transient`` accepts."""
+        msg = await self.nc.request(subject, encode(event), timeout=timeout)
+        return decode(msg.data, reply_type)
 
     # ------------------------------------------------------------------------ consuming
 

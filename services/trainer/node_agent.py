@@ -1,0 +1,234 @@
+"""The trainer's node agent: one per node, running that node's torchrun when ordered.
+
+``python -m tandem.trainer`` with ``TANDEM_TRAINER_ROLE=node`` (the same image and
+settings as the coordinator, so a node runs exactly the code that ranks need and the
+launcher's command line cannot drift between the two). It answers orders on
+``trainer.node.<cluster>.<node>`` (``NodeLaunch``, ``NodeStop``; ``nodes.py`` is the
+coordinator's side and says the protocol) and reports each torchrun it runs.
+
+Invariants it keeps:
+
+- At most one torchrun per run on this node: a launch of a newer attempt kills the
+  older one first; a repeated launch of the same attempt is answered from what runs.
+- The command line is ``LocalLauncher.command``'s, with the launch spec rebased onto
+  this node's own folders (``checkpoint_root``, ``work_root``): nothing of the
+  coordinator's disk is read.
+- Its ranks never outlive their supervision: torchrun is SIGKILLed with its ranks on a
+  stop, when the coordinator's reply to a report says the attempt is no longer wanted,
+  when no reply came for ``orphan_after_s``, and when this agent stops. If the agent
+  itself is killed -9, torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and
+  stops its ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from tandem.common import events, subjects
+from tandem.common.backoff import Backoff, retry
+from tandem.common.bus import transient
+from tandem.common.errors import EventDecodeError
+from tandem.common.events import NodeLaunch, NodeReply, NodeStop
+from tandem.common.runner import Context, Service
+from tandem.common.settings import Settings
+from tandem.common.streams import Spec
+from tandem.trainer.launcher import (
+    LocalLauncher,
+    Placement,
+    kill_agent,
+    rank_env,
+    rendezvous_port,
+    spawn,
+)
+from tandem.trainer.service import TrainerSettings
+from tandem.trainer.spec import LaunchSpec
+
+EXIT_REPORT_BACKOFF = Backoff(0.1, max_delay=1.0)
+
+
+@dataclass
+class Held:
+    """One torchrun this agent runs: an attempt of a run, as ordered."""
+
+    order: NodeLaunch
+    cluster: str  # the run's (where its coordinator listens for reports)
+    proc: asyncio.subprocess.Process
+    reply: NodeReply
+    stopped: str = ""  # why this agent killed it; empty while it runs on its own
+
+
+def node_command(settings: TrainerSettings, order: NodeLaunch, master_addr: str, port: int,
+                 spec_path: Path) -> list[str]:
+    """The torchrun command line this node runs for ``order``: ``LocalLauncher.command``'s,
+    with this node's interpreter and the rendezvous the order (or node rank 0) named."""
+    nodes = list(dict.fromkeys(order.spec.get("rank_nodes", [])))
+    if len(nodes) != order.nnodes:
+        nodes = [f"node{i}" for i in range(order.nnodes)]
+    return LocalLauncher(python=settings.python, master_addr=master_addr).command(
+        Placement(nodes=nodes, per_node=order.per_node), order.node_rank, port, spec_path)
+
+
+class NodeAgent(Service):
+    name = "trainer-node"
+    settings_class = TrainerSettings
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        assert isinstance(settings, TrainerSettings)
+        self.s: TrainerSettings = settings
+        self.held: dict[str, Held] = {}  # by run id
+
+    def streams(self) -> Sequence[Spec]:
+        return []  # orders and reports are core NATS: nothing to provision
+
+    def health(self) -> dict[str, Any]:
+        return {"role": "node", "runs": {r: h.order.attempt for r, h in self.held.items()}}
+
+    async def run(self, ctx: Context) -> None:
+        self.ctx = ctx
+        subject = subjects.trainer_node(self.s.cluster, self.s.node)
+        async with asyncio.TaskGroup() as tg:
+            self.tg = tg
+            # A queue group: were two agents of one node up at once (a pod replaced),
+            # an order reaches one of them, never both.
+            sub = await ctx.bus.nc.subscribe(subject, queue="trainer-node", cb=self._on_order)
+            ctx.log.info("node_agent.ready", subject=subject)
+            await ctx.stopping.wait()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            for held in list(self.held.values()):
+                self._kill(held, "node agent stopping")
+
+    # --------------------------------------------------------------------------- orders
+
+    async def _on_order(self, msg: Any) -> None:
+        try:
+            order = events.decode(msg.data, events.NodeOrder)
+        except EventDecodeError as exc:
+            reply = NodeReply(node=self.s.node, ok=False, error=f"bad order: {exc.reason}")
+        else:
+            try:
+                match order:
+                    case NodeLaunch():
+                        reply = await self._launch(order)
+                    case NodeStop():
+                        reply = await self._stop(order)
+            except Exception as exc:  # refuse the order, keep serving
+                self.ctx.log.error("node_agent.order_failed", error=repr(exc), exc_info=exc)
+                reply = NodeReply(node=self.s.node, ok=False, error=repr(exc))
+        with contextlib.suppress(Exception):
+            await msg.respond(events.encode(reply))
+
+    def _spec_for_this_node(self, order: NodeLaunch) -> tuple[LaunchSpec, Path]:
+        """The launch spec with its folders on this node's disk, written to its attempt
+        folder; a resume path under the coordinator's checkpoint root moves to ours."""
+        spec = msgspec.convert(order.spec, LaunchSpec)
+        root = Path(self.s.checkpoint_root).resolve()
+        attempt_dir = (Path(self.s.work_root).resolve() / order.run_id
+                       / f"attempt-{order.attempt}-node{order.node_rank}")
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        resume = spec.resume_path
+        if resume:
+            with contextlib.suppress(ValueError):
+                resume = str(root / Path(resume).relative_to(spec.checkpoint_root))
+        spec = msgspec.structs.replace(spec, checkpoint_root=str(root), resume_path=resume,
+                                       attempt_dir=str(attempt_dir))
+        path = attempt_dir / "launch.json"
+        path.write_bytes(msgspec.json.encode(spec))
+        return spec, path
+
+    async def _launch(self, order: NodeLaunch) -> NodeReply:
+        held = self.held.get(order.run_id)
+        if held is not None:
+            if held.order.attempt == order.attempt and held.proc.returncode is None:
+                return held.reply  # a retried order whose reply was lost
+            self._kill(held, f"superseded by attempt {order.attempt}")
+            await held.proc.wait()
+        spec, spec_path = self._spec_for_this_node(order)
+        addr, port = order.master_addr, order.master_port
+        if order.node_rank == 0 and not port:  # the rendezvous is ours to open
+            addr = self.s.rendezvous_host
+            port = rendezvous_port(addr)
+        command = node_command(self.s, order, addr, port, spec_path)
+        log_path = Path(spec.attempt_dir) / f"agent-{order.node_rank}-{self.s.node}.log"
+        proc = await spawn(command, log_path, rank_env(None, self.s.node), with_parent=True)
+        reply = NodeReply(node=self.s.node, master_addr=addr, master_port=port, pid=proc.pid,
+                          log_path=str(log_path))
+        held = Held(order=order, cluster=spec.cluster or self.s.cluster, proc=proc, reply=reply)
+        self.held[order.run_id] = held
+        self.tg.create_task(self._report(held), name=f"report-{order.run_id}")
+        self.ctx.log.info("node_agent.launched", run_id=order.run_id, attempt=order.attempt,
+                          node_rank=order.node_rank, pid=proc.pid, master=f"{addr}:{port}")
+        return reply
+
+    async def _stop(self, order: NodeStop) -> NodeReply:
+        held = self.held.get(order.run_id)
+        if held is None or held.order.attempt != order.attempt:
+            return NodeReply(node=self.s.node)  # nothing of that attempt here
+        self._kill(held, order.reason or "stop order")
+        try:
+            code = await asyncio.wait_for(held.proc.wait(), 10.0)
+        except TimeoutError:
+            code = None
+        return NodeReply(node=self.s.node, pid=held.proc.pid, exit_code=code)
+
+    def _kill(self, held: Held, why: str) -> None:
+        if held.proc.returncode is None and not held.stopped:
+            self.ctx.log.warning("node_agent.killing", run_id=held.order.run_id,
+                                 attempt=held.order.attempt, reason=why)
+        held.stopped = held.stopped or why
+        kill_agent(held.proc.pid)
+
+    # -------------------------------------------------------------------------- reports
+
+    async def _report(self, held: Held) -> None:
+        """Report ``held`` every ``report_every_s`` while it runs, and its exit once;
+        kill it when the coordinator disowns it or stays silent (``orphan_after_s``)."""
+        order, bus = held.order, self.ctx.bus
+        subject = subjects.trainer_report(held.cluster, order.run_id)
+        answered = time.monotonic()
+        try:
+            while held.proc.returncode is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(held.proc.wait()),
+                                           order.report_every_s)
+                if held.proc.returncode is not None:
+                    break
+                try:
+                    reply = await bus.request(subject, self._report_of(held),
+                                              events.NodeReportReply,
+                                              timeout=order.report_every_s)
+                except Exception:  # no coordinator answered this time
+                    if time.monotonic() - answered >= self.s.orphan_after_s:
+                        self._kill(held, f"no word from the coordinator for "
+                                   f"{self.s.orphan_after_s:g}s")
+                    continue
+                answered = time.monotonic()
+                if not reply.keep:
+                    self._kill(held, "the coordinator no longer runs this attempt")
+            if held.stopped:
+                return  # killed by order or by us: the coordinator is not waiting to hear
+            report = self._report_of(held)
+            with contextlib.suppress(Exception):
+                await retry(lambda: bus.request(subject, report, events.NodeReportReply,
+                                                timeout=order.report_every_s),
+                            EXIT_REPORT_BACKOFF, when=transient, within=self.s.orphan_after_s)
+            self.ctx.log.info("node_agent.exited", run_id=order.run_id, attempt=order.attempt,
+                              code=held.proc.returncode)
+        finally:
+            if self.held.get(order.run_id) is held:
+                del self.held[order.run_id]
+
+    def _report_of(self, held: Held) -> events.NodeReport:
+        code = held.proc.returncode
+        return events.NodeReport(run_id=held.order.run_id, attempt=held.order.attempt,
+                          node=self.s.node, running=code is None, exit_code=code,
+                          pid=held.proc.pid)
