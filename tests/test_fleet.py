@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -128,6 +130,26 @@ async def test_nodes_sharing_a_drain_board_each_see_only_their_own_drains(
     await board.stop()
 
 
+@contextlib.asynccontextmanager
+async def _beating(agent: NodeAgent) -> AsyncIterator[None]:
+    """The agent heartbeats every second meanwhile, as a running agent does: a CLI start
+    can take longer than the heartbeat TTL on a busy box (it read one node as down)."""
+    stop = asyncio.Event()
+
+    async def beat() -> None:
+        while not stop.is_set():
+            await agent.heartbeat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)  # the agent's period
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
 async def _cli(server_url: str, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         PYTHON, "-m", "tandem.cli.main", *args, env=service_env(nats_url=server_url),
@@ -148,15 +170,15 @@ async def test_clusters_and_node_drain_commands_print_and_change_the_fleet(
     assert code == 0, err
     assert f"drained {cluster}/n1: bad fan" in out
     await until(lambda: agent.state == Health.drained)
-    await agent.heartbeat()
 
-    code, out, err = await _cli(nats_server.url, "clusters", "--gpus")
+    async with _beating(agent):
+        code, out, err = await _cli(nats_server.url, "clusters", "--gpus")
     assert code == 0, err
     assert cluster in out and "UNHEALTHY (no serving node)" in out
     assert "drained: bad fan" in out and "gpu1" in out and "util" in out
 
-    await agent.heartbeat()  # fresh again: each CLI start can take seconds on a busy box
-    code, out, err = await _cli(nats_server.url, "clusters", "--json")
+    async with _beating(agent):
+        code, out, err = await _cli(nats_server.url, "clusters", "--json")
     assert code == 0, err
     [node] = json.loads(out)["clusters"][0]["nodes"]
     assert (node["node"], node["status"], node["drain_reason"]) == ("n1", "drained", "bad fan")
