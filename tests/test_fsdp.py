@@ -19,6 +19,7 @@ uninterrupted run's by sampling: they must stay within ``RESHARD_RTOL`` of them.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ from tandem.common import checkpoints as ck
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tests.fsdp_support import Job, spawn
+
+# Spawning eight ranks that each import torch is most of this module's time; on a busy
+# two-core machine the module fixture alone has taken over 300 s.
+pytestmark = pytest.mark.timeout(600)
 
 # Relative difference allowed between a resharded run's loss and the uninterrupted
 # run's at the same step (noise drawn by other generators on the same samples).
@@ -129,3 +134,40 @@ def test_a_sharded_folder_missing_a_shard_is_never_a_valid_checkpoint(
     with pytest.raises(ValueError, match="a shard of rank 3"):
         ck.sharded(ck.scan(path, "ref4", 4), 4, "")
     assert ck.sharded(ck.scan(path, "ref4", 4), 4, "n0").part == "n0"
+
+
+def _torchrun(tmp_path: Path, world: int, steps: int, resume: str = "") -> Path:
+    """Run ``tandem.trainer.rank`` under torchrun as the coordinator launches it (no bus:
+    the spec names no event relay) and return the run's checkpoint folder."""
+    import subprocess
+
+    import msgspec
+
+    from tandem.trainer.launcher import LocalLauncher, place
+    from tandem.trainer.spec import LaunchSpec
+    from tests.fsdp_support import free_port
+
+    job = Job("tr", str(tmp_path / "ckpt"), steps=steps)
+    spec = LaunchSpec(run_id="tr", attempt=1, config=job.config(world),
+                      checkpoint_root=job.root, attempt_dir=str(tmp_path / f"a{world}"),
+                      rank_nodes=["n0"] * world, resume_path=resume, node="n0")
+    spec_path = tmp_path / f"launch-{world}.json"
+    spec_path.write_bytes(msgspec.json.encode(spec))
+    placement = place(world, ["n0"])
+    assert placement is not None
+    cmd = LocalLauncher().command(placement, 0, free_port(), spec_path)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return ck.run_dir(job.root, "tr")
+
+
+def test_the_rank_entry_point_trains_fsdp_under_torchrun_and_resumes_on_more_ranks(
+        tmp_path: Path) -> None:
+    first = _torchrun(tmp_path, 1, steps=2)
+    assert ck.verify(first / "step-2").world_size == 1
+    second = _torchrun(tmp_path, 2, steps=4, resume=str(first / "step-2"))
+    manifest = ck.verify(second / "step-4")
+    assert (manifest.world_size, manifest.part) == (2, "")
+    trainer = torch.load(second / "step-4" / "trainer.pt", weights_only=True)
+    assert (trainer["step"], trainer["data_pos"], trainer["world_size"]) == (4, 4, 2)

@@ -5,7 +5,10 @@ number of ranks (DCP reshards on load).
 Save (``ShardedCheckpointer.save``, collective: every rank calls it at the same step):
 
 1. wait for the previous save (one in flight at a time; the wait counts as blocked);
-2. the node's first rank (``LOCAL_RANK`` 0) makes an empty ``step-<N>.incomplete/``;
+2. every rank makes ``step-<N>.incomplete/shards/`` if it is not there yet: leftovers
+   of an interrupted attempt were removed when the checkpointer was made (by the node's
+   first rank, ``LOCAL_RANK`` 0, before every rank passed a barrier), so the folder
+   holds only this attempt's files, and the step needs no barrier of its own;
 3. ``dcp.async_save`` stages this rank's shards (model, optimizer, EMA) into CPU
    buffers the stager keeps between checkpoints: the step is blocked for that copy
    only. Writing, the exchange of write results and rank 0's ``.metadata`` run on a
@@ -110,6 +113,11 @@ class ShardedCheckpointer:
         # NOTE: a group of its own, so the background thread's collectives (plan, write
         # results, metadata) never interleave with training's on the default group.
         self.group = dist.new_group(backend="gloo")
+        if local_rank == 0:
+            # A leftover could hold shards of another world size, which would then be
+            # listed as this checkpoint's.
+            ck.remove_incomplete(self.root, run_id)
+        dist.barrier(group=self.group)
         self.stager = DefaultStager(StagingOptions(
             use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=pin))
@@ -125,9 +133,7 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         self.wait()
         tmp = ck.incomplete_dir(self.root, self.run_id, step)
-        if self.local_rank == 0:
-            ck.prepare_incomplete(self.root, self.run_id, step)
-        dist.barrier(group=self.group)  # the node's folder is fresh before anyone writes
+        (tmp / ck.SHARD_DIR).mkdir(parents=True, exist_ok=True)
         writer = FileSystemWriter(tmp / ck.SHARD_DIR, single_file_per_rank=True,
                                   thread_count=1, sync_files=True)
         future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
