@@ -171,3 +171,31 @@ def test_the_rank_entry_point_trains_fsdp_under_torchrun_and_resumes_on_more_ran
     assert (manifest.world_size, manifest.part) == (2, "")
     trainer = torch.load(second / "step-4" / "trainer.pt", weights_only=True)
     assert (trainer["step"], trainer["data_pos"], trainer["world_size"]) == (4, 4, 2)
+
+
+def test_dcp_metadata_is_read_without_unpickling_anything_but_dcp_metadata(
+        tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from tandem.common.events import CheckpointManifest
+    from tandem.trainer.sharded_ckpt import check_shards, read_metadata
+
+    shards = tmp_path / ck.SHARD_DIR
+    with pytest.warns(UserWarning, match="single process"):  # no process group here
+        dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(shards), no_dist=True)
+    assert "w" in read_metadata(shards).state_dict_metadata
+    manifest = ck.scan(tmp_path, "r", 1)
+    check_shards(tmp_path, manifest)  # every shard the metadata names is listed
+    listed = [f for f in manifest.files if ck.shard_rank(f.name) is None]
+    with pytest.raises(ck.CorruptCheckpoint, match="the manifest does not list"):
+        check_shards(tmp_path, CheckpointManifest(run_id="r", step=1, files=listed))
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("true",))
+
+    (shards / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ck.CorruptCheckpoint, match=r"refers to (posix|os)\.system"):
+        check_shards(tmp_path, manifest)
