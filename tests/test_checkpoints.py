@@ -14,7 +14,7 @@ from tandem.checkpointer.mirror import Mirror, MirrorConfig
 from tandem.cli import checkpoints as cli
 from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
-from tandem.common.errors import CheckpointNotFound
+from tandem.common.errors import CheckpointCorrupt, CheckpointNotFound
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tests.checkpoint_support import MiB, write_checkpoint
@@ -210,3 +210,45 @@ def test_a_worker_loads_the_newest_verified_checkpoint_with_ema_weights(
     unet, _, label, step = ck.load_serving_model(run, s3=s3, bucket=bucket)
     assert (label, step) == (f"{run}/step-10", 10)
     assert all(float(p.detach().flatten()[0]) == 10.0 for p in unet.parameters())
+
+
+def _sharded_part(node: str, ranks: list[int], world: int, rank0: bool) -> Any:
+    from tandem.common.events import CheckpointManifest, FileEntry
+
+    names = [f"shards/__{r}_0.distcp" for r in ranks]
+    if rank0:
+        names += [ck.DCP_METADATA, *ck.SHARDED_STATE]
+    files = [FileEntry(name=n, size=len(n), sha256=f"{i:064x}") for i, n in enumerate(names)]
+    return ck.sharded(CheckpointManifest(run_id="r", step=8, files=files), world, node)
+
+
+def test_a_sharded_checkpoint_commits_only_whole_from_every_nodes_part(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    a = _sharded_part("na", [0, 1], 4, rank0=True)
+    b = _sharded_part("nb", [2, 3], 4, rank0=False)
+    assert (a.part, b.part) == ("na", "nb")  # neither node holds every shard
+    with pytest.raises(CheckpointCorrupt, match=r"node na's part .* is not a commit"):
+        ck.decode_manifest(ck.encode_manifest(a), "r", 8)
+    whole = ck.merge_parts([a, b])
+    assert (whole.part, whole.world_size, ck.missing(whole)) == ("", 4, [])
+    assert ck.decode_manifest(ck.encode_manifest(whole), "r", 8).files == whole.files
+    with pytest.raises(ValueError, match="lacks a shard of rank 2, a shard of rank 3"):
+        ck.merge_parts([a])
+    bad = ck.encode_manifest(whole).replace(
+        b"shards/__3_0.distcp", b"shards/__9_0.distcp")
+    with pytest.raises(CheckpointCorrupt, match="rank 9 outside world size 4"):
+        ck.decode_manifest(bad, "r", 8)
+
+    # The checkpointer's mirror uploads a part's files but never commits a part.
+    directory = tmp_path / "step-8"
+    for f in b.files:
+        (directory / f.name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / f.name).write_bytes(f.name.encode())
+    part = ck.sharded(ck.scan(directory, "r", 8), 4, "nb")
+    mirror = Mirror(s3, MirrorConfig(bucket=bucket))
+    try:
+        with pytest.raises(ValueError, match="not a commit"):
+            mirror.mirror(directory, part)
+    finally:
+        mirror.close()
+    assert ck.list_steps(s3, bucket, "r") == {8: False}

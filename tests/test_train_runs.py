@@ -60,6 +60,9 @@ RUN_TIMEOUT = 480.0
 TINY_MODEL = {"sample_size": 8, "block_out_channels": [16, 32],
               "down_block_types": ["DownBlock2D", "DownBlock2D"],
               "up_block_types": ["UpBlock2D", "UpBlock2D"]}
+# A tiny DiT for the FSDP run (sharded per block, checkpointed per rank).
+TINY_DIT = {"kind": "dit", "sample_size": 8, "num_classes": 10, "num_layers": 2,
+            "num_attention_heads": 2, "attention_head_dim": 8, "patch_size": 2}
 
 
 def tiny(run_id: str, **over: Any) -> dict[str, Any]:
@@ -111,7 +114,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
                    "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}",
-                   "linger": f"linger-{uid}"},
+                   "linger": f"linger-{uid}", "fsdp": f"fsdp-{uid}"},
                metrics_url="", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
@@ -125,6 +128,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tiny(bg["linger"], cluster=st.cluster, ranks=1, steps=2, checkpoint_every=2,
              faults={"hang_on_exit_rank": 0},
              watchdog={"hang_floor_s": 120, "startup_timeout_s": 200, "teardown_grace_s": 1}),
+        tiny(bg["fsdp"], cluster=st.cluster, steps=8, checkpoint_every=2, model=TINY_DIT,
+             parallelism="fsdp", faults={"nan_at_data_pos": [5]},
+             loss_health={"min_history": 5, "skip_batches": 2}),
     ]))
     proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8",
                              metrics_port="0", otlp_endpoint=st.otlp.url)
@@ -498,6 +504,26 @@ async def test_nan_loss_rolls_back_and_skips_the_data_window(stack: Stack, tbus:
 
     trainer = torch.load(stack.ckpt_root / run / "step-10" / "trainer.pt", weights_only=True)
     assert trainer["data_pos"] == 12 and trainer["skipped"] == [[4, 5]]
+
+
+async def test_an_fsdp_run_rolls_back_through_its_sharded_checkpoint_and_succeeds(
+        stack: Stack, tbus: Bus) -> None:
+    import torch
+
+    from tandem.common import checkpoints as ck
+
+    run = stack.background["fsdp"]
+    rec = await finished(tbus, run)
+    assert rec.state == RunState.succeeded, render_status(rec)
+    (inc,) = rec.incidents
+    assert inc["kind"] == "loss_anomaly" and inc["resume_from"] == 4
+    written = await until_event(tbus, run, lambda e: isinstance(e, CheckpointWritten)
+                                and e.step == 8)
+    assert (written.manifest.kind, written.manifest.world_size) == (ck.SHARDED, 2)
+    final = stack.ckpt_root / run / "step-8"
+    assert ck.verify(final).files == written.manifest.files
+    trainer = torch.load(final / "trainer.pt", weights_only=True)
+    assert trainer["data_pos"] == 10 and trainer["skipped"] == [[4, 5]]
 
 
 async def test_goodput_is_recorded_and_shown_in_status(stack: Stack, tbus: Bus) -> None:

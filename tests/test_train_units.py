@@ -294,3 +294,38 @@ def test_device_picks_the_backend() -> None:
             pick_device(cuda, 0)
     auto = pick_device(parse_run_config({"device": "auto"}), 0)[1]
     assert auto == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_parallelism_is_config_and_bf16_is_refused_where_it_cannot_run() -> None:
+    import torch
+
+    from tandem.trainer.sharding import MixedPrecisionUnsupported, mixed_precision
+
+    assert parse_run_config({}).parallelism == "ddp"
+    fsdp = parse_run_config({"parallelism": "fsdp", "fsdp": {"reshard_after_forward": False}})
+    assert fsdp.fsdp.reshard_after_forward is False and fsdp.fsdp.mixed_precision == "none"
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({"parallelism": "fsdp", "device": "cpu",
+                          "fsdp": {"mixed_precision": "bf16"}})
+    assert "needs a CUDA device with bf16" in str(exc.value.problems)
+    with pytest.raises(InvalidRunConfig):
+        parse_run_config({"parallelism": "fsdp", "mixed_precision": "fp16"})
+    auto = parse_run_config({"parallelism": "fsdp", "fsdp": {"mixed_precision": "bf16"}})
+    with pytest.raises(MixedPrecisionUnsupported, match="cannot run on cpu"):
+        mixed_precision(auto, torch.device("cpu"))
+    assert mixed_precision(fsdp, torch.device("cpu")).param_dtype is None
+
+
+def test_the_dit_b_preset_is_a_model_worth_sharding() -> None:
+    import torch
+
+    from tandem.trainer.loop import build_model
+
+    cfg = parse_run_config({"model": "dit-b", "parallelism": "fsdp"})
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = build_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert params >= 100_000_000
+    assert params * 4 * 3 >= 1.2e9  # fp32 weights and AdamW's two moments
+    with pytest.raises(InvalidRunConfig, match="dit-b"):
+        parse_run_config({"model": "dit-z"})

@@ -390,6 +390,9 @@ class CheckpointManifest(msgspec.Struct, kw_only=True):
     files: list[FileEntry]
     created_at: float = msgspec.field(default_factory=now)
     format: int = 1
+    kind: str = "full"  # "full": one writer; "sharded": DCP shards of world_size ranks
+    world_size: int = 0  # sharded: how many ranks wrote it (a restore may use others)
+    part: str = ""  # sharded: the node this is one share of; "" for a whole checkpoint
 
 
 class CheckpointWritten(Event, kw_only=True, tag="checkpoint", tag_field="kind"):

@@ -179,6 +179,7 @@ class Mirror:
 
     def _commit(self, manifest: CheckpointManifest) -> bool:
         """Put the manifest if absent. True if this call committed it."""
+        ck.check_commit(manifest)  # a node's part of a sharded checkpoint never commits
         run, step = manifest.run_id, manifest.step
         body = ck.encode_manifest(manifest)
         key = ck.manifest_key(run, step)

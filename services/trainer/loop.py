@@ -5,11 +5,16 @@ the model is initialised from the seed; the data order is a function of the data
 position (``data.BatchPlan``); noise and timesteps come from a per-rank generator whose
 state is checkpointed with every other RNG state; the loss-health window is
 checkpointed too, so the same decisions are taken after a resume.
+
+``parallelism`` picks how ranks share the model: ``ddp`` replicates it (rank 0 writes
+the whole state); ``fsdp`` shards it with FSDP2 (``sharding``) and every rank writes its
+own shards (``sharded_ckpt``), so a resume may change the world size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 import time
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tandem.common import checkpoints as ck
 from tandem.common.diffusion import (
     DiTConfig,
     UNetConfig,
@@ -33,6 +39,7 @@ from tandem.common.diffusion import (
 )
 from tandem.common.runs import RunConfig
 from tandem.trainer import data as data_mod
+from tandem.trainer import sharded_ckpt, sharding
 from tandem.trainer.async_ckpt import AsyncCheckpointer, Snapshot, load_objects
 from tandem.trainer.health import LossAnomaly, LossHealth
 
@@ -100,12 +107,18 @@ class TrainLoop:
         self.plan = data_mod.BatchPlan(len(x), cfg.batch_size, world, rank, cfg.seed)
         self.model = build_model(cfg).to(self.device)
         self.is_dit = cfg.model.kind == "dit"
+        self.sharded = cfg.parallelism == "fsdp"
         self.noise_scheduler = build_scheduler(UNetConfig(
             num_train_timesteps=m.num_train_timesteps))
         self.alphas = self.noise_scheduler.alphas_cumprod.to(self.device)
-        self.ddp: torch.nn.Module = (
-            DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda"
-                else None) if distributed else self.model)
+        if self.sharded:
+            if not dist.is_initialized():
+                raise RuntimeError("parallelism fsdp needs the process group initialised")
+            self.ddp: torch.nn.Module = sharding.shard(self.model, cfg, self.device, world)
+        else:
+            self.ddp = (DDP(self.model, device_ids=[self.device.index]
+                            if self.device.type == "cuda" else None)
+                        if distributed else self.model)
         self.ema = {k: p.detach().clone() for k, p in self.model.named_parameters()}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
@@ -162,8 +175,8 @@ class TrainLoop:
             self.scaler.unscale_(self.optimizer)
         else:
             loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                         self.cfg.grad_clip))
+        grad_norm = sharding.full_value(torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.grad_clip))
         stats = torch.tensor([loss.detach().float().item(), local], dtype=torch.float64)
         if self.distributed:
             gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
@@ -238,8 +251,11 @@ class TrainLoop:
                 "world_size": self.world, "skipped": self.skipped,
                 "loss_window": self.health.state_dict(), "seed": self.cfg.seed}
 
-    def checkpoint(self, writer: AsyncCheckpointer | None) -> Snapshot | None:
-        """Gather every rank's RNG state, then (rank 0) snapshot and queue the write.
+    def checkpoint(self, writer: AsyncCheckpointer | sharded_ckpt.ShardedCheckpointer | None
+                   ) -> Snapshot | float | None:
+        """Gather every rank's RNG state, then (rank 0) snapshot and queue the write; or,
+        sharded, every rank queues its own shards. Returns the snapshot (rank 0 of a DDP
+        run), the seconds blocked (sharded) or None.
 
         Collective: every rank must call it at the same step.
         """
@@ -249,6 +265,14 @@ class TrainLoop:
             dist.all_gather_object(all_rng, rng)
         else:
             all_rng = [rng]
+        if isinstance(writer, sharded_ckpt.ShardedCheckpointer):
+            rank0 = ({"scheduler": copy.deepcopy(self.lr_sched.state_dict()),
+                      "rng": {"ranks": all_rng}, "trainer": self.trainer_state()}
+                     if self.rank == 0 else None)
+            return writer.save(
+                self.step, sharded_ckpt.state_of(self.model, self.optimizer, self.ema),
+                rank0, {"model_config.json": model_config(self.cfg)} if self.rank == 0
+                else None)
         if self.rank != 0 or writer is None:
             return None
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
@@ -264,13 +288,27 @@ class TrainLoop:
         )
 
     def load(self, path: Path) -> None:
-        """Resume from the checkpoint directory ``path`` (verified by the caller)."""
-        dev = str(self.device)
-        self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=dev))
-        ema = load_file(str(path / "ema.safetensors"), device=dev)
-        self.ema = {k: ema[k] for k in self.ema}
-        self.optimizer.load_state_dict(load_objects(path, "optimizer"))
-        self.lr_sched.load_state_dict(load_objects(path, "scheduler"))
+        """Resume from the checkpoint directory ``path`` (verified by the caller).
+
+        A sharded checkpoint loads on any world size (DCP reshards); it is collective.
+        """
+        # The caller verified every checksum; here the manifest says what the files are.
+        manifest = (ck.parse_manifest((path / ck.MANIFEST).read_bytes()) if self.sharded
+                    else None)
+        if (manifest is not None) != (path / ck.DCP_METADATA).is_file() or (
+                manifest is not None and manifest.kind != ck.SHARDED):
+            raise ValueError(f"{path} is {'not ' if self.sharded else ''}a sharded "
+                             f"checkpoint, and this run's parallelism is {self.cfg.parallelism}")
+        if manifest is not None:
+            objs = sharded_ckpt.load(path, self.model, self.optimizer, self.ema, manifest)
+            self.lr_sched.load_state_dict(objs["scheduler"])
+        else:
+            dev = str(self.device)
+            self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=dev))
+            ema = load_file(str(path / "ema.safetensors"), device=dev)
+            self.ema = {k: ema[k] for k in self.ema}
+            self.optimizer.load_state_dict(load_objects(path, "optimizer"))
+            self.lr_sched.load_state_dict(load_objects(path, "scheduler"))
         ts = load_objects(path, "trainer")
         self.step, self.data_pos = int(ts["step"]), int(ts["data_pos"])
         self.health.load_state_dict(ts["loss_window"])

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     cfg = RunConfig.model_validate(spec.config)
     torch.set_num_threads(spec.threads)
     device, backend = pick_device(cfg, local_rank)
-    distributed = world > 1
+    distributed = world > 1 or cfg.parallelism == "fsdp"
     if distributed:
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     loop = TrainLoop(cfg, rank=rank, world=world, device=device, distributed=distributed,
@@ -84,8 +84,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if spec.resume_path:
         loop.load(Path(spec.resume_path))
 
-    writer = (checkpoint_writer(spec, channel, node, pin=device.type == "cuda")
-              if rank == 0 else None)
+    if cfg.parallelism == "fsdp":
+        writer = checkpoint_writer(spec, channel, node, pin=device.type == "cuda",
+                                   rank=rank, local_rank=local_rank, world=world)
+    else:
+        writer = (checkpoint_writer(spec, channel, node, pin=device.type == "cuda")
+                  if rank == 0 else None)
     faults = cfg.faults
     samples = cfg.batch_size * world
     rank_nodes = list(spec.rank_nodes) or [node] * world
@@ -135,9 +139,13 @@ def leave(code: int) -> NoReturn:
 
 
 def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
-                      pin: bool = False) -> Any:
-    """Rank 0's async checkpointer, announcing each written checkpoint to the coordinator."""
+                      pin: bool = False, *, rank: int | None = None, local_rank: int = 0,
+                      world: int = 1) -> Any:
+    """Rank 0's async checkpointer, announcing each written checkpoint to the coordinator;
+    with ``rank`` (an FSDP run) this rank's sharded checkpointer, whose node's first rank
+    announces the node's committed folder."""
     from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
+    from tandem.trainer.sharded_ckpt import ShardedCheckpointer
 
     def written(w: Written) -> None:
         channel.send(CheckpointWritten(
@@ -147,6 +155,10 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
     def failed(step: int, exc: BaseException) -> None:
         channel.send(CheckpointWriteFailed(step=step, error=repr(exc)))
 
+    if rank is not None:
+        return ShardedCheckpointer(spec.checkpoint_root, spec.run_id, rank=rank,
+                                   local_rank=local_rank, world=world, node=node, pin=pin,
+                                   on_written=written, on_error=failed)
     return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
                              on_error=failed)
 
@@ -159,7 +171,8 @@ def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: i
     blocked = 0.0
     if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
         snap = loop.checkpoint(writer)
-        blocked = snap.blocked_s if snap is not None else 0.0
+        blocked = (snap if isinstance(snap, float) else
+                   snap.blocked_s if snap is not None else 0.0)
     if loop.rank == 0:
         channel.send(StepReport(
             step=r.step, data_pos=r.data_pos, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,

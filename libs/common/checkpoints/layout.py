@@ -22,6 +22,20 @@ In S3 (``run`` and file names are validated; nothing can escape the prefix)::
 written before the rename, so a folder named ``step-<N>`` always has one; in S3 it is
 the commit: a step without one is an upload in progress (or abandoned) and is never
 listed as committed or loaded.
+
+A sharded checkpoint (``kind="sharded"``, an FSDP run) holds Distributed Checkpoint
+shards instead of the model, EMA and optimizer files::
+
+    step-<N>/shards/__<rank>_<i>.distcp   rank <rank>'s shards (every rank writes its own)
+    step-<N>/shards/.metadata             which shard holds what (written by rank 0, last)
+    step-<N>/scheduler.pt  rng.pt  trainer.pt  model_config.json   (rank 0)
+
+Its manifest records ``world_size``. It is whole only when it lists ``.metadata``, a
+shard of every rank below ``world_size`` and rank 0's files (``missing``); a manifest
+that says it is whole and is not is invalid everywhere, so such a checkpoint is never
+restorable. A node that holds only some ranks commits its share locally with ``part``
+set to its name; a part is never a commit (``decode_manifest`` refuses it), and
+``merge_parts`` builds the one commit manifest from every node's part.
 """
 
 from __future__ import annotations
@@ -47,6 +61,13 @@ _STEP = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME_PART = re.compile(r"[A-Za-z0-9_.+=-]{1,128}")
 MAX_NAME = 512
+FULL = "full"
+SHARDED = "sharded"
+SHARD_DIR = "shards"
+DCP_METADATA = f"{SHARD_DIR}/.metadata"
+# What rank 0 writes beside the shards of a sharded checkpoint.
+SHARDED_STATE = ("scheduler.pt", "rng.pt", "trainer.pt", "model_config.json")
+_SHARD = re.compile(rf"{SHARD_DIR}/__(0|[1-9][0-9]{{0,5}})_(0|[1-9][0-9]{{0,5}})\.distcp")
 
 
 # ----------------------------------------------------------------------------------- names
@@ -159,6 +180,8 @@ def validate_manifest(manifest: CheckpointManifest, run_id: str | None = None,
     step_name(manifest.step)
     if not manifest.files:
         raise ValueError("manifest lists no files")
+    if manifest.kind not in (FULL, SHARDED):
+        raise ValueError(f"manifest kind must be {FULL!r} or {SHARDED!r}, got {manifest.kind!r}")
     seen: set[str] = set()
     for f in manifest.files:
         check_name(f.name)
@@ -169,7 +192,78 @@ def validate_manifest(manifest: CheckpointManifest, run_id: str | None = None,
             raise ValueError(f"{f.name}: negative size {f.size}")
         if not _SHA256.fullmatch(f.sha256):
             raise ValueError(f"{f.name}: sha256 must be 64 lowercase hex digits, got {f.sha256!r}")
+    if manifest.kind == SHARDED:
+        _validate_sharded(manifest)
+    elif manifest.part or manifest.world_size:
+        raise ValueError("only a sharded manifest has a world_size or a part")
     return manifest
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank that wrote shard file ``name`` (``shards/__3_0.distcp`` -> 3), or None."""
+    m = _SHARD.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def missing(manifest: CheckpointManifest) -> list[str]:
+    """What a sharded manifest lacks to be a whole checkpoint (empty when whole)."""
+    names = {f.name for f in manifest.files}
+    have = {r for n in names if (r := shard_rank(n)) is not None}
+    lack = [n for n in (DCP_METADATA, *SHARDED_STATE) if n not in names]
+    lack += [f"a shard of rank {r}" for r in range(manifest.world_size) if r not in have]
+    return lack
+
+
+def _validate_sharded(manifest: CheckpointManifest) -> None:
+    if manifest.world_size < 1:
+        raise ValueError(f"a sharded manifest needs world_size >= 1, got {manifest.world_size}")
+    for f in manifest.files:
+        if not f.name.startswith(f"{SHARD_DIR}/") or f.name == DCP_METADATA:
+            continue
+        rank = shard_rank(f.name)
+        if rank is None:
+            raise ValueError(f"{f.name}: not a shard file (shards/__<rank>_<i>.distcp)")
+        if rank >= manifest.world_size:
+            raise ValueError(f"{f.name}: rank {rank} outside world size {manifest.world_size}")
+    if manifest.part:
+        token(manifest.part, "node")
+    elif lack := missing(manifest):
+        raise ValueError(f"sharded checkpoint of {manifest.world_size} ranks is not whole: "
+                         f"it lacks {', '.join(lack)}")
+
+
+def sharded(manifest: CheckpointManifest, world_size: int, node: str) -> CheckpointManifest:
+    """``manifest`` (a ``scan`` of one node's folder) as a sharded one of ``world_size``
+    ranks: whole when the folder holds every shard, else ``node``'s part."""
+    out = msgspec.structs.replace(manifest, kind=SHARDED, world_size=world_size, part="")
+    if missing(out):
+        if not node:
+            raise ValueError(f"a folder without every shard ({', '.join(missing(out))}) "
+                             "is one node's part, and needs the node's name")
+        out = msgspec.structs.replace(out, part=node)
+    return validate_manifest(out)
+
+
+def merge_parts(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
+    """The one commit manifest of a sharded checkpoint from every node's part (or whole
+    manifests); ValueError when they disagree or together still lack a shard."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("no parts to merge")
+    first = parts[0]
+    files: dict[str, FileEntry] = {}
+    for p in parts:
+        if (p.kind, p.run_id, p.step, p.world_size) != (SHARDED, first.run_id, first.step,
+                                                        first.world_size):
+            raise ValueError(f"part {p.part!r} is not of the same sharded checkpoint "
+                             f"({p.run_id} step {p.step}, {p.world_size} ranks)")
+        for f in p.files:
+            seen = files.setdefault(f.name, f)
+            if (seen.size, seen.sha256) != (f.size, f.sha256):
+                raise ValueError(f"{f.name} differs between parts")
+    return validate_manifest(CheckpointManifest(
+        run_id=first.run_id, step=first.step, files=sorted(files.values(), key=lambda f: f.name),
+        kind=SHARDED, world_size=first.world_size))
 
 
 def encode_manifest(manifest: CheckpointManifest) -> bytes:
@@ -189,15 +283,29 @@ def parse_manifest(data: bytes, run_id: str | None = None,
 def decode_manifest(data: bytes, run_id: str, step: int) -> CheckpointManifest:
     """``parse_manifest`` for a stored commit; ``CheckpointCorrupt`` if it is not one."""
     try:
-        return parse_manifest(data, run_id, step)
+        manifest = parse_manifest(data, run_id, step)
+    except ValueError as exc:
+        raise CheckpointCorrupt(run_id, step, MANIFEST, f"invalid manifest: {exc}") from None
+    try:
+        return check_commit(manifest)
     except ValueError as exc:
         raise CheckpointCorrupt(run_id, step, MANIFEST, f"invalid manifest: {exc}") from None
 
 
+def check_commit(manifest: CheckpointManifest) -> CheckpointManifest:
+    """``manifest`` if it may be a commit: ValueError for one node's part of a sharded
+    checkpoint (``merge_parts`` of every node's part is the commit)."""
+    if manifest.part:
+        raise ValueError(f"node {manifest.part}'s part of a sharded checkpoint is not a "
+                         "commit")
+    return manifest
+
+
 def same_files(a: CheckpointManifest, b: CheckpointManifest) -> bool:
     """Whether two manifests describe the same bytes (timestamps aside)."""
-    key = lambda m: sorted((f.name, f.size, f.sha256) for f in m.files)  # noqa: E731
-    return (a.run_id, a.step, key(a)) == (b.run_id, b.step, key(b))
+    key = lambda m: (m.run_id, m.step, m.kind, m.world_size, m.part,  # noqa: E731
+                     sorted((f.name, f.size, f.sha256) for f in m.files))
+    return key(a) == key(b)
 
 
 def sha256_file(path: Path, chunk: int = 8 * CHUNK) -> str:

@@ -35,6 +35,7 @@ from .layout import (
     run_dir,
     scan,
     sha256_file,
+    sharded,
     step_name,
 )
 
@@ -57,14 +58,18 @@ def prepare_incomplete(root: str | Path, run_id: str, step: int) -> Path:
     return tmp
 
 
-def commit(run_id: str, step: int, tmp: Path) -> tuple[Path, CheckpointManifest]:
+def commit(run_id: str, step: int, tmp: Path, *, world_size: int = 0,
+           node: str = "") -> tuple[Path, CheckpointManifest]:
     """Write the manifest into ``tmp``, fsync everything and rename it to ``step-<N>``.
 
     A crash at any point leaves either ``step-<N>.incomplete`` (ignored) or a whole
     ``step-<N>``. An existing ``step-<N>`` (a deterministic rewrite after a resume) is
-    replaced.
+    replaced. ``world_size`` > 0 commits a sharded checkpoint (``layout.sharded``): the
+    manifest is a whole one when ``tmp`` holds every rank's shards, else ``node``'s part.
     """
     manifest = scan(tmp, run_id, step)
+    if world_size:
+        manifest = sharded(manifest, world_size, node)
     (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
     for p in tmp.rglob("*"):
         if p.is_file():

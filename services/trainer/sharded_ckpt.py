@@ -1,0 +1,205 @@
+"""Sharded checkpoints of an FSDP run: every rank saves its own shards with Distributed
+Checkpoint (DCP) into its node's local checkpoint folder, and loads them back on any
+number of ranks (DCP reshards on load).
+
+Save (``ShardedCheckpointer.save``, collective: every rank calls it at the same step):
+
+1. wait for the previous save (one in flight at a time; the wait counts as blocked);
+2. every rank makes ``step-<N>.incomplete/shards/`` if it is not there yet: leftovers
+   of an interrupted attempt were removed when the checkpointer was made (by the node's
+   first rank, ``LOCAL_RANK`` 0, before every rank passed a barrier), so the folder
+   holds only this attempt's files, and the step needs no barrier of its own;
+3. ``dcp.async_save`` stages this rank's shards (model, optimizer, EMA) into CPU
+   buffers the stager keeps between checkpoints: the step is blocked for that copy
+   only. Writing, the exchange of write results and rank 0's ``.metadata`` run on a
+   background thread over a gloo group of their own, apart from training's collectives;
+4. on that thread rank 0 also writes the scheduler, RNG states of every rank, trainer
+   state and model config; when DCP's future is done every rank's shards and the
+   metadata are on disk (rank 0 writes the metadata only after every rank reported its
+   writes), so the node's first rank commits the folder (``ck.commit`` with
+   ``world_size``): a whole checkpoint, or this node's part of one.
+
+Load (``load``) checks, before DCP reads anything, that the DCP metadata names only
+shard files the verified manifest lists; the metadata (a pickle, DCP's format) is read
+with an unpickler that admits only DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tandem.common import checkpoints as ck
+from tandem.common.events import CheckpointManifest
+from tandem.trainer.async_ckpt import Written, load_objects
+
+_ALLOWED = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
+_ALLOWED_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                  ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module in _ALLOWED and not name.startswith("__")) or (module, name) in _ALLOWED_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a "
+                                     "checkpoint's metadata never holds")
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader with the metadata read by ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_metadata(Path(self.path))
+
+
+def read_metadata(shards: Path) -> Metadata:
+    """The DCP metadata in ``shards/`` (only DCP's own classes are unpickled)."""
+    md = _MetadataUnpickler(io.BytesIO((shards / ".metadata").read_bytes())).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError("DCP metadata is not a Metadata object")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    return md
+
+
+def check_shards(path: Path, manifest: CheckpointManifest) -> None:
+    """``ck.CorruptCheckpoint`` unless every shard file DCP's metadata points at is listed
+    in ``manifest`` (whose checksums the caller has verified)."""
+    listed = {f.name for f in manifest.files}
+    try:
+        md = read_metadata(path / ck.SHARD_DIR)
+    except Exception as exc:
+        raise ck.CorruptCheckpoint(path, f"{ck.DCP_METADATA} unreadable: {exc}") from None
+    wanted = {f"{ck.SHARD_DIR}/{info.relative_path}" for info in md.storage_data.values()}
+    if lack := sorted(wanted - listed):
+        raise ck.CorruptCheckpoint(path, f"DCP metadata needs {', '.join(lack)}, which the "
+                                         "manifest does not list")
+
+
+class ShardedCheckpointer:
+    """One rank's side of sharded checkpoints (every rank of an FSDP run has one).
+
+    Constructing it is collective (it makes the gloo group the background saves use).
+    ``on_written`` is called on the node's first rank once the node's folder is committed.
+    """
+
+    def __init__(self, root: str | Path, run_id: str, *, rank: int, local_rank: int,
+                 world: int, node: str = "", pin: bool = False,
+                 on_written: Callable[[Written], None] | None = None,
+                 on_error: Callable[[int, BaseException], None] | None = None) -> None:
+        self.root = Path(root)
+        self.run_id = run_id
+        self.rank, self.local_rank, self.world, self.node = rank, local_rank, world, node
+        self.on_written = on_written
+        self.on_error = on_error
+        # NOTE: a group of its own, so the background thread's collectives (plan, write
+        # results, metadata) never interleave with training's on the default group.
+        self.group = dist.new_group(backend="gloo")
+        if local_rank == 0:
+            # A leftover could hold shards of another world size, which would then be
+            # listed as this checkpoint's.
+            ck.remove_incomplete(self.root, run_id)
+        dist.barrier(group=self.group)
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=pin))
+        self._thread: threading.Thread | None = None
+        self.written: list[Written] = []
+        self.errors: list[tuple[int, BaseException]] = []
+
+    def save(self, step: int, state: dict[str, Any], rank0: dict[str, Any] | None = None,
+             jsons: dict[str, Any] | None = None) -> float:
+        """Queue checkpoint ``step`` of this rank's ``state`` (DCP state dict: tensors or
+        DTensors, nested); rank 0 passes ``rank0`` (``torch.save`` payloads by file stem)
+        and ``jsons``. Returns the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = ck.incomplete_dir(self.root, self.run_id, step)
+        (tmp / ck.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        writer = FileSystemWriter(tmp / ck.SHARD_DIR, single_file_per_rank=True,
+                                  thread_count=1, sync_files=True)
+        future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                async_stager=self.stager)
+        blocked = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._finish, args=(step, tmp, future, rank0 or {}, jsons or {}, blocked),
+            name="tandem-dcp", daemon=True)
+        self._thread.start()
+        return blocked
+
+    def _finish(self, step: int, tmp: Path, future: Future, rank0: dict[str, Any],
+                jsons: dict[str, Any], blocked: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            for stem, obj in rank0.items():
+                torch.save(obj, tmp / f"{stem}.pt")
+            for name, obj in jsons.items():
+                (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
+            future.result()
+            if self.local_rank != 0:
+                return
+            path, manifest = ck.commit(self.run_id, step, tmp, world_size=self.world,
+                                       node=self.node)
+            written = Written(run_id=self.run_id, step=step, path=path, manifest=manifest,
+                              blocked_s=blocked, write_s=time.perf_counter() - t0)
+            self.written.append(written)
+            if self.on_written is not None:
+                self.on_written(written)
+        except BaseException as exc:
+            self.errors.append((step, exc))
+            if self.on_error is not None:
+                self.on_error(step, exc)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the save in flight (if any) is committed or has failed; True if idle."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight, then free the staging buffers."""
+        if self.wait(timeout):
+            self.stager.close()
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             ema: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The DCP state of an FSDP model: sharded model and optimizer state and the EMA."""
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd, "ema": ema}
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         ema: dict[str, torch.Tensor], manifest: CheckpointManifest) -> dict[str, Any]:
+    """Load the sharded checkpoint at ``path`` into ``model``, ``optimizer`` and ``ema``
+    (in place) on this run's ranks, whatever world size wrote it. Collective.
+
+    Returns rank 0's objects (``scheduler``, ``rng``, ``trainer``).
+    """
+    check_shards(path, manifest)
+    state = state_of(model, optimizer, ema)
+    dcp.load(state, storage_reader=_Reader(path / ck.SHARD_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return {stem: load_objects(path, stem) for stem in ("scheduler", "rng", "trainer")}
