@@ -52,6 +52,15 @@ def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def
     return torch.device("cpu"), "gloo"
 
 
+def threads(asked: int) -> int:
+    """torch intra-op threads for this rank: ``asked``, or with 0 the cores this process
+    may use shared by the ranks of this node (torchrun's LOCAL_WORLD_SIZE)."""
+    if asked > 0:
+        return asked
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=LaunchSpec)
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     from tandem.trainer.loop import TrainLoop
 
     cfg = RunConfig.model_validate(spec.config)
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(threads(spec.threads))
     device, backend = pick_device(cfg, local_rank)
     distributed = world > 1 or cfg.parallelism == "fsdp"
     if distributed:

@@ -48,7 +48,9 @@ class TrainerSettings(Settings):
     relay_host: str = Field(
         "127.0.0.1", description="Address ranks connect to for their events.")
     python: str = Field(sys.executable, description="Interpreter that runs torchrun.")
-    threads_per_rank: int = Field(1, ge=1, le=256, description="torch threads per rank.")
+    threads_per_rank: int = Field(
+        0, ge=0, le=256, description="torch threads per rank; 0: the node's cores shared "
+        "by its ranks (one rank on 2 cores gets 2).")
     max_runs: int = Field(4, ge=1, description="Runs this coordinator supervises at once.")
     status_every_s: float = Field(
         2.0, gt=0, description="How often progress and goodput go to KV runs.")

@@ -17,6 +17,6 @@ class LaunchSpec(msgspec.Struct, kw_only=True):
     rank_nodes: list[str] = []  # node of each global rank
     resume_path: str = ""  # checkpoint directory to resume from; empty starts fresh
     skipped: list[list[int]] = []  # data windows to skip
-    threads: int = 1  # torch intra-op threads per rank
+    threads: int = 0  # torch intra-op threads per rank; 0: the node's cores / its ranks
     node: str = ""
     cluster: str = ""

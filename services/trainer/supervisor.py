@@ -61,7 +61,7 @@ class SupervisorConfig:
     cluster: str
     node: str
     relay_host: str = "127.0.0.1"
-    threads_per_rank: int = 1
+    threads_per_rank: int = 0
     status_every_s: float = 2.0
     record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
     restore: Any = None  # async (run_id, dest) -> ck.Resume | None (S3 restore)
