@@ -14,6 +14,7 @@ import pytest
 
 from tandem.cli.bench import BENCHES, saturation, stats, suite
 from tandem.cli.main import main
+from tests.conftest import ROOT
 
 # ----------------------------------------------------------------------------- repeats
 
@@ -202,3 +203,38 @@ def test_bench_args_are_what_the_cli_parses() -> None:
     p = argparse.ArgumentParser()
     bus.add_arguments(p)
     assert p.parse_args(["--rounds", "4"]).repeat == 4  # the older name still works
+
+
+def test_bench_all_writes_its_figures_into_the_readmes_from_a_saved_run(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit):
+        main(["bench", "all", "--only", "bus", "--smoke", "--repeat", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    report["benches"]["checkpoint"] = {"error": "RuntimeError('s3 down')", "ok": False}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(report))
+    root = tmp_path / "repo"
+    for rel in ["README.md", *(f"services/{s}/README.md" for s in suite.SERVICE_BENCHES)]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text((ROOT / rel).read_text())
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "all", "--from", str(saved), "--readmes", str(root)])
+    assert exit_.value.code == 1  # a bench of the saved run failed: so says the exit
+    top = (root / "README.md").read_text()
+    assert "| bus | JetStream publish" in top and "| checkpoint | (failed: " in top
+    assert "1 repeat each" in top and "(not measured yet)" not in top
+    mirror = (root / "services/checkpointer/README.md").read_text()
+    assert "| checkpoint | (failed: " in mirror and "| bus |" not in mirror
+    assert "| bus |" not in (root / "services/trainer/README.md").read_text()
+    # The text around the markers is kept as it was.
+    assert top.split(suite.BEGIN)[0] == (ROOT / "README.md").read_text().split(suite.BEGIN)[0]
+    # A README without the markers: an error naming it, and nothing written anywhere.
+    (root / "services/trainer/README.md").write_text("# trainer\n")
+    report["date"] = "1999-01-01T00:00:00+00:00"  # a write would show this date
+    saved.write_text(json.dumps(report))
+    before = (root / "README.md").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "all", "--from", str(saved), "--readmes", str(root)])
+    assert exit_.value.code == 2
+    assert (root / "README.md").read_text() == before

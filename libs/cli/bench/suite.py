@@ -21,6 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Where `--readmes` writes: the whole table in README.md, each service's rows in its own.
+BEGIN, END = "<!-- tandem bench all: begin -->", "<!-- tandem bench all: end -->"
+SERVICE_BENCHES = {
+    "gateway": ("serve", "failover", "scale"),
+    "inference-worker": ("serve",),
+    "checkpointer": ("checkpoint",),
+    "trainer": ("train",),
+    "cluster-agent": ("agent", "scale"),
+}
+
 
 def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("all", help="every benchmark once, in sequence: one JSON, one table",
@@ -35,6 +45,11 @@ def register(bsub: argparse._SubParsersAction) -> None:
                    help="write the Markdown table to FILE")
     p.add_argument("--only", default="", help="comma-separated benchmarks to run")
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
+    p.add_argument("--from", dest="from_json", default=None, metavar="FILE",
+                   help="run nothing: take the figures from a JSON an earlier run wrote")
+    p.add_argument("--readmes", nargs="?", const=".", default=None, metavar="ROOT",
+                   help="write the table into ROOT's README.md and each service's README "
+                   f"(its own benches' rows) between the lines {BEGIN!r} and {END!r}")
     p.add_argument("--smoke", action="store_true",
                    help="each benchmark at its smallest settings: shows they run, measures "
                    "nothing worth quoting")
@@ -87,6 +102,13 @@ def bench_args(mod: Any, name: str, repeat: int | None, smoke: bool) -> argparse
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        return _publish(report, args, sys.stdout)
+    return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> int:
     from tandem.cli.bench import BENCHES, render, run_bench, stats
 
     names = selected(args.only, args.skip)
@@ -114,19 +136,49 @@ def run(args: argparse.Namespace) -> int:
         "met": {name: stats.all_met(r.get("figures", {})) if "error" not in r else None
                 for name, r in results.items()},
     }
-    table = table_markdown(report)
     if args.json == "-":
         print(json.dumps(report))
     elif args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return _publish(report, args, out)
+
+
+def _publish(report: dict[str, Any], args: argparse.Namespace, out: Any) -> int:
+    table = table_markdown(report)
     if args.markdown:
         Path(args.markdown).write_text(table)
+    if args.readmes:
+        for path in write_readmes(report, Path(args.readmes)):
+            print(f"figures written into {path}", file=out)
     print(table, file=out)
-    return 0 if all(r.get("ok", True) for r in results.values()) else 1
+    return 0 if all(r.get("ok", True) for r in report["benches"].values()) else 1
 
 
-def table_markdown(report: dict[str, Any]) -> str:
-    """The table with a line above it saying when, on what and how it was measured."""
+def write_readmes(report: dict[str, Any], root: Path) -> list[Path]:
+    """Put the table between the bench markers of ``root``'s README.md and each service's
+    README (only the rows of its benches). A README without the markers is an error
+    naming it: nothing is written until every one has them."""
+    from tandem.common.errors import TandemError
+
+    targets = {root / "README.md": None}
+    targets.update({root / "services" / svc / "README.md": names
+                    for svc, names in SERVICE_BENCHES.items()})
+    texts: dict[Path, str] = {}
+    for path, names in targets.items():
+        text = path.read_text() if path.is_file() else ""
+        if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+            raise TandemError(f"{path}: needs one line {BEGIN!r} and, below it, one {END!r}")
+        head, rest = text.split(BEGIN)
+        tail = rest.split(END)[1]
+        texts[path] = f"{head}{BEGIN}\n{table_markdown(report, names)}{END}{tail}"
+    for path, text in texts.items():
+        path.write_text(text)
+    return list(texts)
+
+
+def table_markdown(report: dict[str, Any], only: tuple[str, ...] | None = None) -> str:
+    """The table (of the benches ``only`` names, or all) with a line above it saying
+    when, on what and how it was measured."""
     from tandem.cli.bench import stats
 
     m = report["machine"]
@@ -137,4 +189,5 @@ def table_markdown(report: dict[str, Any]) -> str:
                else "each bench's default repeats")
             + (" (smoke settings: not figures to quote)" if report["smoke"] else "")
             + "; median [min-max], goals judged on the median.\n\n")
-    return head + stats.markdown(report["benches"])
+    benches = {n: r for n, r in report["benches"].items() if only is None or n in only}
+    return head + stats.markdown(benches)
