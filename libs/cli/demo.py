@@ -171,7 +171,7 @@ class Demo:
                    f"lr {p.lr:g}, EMA {p.ema_decay}, checkpoint every {p.checkpoint_every}; "
                    "the checkpointer mirrors each checkpoint to S3")
         # Between two checkpoints, so the restart visibly replays the steps since the last.
-        kill_at = (p.steps // 2 + p.checkpoint_every // 2) if p.incident else None
+        kill_at = (p.steps // 2 + p.checkpoint_every // 4) if p.incident else None
         killed = False
         deadline = time.monotonic() + self.timeout
         while True:

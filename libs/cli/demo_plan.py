@@ -21,7 +21,7 @@ MODEL = "digits"
 class DemoPlan:
     """What the demo trains and generates; the defaults fit 2 CPU cores in minutes."""
 
-    steps: int = 800
+    steps: int = 600
     batch_size: int = 64
     lr: float = 1e-3
     ema_decay: float = 0.99
