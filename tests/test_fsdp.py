@@ -199,3 +199,31 @@ def test_dcp_metadata_is_read_without_unpickling_anything_but_dcp_metadata(
     (shards / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(ck.CorruptCheckpoint, match=r"refers to (posix|os)\.system"):
         check_shards(tmp_path, manifest)
+
+
+def test_non_tensor_state_values_are_loaded_with_weights_only(tmp_path: Path) -> None:
+    """DCP saves a state's non-tensor values as torch.save bytes and its own planner loads
+    them with weights_only=False; Tandem's planner admits plain values only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tandem.trainer.sharded_ckpt import SafePlanner, _Reader
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("true",))
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.ones(2), "hp": {"lr": 0.5, "betas": (0.9, 0.99)}},
+                 checkpoint_id=str(good), no_dist=True)
+        dcp.save({"w": torch.ones(2), "hp": Evil()}, checkpoint_id=str(bad), no_dist=True)
+    state: dict[str, Any] = {"w": torch.zeros(2), "hp": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, storage_reader=_Reader(good), planner=SafePlanner(), no_dist=True)
+    assert state["hp"] == {"lr": 0.5, "betas": (0.9, 0.99)}
+    assert torch.equal(state["w"], torch.ones(2))
+    with (pytest.warns(UserWarning, match="single process"),
+          pytest.raises(CheckpointException, match=r"unsupported GLOBAL (posix|os)\.system")):
+        dcp.load({"w": torch.zeros(2), "hp": 0}, storage_reader=_Reader(bad),
+                 planner=SafePlanner(), no_dist=True)

@@ -328,7 +328,7 @@ async def node_scenario(stack: Stack, bus: Bus) -> dict[str, Any]:
     run = f"node-{uuid.uuid4().hex[:8]}"
     await submit_run(bus, tiny(run, cluster=stack.cluster, steps=60, checkpoint_every=5,
                                nodes=["na", "nb"],
-                               faults={"slow_rank": 1, "slow_s": 0.15},
+                               faults={"slow_rank": 1, "slow_s": 0.15, "slow_factor": 4},
                                straggler={"ratio": 1.5, "window": 5}))
     flagged = await until(bus, run, lambda r: bool(r.stragglers))
     await bus.publish(subjects.health(stack.cluster, "nb"), HealthTransition(

@@ -97,6 +97,12 @@ ROUTES: list[Route] = [
           "a node's health changed, with the evidence"),
     Route(subjects.MODELS, "ModelsLoaded", "models(cluster, node)", "",
           "the models a worker has loaded, for its node's heartbeat"),
+    Route(subjects.TRAINER_NODE, "NodeLaunch", "trainer_node(cluster, node)", "",
+          "the coordinator's orders to one node's trainer agent (`NodeLaunch` or "
+          "`NodeStop`); reply `NodeReply`"),
+    Route(subjects.TRAINER_REPORT, "NodeReport", "trainer_report(cluster, run)", "",
+          "node agents' liveness and exit reports of a run's attempt; reply "
+          "`NodeReportReply`"),
 ]
 
 # Filters over many subjects: built by these functions, listed with the subjects they cover.

@@ -72,6 +72,15 @@ WIRE_TYPES: list[WireType] = [
     WireType("NodeHeartbeat", events.NodeHeartbeat, "KV `nodes`, key `<cluster>.<node>`"),
     WireType("DrainRecord", events.DrainRecord, "KV `drains`, key `<cluster>.<node>`"),
     WireType("IdempotencyRecord", events.IdempotencyRecord, "KV `idempotency`"),
+    WireType("NodeLaunch", events.NodeLaunch,
+             "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
+    WireType("NodeStop", events.NodeStop,
+             "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
+    WireType("NodeReply", events.NodeReply, "reply to `trainer.node.<cluster>.<node>`"),
+    WireType("NodeReport", events.NodeReport, "`trainer.report.<cluster>.<run>` request "
+             "(core NATS)"),
+    WireType("NodeReportReply", events.NodeReportReply,
+             "reply to `trainer.report.<cluster>.<run>`"),
 ]
 
 

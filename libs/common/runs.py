@@ -127,8 +127,11 @@ class FaultSpec(_Spec):
         [], description="Inject a NaN loss whenever the batch at these data positions is used.")
     crash_at_step: int | None = Field(None, description="Rank crash_rank exits 1 at this step.")
     crash_rank: int = 0
-    slow_rank: int | None = Field(None, description="This rank sleeps slow_s in every step.")
+    slow_rank: int | None = Field(
+        None, description="This rank sleeps slow_s in every step, and its step's compute "
+                          "takes slow_factor times as long (a throttled GPU).")
     slow_s: float = Field(0.0, ge=0)
+    slow_factor: float = Field(1.0, ge=1)
     hang_on_exit_rank: int | None = Field(
         None, description="This rank never exits after its goodbye (a teardown that hangs).")
 

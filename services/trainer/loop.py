@@ -132,7 +132,9 @@ class TrainLoop:
         self.data_pos = 0
         self.scaler = (torch.amp.GradScaler("cuda") if cfg.mixed_precision == "fp16"
                        and self.device.type == "cuda" else None)
-        self._slow_s = (cfg.faults.slow_s if cfg.faults.slow_rank == rank else 0.0)
+        slow = cfg.faults.slow_rank == rank
+        self._slow_s = cfg.faults.slow_s if slow else 0.0
+        self._slow_factor = cfg.faults.slow_factor if slow else 1.0
 
     # ------------------------------------------------------------------------ the step
 
@@ -167,6 +169,10 @@ class TrainLoop:
         with self._autocast():
             pred = self._forward(xt, t, y)
         loss = F.mse_loss(pred.float(), noise)
+        if self._slow_factor > 1:
+            # fault hook: the step's compute stretched by the factor, so the slow rank
+            # stays slow in proportion however loaded the machine is
+            time.sleep((self._slow_factor - 1) * (time.perf_counter() - t0))
         if pos in self.cfg.faults.nan_at_data_pos:
             loss = loss * float("nan")  # fault hook: a poisoned batch
         local = time.perf_counter() - t0

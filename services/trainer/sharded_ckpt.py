@@ -21,7 +21,9 @@ Save (``ShardedCheckpointer.save``, collective: every rank calls it at the same 
 
 Load (``load``) checks, before DCP reads anything, that the DCP metadata names only
 shard files the verified manifest lists; the metadata (a pickle, DCP's format) is read
-with an unpickler that admits only DCP's metadata classes.
+with an unpickler that admits only DCP's metadata classes, and the non-tensor values of
+the state (DCP stores them as ``torch.save`` bytes, and its own planner loads them with
+``weights_only=False``) are loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -68,6 +73,19 @@ class _Reader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_metadata(Path(self.path))
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner with the non-tensor values of a state (optimizer step counts,
+    hyper-parameters) loaded by ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def read_metadata(shards: Path) -> Metadata:
@@ -199,7 +217,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     check_shards(path, manifest)
     state = state_of(model, optimizer, ema)
-    dcp.load(state, storage_reader=_Reader(path / ck.SHARD_DIR))
+    dcp.load(state, storage_reader=_Reader(path / ck.SHARD_DIR), planner=SafePlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     return {stem: load_objects(path, stem) for stem in ("scheduler", "rng", "trainer")}
