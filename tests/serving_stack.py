@@ -21,7 +21,7 @@ from typing import Any
 from tandem.cli.devstack import NatsServer, Process, S3Server, log_offset, logged_metrics_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
-from tandem.common.events import DeadLetter, TaskRecord, decode
+from tandem.common.events import DeadLetter, TaskRecord, TaskState, decode
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_TASKS
 from tests.conftest import PYTHON, service_env
@@ -189,6 +189,26 @@ class Progress:
             await self._sub.unsubscribe()
 
 
+async def wait_started(bus: Bus, task_id: str, timeout: float = DEADLINE) -> None:
+    """Until the task runs (its first progress step) or its record left ``queued``: a
+    record says ``running`` only once a task has run for the worker's progress interval,
+    and a short task may end before a subscriber sees a step."""
+    progress = await Progress().start(bus, task_id)
+    try:
+        stepped = asyncio.ensure_future(progress.wait(1, timeout))
+        moved = asyncio.ensure_future(wait_record(
+            bus, task_id, lambda rec: rec.state != TaskState.queued, timeout))
+        done, pending = await asyncio.wait({stepped, moved},
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for t in done:
+            t.result()
+    finally:
+        await progress.stop()
+
+
 async def counts_on(bus: Bus, stream: str, subject: str) -> dict[str, int]:
     """How many messages ``stream`` holds on each subject that ``subject`` matches."""
     info = await bus.js.stream_info(stream, subjects_filter=subject)
@@ -215,18 +235,41 @@ async def stream_messages(bus: Bus, stream: str, subject: str) -> list[Any]:
     return out
 
 
-async def wait_result(bus: Bus, task_id: str, timeout: float = DEADLINE) -> Any:
-    """The task's first ``gen.result`` message in ``GEN_EVENTS`` (waits for it)."""
-    return await first_on(bus, subjects.gen_result(task_id), timeout)
+class Writes:
+    """Every write of every task record, as it is made: a core subscription on
+    ``$KV.tasks.*`` (a KV watch keeps only the latest value of each). ``states(task)``
+    is each state a task's record was written with, in order, so a second success, or a
+    write the protocol does not make, would show."""
 
+    def __init__(self) -> None:
+        self.by_task: dict[str, list[TaskRecord]] = {}
+        self._changed = asyncio.Event()
+        self._sub: Any = None
 
-async def first_on(bus: Bus, subject: str, timeout: float = DEADLINE) -> Any:
-    """The first message stored in ``GEN_EVENTS`` on ``subject`` (waits for it)."""
-    sub = await bus.js.subscribe(subject, stream="GEN_EVENTS", ordered_consumer=True)
-    try:
-        return await sub.next_msg(timeout=timeout)
-    finally:
-        await sub.unsubscribe()
+    async def start(self, bus: Bus) -> Writes:
+        async def on(msg: Any) -> None:
+            rec = decode(msg.data, TaskRecord)
+            self.by_task.setdefault(rec.task.task_id, []).append(rec)
+            self._changed.set()
+
+        self._sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on)
+        await bus.nc.flush()  # the server has the subscription before anything is sent
+        return self
+
+    def states(self, task_id: str) -> list[str]:
+        return [r.state.value for r in self.by_task.get(task_id, [])]
+
+    async def until_terminal(self, task_id: str, timeout: float = DEADLINE) -> list[str]:
+        """The states written once a terminal one was (a KV watch may see it first)."""
+        async with asyncio.timeout(timeout):
+            while not any(r.state.terminal for r in self.by_task.get(task_id, [])):
+                self._changed.clear()
+                await self._changed.wait()
+        return self.states(task_id)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
 
 
 async def dead_letters(bus: Bus, stream: str, pred: Callable[[list[DeadLetter]], bool],

@@ -52,7 +52,11 @@ def test_accounts_follow_the_permissions_declaration() -> None:
     nxt = east[f"{permissions.API}.CONSUMER.MSG.NEXT.GEN_WEST.workers-west-batch"]
     assert nxt.response == "stream" and nxt.to == f"{accounts.JS_API}.CONSUMER.MSG.NEXT." \
         "GEN_WEST.workers-west-batch"
-    assert east["gen.cancel.*"].kind == "stream" and east["gen.result.*"].kind == "service"
+    # A task's record is written through the control plane; cancels are watched there.
+    assert east["$KV.tasks.>"].kind == "service"
+    assert east["$KV.tasks.>"].to == f"{accounts.JS_API}.$KV.tasks.>"
+    assert east[f"{permissions.API}.CONSUMER.CREATE.KV_cancels"].kind == "service"
+    assert not any(s.startswith("$KV.cancels") for s in east)  # read, never written
     assert east["_INBOX_east.>"].kind == "stream"
     assert "models.east.*" in east and east["models.east.*"].kind == "service"
     for role in accounts.CLUSTER_ROLES:  # every grant of theirs is imported, or provisioning

@@ -49,10 +49,10 @@ async def _collect(bus: Bus, consumer: streams.ConsumerSpec, want: int,
 async def test_provisioning_twice_changes_nothing(bus: Bus, uid: str) -> None:
     specs = [*streams.core_streams(), *streams.cluster_streams([f"c{uid}"])]
     first = await bus.provision(specs)
-    assert "GEN_EVENTS" in first and f"GEN_C{uid.upper()}" in first
-    before = await bus.js.stream_info("GEN_EVENTS")
+    assert "KV_tasks" in first and f"GEN_C{uid.upper()}" in first
+    before = await bus.js.stream_info(f"GEN_C{uid.upper()}")
     assert await bus.provision(specs) == []
-    after = await bus.js.stream_info("GEN_EVENTS")
+    after = await bus.js.stream_info(f"GEN_C{uid.upper()}")
     assert after.config == before.config
 
 

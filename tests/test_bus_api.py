@@ -21,8 +21,6 @@ from tandem.common.events import (
     CheckpointWritten,
     DeadLetter,
     FileEntry,
-    GenerationResult,
-    GenerationStatus,
     GenerationTask,
     TaskState,
     TrainStep,
@@ -93,7 +91,7 @@ def test_each_subjects_payload_is_a_wire_type_that_says_it_travels_there() -> No
 def test_check_fails_on_a_stale_doc_naming_the_command(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stale = tmp_path / "bus-api.md"
-    stale.write_text(DOC.read_text().replace("| `GEN_EVENTS` |", "| `GEN_EVENT` |", 1))
+    stale.write_text(DOC.read_text().replace("| `TRAIN` |", "| `TRAINS` |", 1))
     code, _, err = _printed(capsys, "--check", "--doc", str(stale))
     assert code == 1 and bus_api.REGENERATE in err
     code, _, _ = _printed(capsys, "--write-docs", "--doc", str(stale))
@@ -147,10 +145,12 @@ ROUND_TRIPS: list[tuple[str, Any, dict[str, Any]]] = [
     ("GenerationTask",
      GenerationTask(task_id="t1", model="digits", class_label=3, cluster="east"),
      {"steps": "twenty"}),
-    ("GenEvent", GenerationResult(task_id="t1", images=["images/t1/0.png"]),
+    ("TaskRecord", events.TaskRecord(task=GenerationTask(task_id="t1", model="digits"),
+                                     state=TaskState.succeeded, images=["images/t1/0.png"],
+                                     timings={"generate_s": 0.5}),
      {"images": "images/t1/0.png"}),
-    ("GenEvent", GenerationStatus(task_id="t1", state=TaskState.failed, reason="no"),
-     {"state": "exploded"}),
+    ("CancelNotice", events.CancelNotice(task_id="t1", reason="cancelled by client"),
+     {"task_id": 1}),
     ("TrainEvent", TrainStep(run_id="r1", step=3, loss=0.5), {"kind": "weights"}),
     ("TrainEvent", CheckpointWritten(run_id="r1", step=100, path="/c/step-100",
                                      manifest=MANIFEST), {"manifest": {"files": 3}}),

@@ -26,18 +26,16 @@ from tandem.common.events import GenerationTask, TaskRecord, TaskState, decode
 from tandem.common.jobs import JobLimits, check_task
 from tandem.common.models import Registry
 from tandem.common.storage import ensure_bucket, s3_client
-from tandem.common.streams import GEN_EVENTS, KV_TASKS
+from tandem.common.streams import KV_TASKS
 from tests.serving_stack import (
     Child,
     ServingStack,
-    count_on,
+    Writes,
     dead_letters,
-    first_on,
     gateway,
     http_port,
-    stream_messages,
     terminal,
-    wait_record,
+    wait_started,
     worker,
 )
 
@@ -100,6 +98,13 @@ async def bus(door: Door) -> AsyncIterator[Bus]:
         yield b
 
 
+@pytest.fixture
+async def writes(bus: Bus) -> AsyncIterator[Writes]:
+    w = await Writes().start(bus)
+    yield w
+    await w.stop()
+
+
 def raw(task_id: str, **fields: Any) -> bytes:
     """A task as any NATS client would write it: plain JSON."""
     return json.dumps({"task_id": task_id, **fields}).encode()
@@ -111,8 +116,8 @@ async def publish(bus: Bus, cluster: str, lane: str, data: bytes,
                          headers={"Nats-Msg-Id": uuid.uuid4().hex, **(headers or {})})
 
 
-async def test_oversized_and_misrouted_tasks_on_the_bus_never_start(door: Door,
-                                                                      bus: Bus) -> None:
+async def test_oversized_and_misrouted_tasks_on_the_bus_never_start(
+        door: Door, bus: Bus, writes: Writes) -> None:
     bad = {  # each published straight on gen.door.interactive; field -> the body
         "steps": dict(model="digits", class_label=1, steps=5000),
         "num_images": dict(model="digits", class_label=1, num_images=9),
@@ -135,10 +140,10 @@ async def test_oversized_and_misrouted_tasks_on_the_bus_never_start(door: Door,
         expected = "num_images" if field == "work" else field
         assert f"{expected}: " in rec.reason, (field, rec.reason)
         assert rec.started_at is None and rec.worker == "", (field, rec)  # never started
-        # Its first status change (published after the record moved) is the failure: a
-        # task that started would have said "running" first.
-        first = decode((await first_on(bus, subjects.gen_status(task_id))).data, dict)
-        assert first["state"] == "failed", (field, first)
+        # Its one write is the failure: it was never claimed (a claim of a bare publish
+        # writes it queued first), let alone run.
+        assert await writes.until_terminal(task_id) == ["failed"], (field, writes.states(
+            task_id))
         assert door.image_keys(task_id) == []
     assert "megapixel-steps" in (await terminal(bus, ids["work"])).reason
     letters = await dead_letters(bus, f"GEN_{DOOR.upper()}", lambda ls: set(ids.values()) <= {
@@ -154,7 +159,8 @@ async def test_oversized_and_misrouted_tasks_on_the_bus_never_start(door: Door,
     assert done.state == TaskState.succeeded and len(done.images) == 1
 
 
-async def _victim_intact(door: Door, bus: Bus, task_id: str, body: dict[str, Any]) -> None:
+async def _victim_intact(door: Door, bus: Bus, writes: Writes, task_id: str,
+                         body: dict[str, Any]) -> None:
     """The victim ran with its own parameters only, and the intruder was refused."""
     rec = await terminal(bus, task_id)
     assert rec.state == TaskState.succeeded, rec
@@ -166,14 +172,14 @@ async def _victim_intact(door: Door, bus: Bus, task_id: str, body: dict[str, Any
     [letter] = [d for d in letters if task_id.encode() in d.data]
     assert letter.reason.startswith("rejected: conflict: task id"), letter.reason
     assert decode(letter.data, dict)["class_label"] == 7  # the intruder's body
-    assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
-    statuses = [decode(m.data, dict)["state"] for m in await stream_messages(
-        bus, GEN_EVENTS, subjects.gen_status(task_id))]
-    assert "failed" not in statuses, statuses
+    # Every write of the victim's record: its own body, one success, never a failure.
+    states = await writes.until_terminal(task_id)
+    assert states.count("succeeded") == 1 and "failed" not in states, states
+    assert all(r.task.class_label == body["class_label"] for r in writes.by_task[task_id])
 
 
 async def test_a_raw_publish_under_a_queued_tasks_id_is_refused_and_the_task_runs_as_sent(
-        door: Door, bus: Bus) -> None:
+        door: Door, bus: Bus, writes: Writes) -> None:
     body = {"model": "digits", "class_label": 1, "steps": 2, "num_images": 2,
             "lane": "batch", "cluster": PARKED}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{door.port}") as http:
@@ -192,11 +198,11 @@ async def test_a_raw_publish_under_a_queued_tasks_id_is_refused_and_the_task_run
         task_id, model="digits", class_label=7, steps=3, num_images=1, width=16, height=16,
         cluster=PARKED), headers=stolen)
     door.start_worker("w-parked", PARKED)
-    await _victim_intact(door, bus, task_id, body)
+    await _victim_intact(door, bus, writes, task_id, body)
 
 
 async def test_a_raw_publish_under_a_running_tasks_id_is_refused_and_the_task_finishes(
-        door: Door, bus: Bus) -> None:
+        door: Door, bus: Bus, writes: Writes) -> None:
     body = {"model": "digits", "class_label": 3, "steps": 40, "num_images": 1,
             "cluster": DOOR}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{door.port}") as http:
@@ -205,11 +211,11 @@ async def test_a_raw_publish_under_a_running_tasks_id_is_refused_and_the_task_fi
     task_id = r.json()["id"]
     # Published once the victim runs; should it be done by the time the intruder is
     # handled (a fast machine), the intruder meets its finished record: a conflict too.
-    await wait_record(bus, task_id, lambda rec: rec.state != TaskState.queued)
+    await wait_started(bus, task_id)
     await publish(bus, DOOR, "interactive", raw(
         task_id, model="digits", class_label=7, steps=3, num_images=1, width=16, height=16,
         cluster=DOOR))
-    await _victim_intact(door, bus, task_id, body)
+    await _victim_intact(door, bus, writes, task_id, body)
 
 
 # ------------------------------------------------------------------------------- fuzzing

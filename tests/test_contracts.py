@@ -5,16 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tandem.common import subjects
+from tandem.common import streams, subjects
 from tandem.common.errors import EventDecodeError, InvalidToken, SettingsError
 from tandem.common.events import (
-    GenerationStatus,
     GenerationTask,
-    GenEvent,
     NodeLaunch,
     NodeOrder,
     NodeStop,
-    TaskState,
     TrainEvent,
     TrainStep,
     decode,
@@ -50,7 +47,11 @@ def test_bad_subject_token_raises_naming_it(bad: str) -> None:
 
 def test_subjects_are_built_from_tokens() -> None:
     assert subjects.gen("east", "interactive") == "gen.east.interactive"
-    assert subjects.gen_result("t-1") == "gen.result.t-1"
+    # A task's record writes travel on its KV key's subject, in the bucket streams declares.
+    assert subjects.task_record("t-1") == f"$KV.{streams.KV_TASKS}.t-1"
+    assert subjects.TASK_RECORD.wildcard == f"$KV.{streams.KV_TASKS}.*"
+    with pytest.raises(InvalidToken):
+        subjects.task_record("t.1")
     assert subjects.GEN.wildcard == "gen.*.*"
     with pytest.raises(InvalidToken):
         subjects.gen("east", "urgent")
@@ -79,12 +80,10 @@ def test_malformed_payload_raises_one_typed_error(payload: bytes) -> None:
 
 
 def test_tagged_unions_decode_each_kind() -> None:
-    status = GenerationStatus(task_id="t", state=TaskState.running)
-    assert decode(encode(status), GenEvent) == status
     step = TrainStep(run_id="r", step=3, loss=0.5)
     assert decode(encode(step), TrainEvent) == step
     with pytest.raises(EventDecodeError):
-        decode(msgspec.json.encode({"type": "nope", "task_id": "t"}), GenEvent)
+        decode(msgspec.json.encode({"kind": "nope", "run_id": "r"}), TrainEvent)
     launch = NodeLaunch(run_id="r", attempt=2, node="n", node_rank=1, nnodes=2, per_node=8,
                         master_addr="10.0.0.1", master_port=29500, spec={"run_id": "r"})
     stop = NodeStop(run_id="r", attempt=2, reason="attempt ended")

@@ -49,11 +49,15 @@ async def test_killing_every_process_of_east_moves_its_queued_and_running_tasks_
         stack: Stack, drill: Drill) -> None:
     d = drill
     await all_up(stack, d)
-    running = [(await d.submit(model="digits", class_label=i, steps=10, cluster="east"))["id"]
+    running = [(await d.submit(model="digits", class_label=i, steps=200, cluster="east"))["id"]
                for i in range(2)]
-    await d.until(lambda: all(i in d.records and d.records[i].state == TaskState.running
-                              and d.records[i].worker == "east-w0" for i in running),
-                  DEADLINE, "east runs (and holds) both")
+
+    def east_holds_both() -> bool:  # polled: the worker's own /healthz says what it holds
+        return set(running) <= set(d.health("east/worker-0").get("running", []))
+
+    # One in its pipeline call, one prefetched behind it (a record says running only
+    # once its task has run for the progress interval: the worker itself is asked).
+    await d.until(east_holds_both, DEADLINE, "east runs (and holds) both")
     # Frozen mid-run, so however fast the model, both are still in its hands at the kill
     # and the tasks queued next stay queued.
     east_worker = stack.children["east/worker-0"]

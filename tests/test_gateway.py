@@ -14,12 +14,19 @@ from tandem.cli.devstack import S3Server
 from tandem.common import subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationTask, NodeHeartbeat, TaskRecord, TaskState, decode
+from tandem.common.events import (
+    CancelNotice,
+    GenerationTask,
+    NodeHeartbeat,
+    TaskRecord,
+    TaskState,
+    decode,
+)
 from tandem.common.jobs import JobLimits
 from tandem.common.models import Registry
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
-from tandem.common.streams import KV_NODES, KV_TASKS, core_streams, gen_stream
+from tandem.common.streams import KV_CANCELS, KV_NODES, KV_TASKS, core_streams, gen_stream
 from tandem.gateway.api import create_app
 from tandem.gateway.generations import Gateway
 from tests.conftest import PYTHON
@@ -62,6 +69,8 @@ async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
     assert body["state"] == "queued" and body["cluster"] == settings.cluster
     assert body["status_url"] == f"/v1/generations/{body['id']}" == r.headers["location"]
     assert body["events_url"] == body["status_url"] + "/events"
+    # Its record is its one source of truth; each write of it travels on this subject.
+    assert body["record_subject"] == f"$KV.{KV_TASKS}.{body['id']}"
     assert await queued_on(bus, settings.cluster) == 1
     view = (await http.get(body["status_url"])).json()
     assert view["state"] == "queued" and view["lane"] == "batch"
@@ -160,6 +169,7 @@ async def test_oversized_body_gets_413_whether_declared_or_streamed(
 async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refuse(
         http: httpx.AsyncClient, bus: Bus) -> None:
     task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]
+    other = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]
     r = await http.delete(f"/v1/generations/{task_id}")
     assert r.status_code == 200
     assert r.json()["state"] == "cancelled" and r.json()["finished_at"]
@@ -167,6 +177,12 @@ async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refus
     tasks = await bus.typed(KV_TASKS, TaskRecord)
     got = await tasks.get(task_id)
     assert got is not None and got[0].state == TaskState.cancelled
+    # The workers' notice (KV cancels) is left for the cancelled task only.
+    notices = await bus.typed(KV_CANCELS, CancelNotice)
+    notice = await notices.get(task_id)
+    assert notice is not None and notice[0].task_id == task_id
+    assert notice[0].reason == got[0].reason
+    assert await notices.get(other) is None
     assert (await http.delete("/v1/generations/unknown")).status_code == 404
     assert (await http.get("/v1/generations/not..valid")).status_code == 404
     assert (await http.get("/v1/generations/unknown")).status_code == 404

@@ -104,8 +104,12 @@ def test_a_client_with_only_nats_py_submits_follows_and_cancels_jobs(jobs: Jobs)
     accepted = out["accepted"]
     assert accepted["code"] == 0 and accepted["state"] == "queued"
     assert accepted["cluster"] == CLUSTER
-    assert accepted["result_subject"] == f"gen.result.{accepted['id']}"
-    assert len(out["result"]["images"]) == 1
+    assert accepted["record_subject"] == f"$KV.tasks.{accepted['id']}"
+    # The record's writes, followed by a core subscription: queued, then succeeded once
+    # with the images (running between only for a run longer than the progress interval).
+    writes = out["writes"]
+    assert writes[0] == "queued" and writes[-1] == "succeeded", writes
+    assert out["result"]["state"] == "succeeded" and len(out["result"]["images"]) == 1
     assert out["progress_steps"] == [1, 2, 3, 4]
     assert out["status"] == {"code": 0, "state": "succeeded", "owner": "alice", "images": 1}
     assert out["png_signature"] == b"\x89PNG\r\n\x1a\n".hex()
@@ -120,8 +124,8 @@ def test_a_client_with_only_nats_py_submits_follows_and_cancels_jobs(jobs: Jobs)
     assert out["not_json"]["Nats-Service-Error-Code"] == "400"
     assert "not JSON" in out["not_json"]["Nats-Service-Error"]
 
-    # Cancel: the record says so, gen.status says so; again is the same answer; a
-    # finished task cannot be cancelled.
+    # Cancel: the reply says so, its record's last write says so; again is the same
+    # answer; a finished task cannot be cancelled.
     assert out["cancel"] == {"code": 0, "state": "cancelled"}
     assert out["cancel_status"] == "cancelled"
     assert out["cancel_again"] == [0, "cancelled"]

@@ -31,7 +31,8 @@ from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.common import permissions, streams, subjects
 from tandem.common.bus import Bus, Delivery
-from tandem.common.events import GenerationResult, GenerationTask
+from tandem.common.events import GenerationTask, TaskRecord
+from tandem.common.events import encode as encodejson
 from tandem.common.settings import Settings, load
 from tests.conftest import PYTHON, ROOT, service_env
 
@@ -84,12 +85,13 @@ def test_each_role_may_do_only_what_its_service_does() -> None:
                     "telemetry.east.n0", "health.east.n0", "gen.east.interactive",
                     "$JS.API.STREAM.INFO.TELEMETRY", "$JS.API.CONSUMER.CREATE.TELEMETRY.x",
                     "$JS.API.STREAM.MSG.GET.TELEMETRY", "$KV.runs.r1", "$KV.nodes.east.n0",
-                    "$JS.API.STREAM.DELETE.GEN_EAST", "$JS.API.STREAM.PURGE.GEN_EAST"):
+                    "$JS.API.STREAM.DELETE.GEN_EAST", "$JS.API.STREAM.PURGE.GEN_EAST",
+                    "$KV.cancels.t1"):  # only the gateway cancels
         assert not allowed(worker.publish, subject), f"worker may publish {subject}"
-    assert allowed(worker.publish, "gen.result.t1")
+    assert allowed(worker.publish, "$KV.tasks.t1")  # a task's record: its state and result
     assert allowed(worker.publish, "$JS.API.CONSUMER.MSG.NEXT.GEN_WEST.workers-west-batch")
     assert not allowed(worker.subscribe, "telemetry.east.n0")
-    for subject in ("gen.east.interactive", "gen.result.t1", "$JS.API.STREAM.INFO.GEN_EAST",
+    for subject in ("gen.east.interactive", "$KV.cancels.t1", "$JS.API.STREAM.INFO.GEN_EAST",
                     "$JS.API.CONSUMER.MSG.NEXT.GEN_EAST.workers-east",
                     "$JS.ACK.GEN_EAST.workers-east.1.2.3.4.5", "$KV.tasks.t1", "train.r.step"):
         assert not allowed(agent.publish, subject), f"agent may publish {subject}"
@@ -177,9 +179,9 @@ async def test_forbidden_publish_and_subscribe_are_refused_and_logged_clearly(
                 await worker.nc.request("$JS.API.STREAM.INFO.TELEMETRY", b"", timeout=0.5)
             await until(lambda: denied("publish", "$JS.API.STREAM.INFO.TELEMETRY"))
             # what it may do still works on the same connection
-            ack = await worker.publish(subjects.gen_result("t1"),
-                                       GenerationResult(task_id="t1", images=[]), timeout=5)
-            assert ack.stream == streams.GEN_EVENTS
+            ack = await worker.publish(subjects.task_record("t1"), TaskRecord(
+                task=GenerationTask(task_id="t1", model="noop")), timeout=5)
+            assert ack.stream == f"KV_{streams.KV_TASKS}"
             await admin.nc.flush()
             assert seen == []
             await watcher.unsubscribe()
@@ -233,15 +235,17 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
             assert reply.data == b'{"id": "t1"}'
             info = await client.nc.request("$SRV.INFO.tandem-jobs", b"", timeout=5)
             assert b'"tandem.jobs.generate"' in info.data
-            results: list[bytes] = []
+            writes: list[bytes] = []
 
-            async def on_result(msg: Any) -> None:
-                results.append(msg.data)
+            async def on_write(msg: Any) -> None:
+                writes.append(msg.data)
 
-            await client.nc.subscribe("gen.result.*", cb=on_result)  # following a job
+            # Following a job: each write of its record (its state, then its result).
+            await client.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on_write)
             await client.nc.flush()
-            await admin.nc.publish("gen.result.t1", b"{}")  # as a worker's result reaches it
-            await until(lambda: results == [b"{}"])
+            record = encodejson(TaskRecord(task=GenerationTask(task_id="t1", model="noop")))
+            await admin.publish(subjects.task_record("t1"), record)  # as a worker writes it
+            await until(lambda: writes == [record])
             # Nothing else: no queue, no stream API, no KV write, nobody's telemetry.
             with pytest.raises(NatsTimeout):
                 await client.publish(subjects.gen("east", "interactive"),

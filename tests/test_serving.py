@@ -21,22 +21,21 @@ import pytest
 from tandem.cli.devstack import S3Server, free_port
 from tandem.common import subjects
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationStatus, GenerationTask, TaskRecord, TaskState, decode
+from tandem.common.events import GenerationTask, TaskRecord, TaskState
 from tandem.common.storage import s3_client
-from tandem.common.streams import GEN_EVENTS, KV_TASKS
+from tandem.common.streams import KV_TASKS
 from tests.conftest import PYTHON
 from tests.serving_stack import (
     DEADLINE,
     Child,
     Progress,
     ServingStack,
-    count_on,
+    Writes,
     dead_letters,
     gateway,
     http_port,
-    stream_messages,
     terminal,
-    wait_result,
+    wait_record,
     worker,
 )
 
@@ -98,6 +97,13 @@ async def bus(stack: Stack) -> AsyncIterator[Bus]:
 
 
 @pytest.fixture
+async def writes(bus: Bus) -> AsyncIterator[Writes]:
+    w = await Writes().start(bus)
+    yield w
+    await w.stop()
+
+
+@pytest.fixture
 async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
         yield client
@@ -144,7 +150,7 @@ def s3_keys(stack: Stack, task_id: str) -> list[str]:
 
 @pytest.mark.slow
 async def test_text_task_streams_every_step_then_final_state_with_presigned_images(
-        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     task_id = await submit(http, model="tiny-text", prompt="a red fox", num_images=2,
                            steps=5, seed=11)
     events = await sse(http, task_id)
@@ -160,12 +166,12 @@ async def test_text_task_streams_every_step_then_final_state_with_presigned_imag
     pngs = await images_of(http, final)
     assert len(pngs) == 2 and all(p.startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
     assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png", f"images/{task_id}/1.png"]
-    await wait_result(bus, task_id)
-    assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
-    # The result is the success: the status subject carries the run, not a second success.
-    statuses = [decode(m.data, GenerationStatus).state for m in
-                await stream_messages(bus, GEN_EVENTS, subjects.gen_status(task_id))]
-    assert statuses == [TaskState.running], statuses
+    # The record is the task's one source of truth and its result: written queued by the
+    # gateway, succeeded once by the worker, and running between only if the run lasted
+    # longer than the worker's progress interval.
+    states = await writes.until_terminal(task_id)
+    assert states[0] == "queued" and states[-1] == "succeeded", states
+    assert set(states[1:-1]) <= {"running"}, states
 
 
 async def test_same_seed_and_parameters_give_byte_identical_pngs(
@@ -229,7 +235,7 @@ async def test_cancel_queued_task_never_runs(stack: Stack, http: httpx.AsyncClie
 
 
 async def test_cancel_running_task_stops_it_before_its_end_and_frees_the_worker(
-        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     task_id = await submit(http, model="digits", class_label=2, steps=1000, seed=3)
     progress = await Progress().start(bus, task_id)
     try:
@@ -248,7 +254,7 @@ async def test_cancel_running_task_stops_it_before_its_end_and_frees_the_worker(
     assert progress.steps and max(progress.steps) < 1000
     rec = await terminal(bus, task_id)
     assert rec.state == TaskState.cancelled and rec.images == []
-    assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 0
+    assert "succeeded" not in writes.states(task_id)
     assert s3_keys(stack, task_id) == []
     assert (await http.delete(f"/v1/generations/{nxt}")).status_code == 409
 
@@ -257,7 +263,7 @@ async def test_cancel_running_task_stops_it_before_its_end_and_frees_the_worker(
 
 
 async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one_result(
-        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     env = dict(serve="digits", ack_wait="2")
     first = stack.start_worker("w-kill-1", "kill", **env)
     task_id = await submit(http, model="digits", class_label=7, steps=60, seed=2,
@@ -273,8 +279,7 @@ async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one
         rec = await terminal(bus, task_id)
         assert rec.state == TaskState.succeeded, rec.reason
         assert rec.worker == "w-kill-2" and rec.attempts == 2
-        await wait_result(bus, task_id)
-        assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 1
+        assert (await writes.until_terminal(task_id)).count("succeeded") == 1
         assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png", f"images/{task_id}/1.png"]
         view = (await http.get(f"/v1/generations/{task_id}")).json()
         assert len(view["images"]) == 2
@@ -333,7 +338,7 @@ async def test_task_that_keeps_killing_its_worker_fails_after_max_deliver_and_go
 
 
 async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_images(
-        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     dead_s3 = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     w = stack.start_worker("w-s3down", "s3down", serve="digits", s3_endpoint=dead_s3,
                            s3_max_attempts="1", upload_retry_for="1", max_deliver="2",
@@ -347,7 +352,7 @@ async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_imag
         assert "image upload failed after" in rec.reason, rec.reason
         assert all(r.state != TaskState.succeeded for r in seen) and rec.images == []
         assert "upload_retry" in w.tail(100_000)
-        assert await count_on(bus, GEN_EVENTS, subjects.gen_result(task_id)) == 0
+        assert "succeeded" not in writes.states(task_id)
         await dead_letters(bus, "GEN_S3DOWN", lambda ls: any(
             task_id.encode() in d.data and d.reason == rec.reason for d in ls))
     finally:
@@ -356,13 +361,11 @@ async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_imag
 
 async def test_sigterm_hands_a_long_running_task_back_and_the_worker_exits_cleanly(
         stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
-    w = stack.start_worker("w-term", "term", serve="digits", drain_timeout="3")
+    w = stack.start_worker("w-term", "term", serve="digits", drain_timeout="3",
+                           progress_kv_interval="0.2")
     task_id = await submit(http, model="digits", class_label=6, steps=1000, cluster="term")
-    progress = await Progress().start(bus, task_id)
-    try:
-        await progress.wait(2)
-    finally:
-        await progress.stop()
+    # Running for longer than the progress interval: the record says so.
+    await wait_record(bus, task_id, lambda rec: rec.state == TaskState.running)
     assert w.proc is not None
     w.proc.terminate()
     assert await asyncio.to_thread(w.proc.wait, 60) == 0

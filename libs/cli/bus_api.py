@@ -62,14 +62,12 @@ class Route:
 ROUTES: list[Route] = [
     Route(subjects.GEN, "GenerationTask", "gen(cluster, lane)", "publish",
           "submit a generation; `Nats-Msg-Id` = `task_id`"),
-    Route(subjects.GEN_STATUS, "GenerationStatus", "gen_status(task)", "subscribe",
-          "running, failed (with the reason), cancelled; success is `gen.result`"),
-    Route(subjects.GEN_RESULT, "GenerationResult", "gen_result(task)", "subscribe",
-          "the success, stored once: image keys, checkpoint, timings"),
+    Route(subjects.TASK_RECORD, "TaskRecord", "task_record(task)", "subscribe",
+          "each write of a task's record, its one source of truth: queued, running (once "
+          "it has run a while), then succeeded with the images, failed or cancelled with "
+          "the reason; read it by id with a KV get or the job service's `status`"),
     Route(subjects.GEN_PROGRESS, "GenerationProgress", "gen_progress(task)", "subscribe",
           "one per denoising step while the task runs"),
-    Route(subjects.GEN_CANCEL, None, "gen_cancel(task)", "publish",
-          "empty body: the worker running the task stops it (see Cancel)"),
     *(Route(subjects.TRAIN, name, f'train(run, "{kind}")', "subscribe", what, kind)
       for kind, name, what in [
           ("status", "TrainStatus", "a run's state: pending (submitted), running, "
@@ -108,7 +106,6 @@ ROUTES: list[Route] = [
 # Filters over many subjects: built by these functions, listed with the subjects they cover.
 FILTERS: dict[str, str] = {
     "gen_cluster_filter(cluster)": "every lane of one cluster (the `GEN_<CLUSTER>` stream)",
-    "gen_cancel_all()": "every task's cancel (one subscription per worker)",
     "train_kind_filter(kind)": "one kind of training event, every run",
     "ckpt_kind_filter(kind)": "one kind of checkpoint event, every run",
 }
@@ -116,6 +113,7 @@ FILTERS: dict[str, str] = {
 # KV buckets: the key of an entry and the ``WIRE_TYPES`` name of its value.
 KV_VALUES: dict[str, tuple[str, str]] = {
     streams.KV_TASKS: ("`<task>`", "TaskRecord"),
+    streams.KV_CANCELS: ("`<task>`", "CancelNotice"),
     streams.KV_RUNS: ("`<run>`", "RunRecord"),
     streams.KV_NODES: ("`<cluster>.<node>`", "NodeHeartbeat"),
     streams.KV_DRAINS: ("`<cluster>.<node>`", "DrainRecord"),
@@ -128,13 +126,13 @@ HEADERS: list[tuple[str, str, str]] = [
      "a task's is its `task_id`"),
     (headers.TRACEPARENT, "every message Tandem sends",
      "W3C trace context: a consumer's span joins the producer's trace"),
-    (headers.EXPECTED_LAST, "`gen.result` (`0`), KV writes (the revision)",
+    (headers.EXPECTED_LAST, "KV writes: a record's creation (`0`), each move (its revision)",
      "compare-and-set: stored only if the subject's last sequence is that one"),
     (moves.RECORD_SEAL, "a task the gateway enqueued (`gen.<cluster>.<lane>`)",
      "`<revision>.<HMAC-SHA256>` of the revision and the task bytes, keyed by "
      "`TANDEM_TASK_SEAL_KEY`: the record at that revision is the one the gateway created "
-     "for this body, so the worker's first move needs no read; absent or wrong, the "
-     "worker reads the record first (a bare publish needs none)"),
+     "for this body, so the worker needs no read before its compare-and-set; absent or "
+     "wrong, the worker reads the record first (a bare publish needs none)"),
 ]
 
 
@@ -193,8 +191,18 @@ def _covers(patterns: Iterable[str], route: Route) -> bool:
 
 
 def stream_of(route: Route) -> StreamSpec | None:
-    """The stream that stores ``route``'s messages; None for core NATS."""
-    return next((s for s in stream_specs() if _covers(s.subjects, route)), None)
+    """The stream that stores ``route``'s messages (a KV bucket's ``KV_<bucket>``); None
+    for core NATS."""
+    kv = [StreamSpec(f"KV_{b.bucket}", (f"$KV.{b.bucket}.>",)) for b in kv_specs()]
+    return next((s for s in [*stream_specs(), *kv] if _covers(s.subjects, route)), None)
+
+
+def _stored_in(stream: StreamSpec | None) -> str:
+    if stream is None:
+        return "core NATS, not stored"
+    if stream.name.startswith("KV_"):
+        return f"KV `{stream.name[3:]}`"
+    return f"`{placeholder(stream.name)}`"
 
 
 def publishers(route: Route) -> list[str]:
@@ -252,7 +260,7 @@ def render_subjects() -> str:
     for r in ROUTES:
         stream = stream_of(r)
         rows.append([f"`{r.form}`", r.client or "—", _payload(r.payload),
-                     f"`{placeholder(stream.name)}`" if stream else "core NATS, not stored",
+                     _stored_in(stream),
                      _list(publishers(r)), _list(readers(r)), f"`subjects.{r.builder}`",
                      r.what])
     table = _table(["subject", "client", "payload", "stored in", "published by",

@@ -68,7 +68,6 @@ class Demo:
         self.bus: Any = None
         self.http: Any = None
         self.worker_cluster: dict[str, str] = {}  # worker pid -> cluster
-        self.starts: list[dict[str, Any]] = []  # every delivery of a task that started
 
     def _check(self) -> None:
         if self.stop.is_set():
@@ -276,9 +275,8 @@ class Demo:
         # The first result from the victim's queue is the moment to kill it: in the middle
         # of its work, however fast that work goes (an event, not a poll that may miss it).
         first_result = asyncio.Event()
-        subs = [await self.bus.nc.subscribe(subjects.GEN_RESULT.wildcard,
-                                            cb=self._first_result(victim, first_result)),
-                await self.bus.nc.subscribe(subjects.GEN_STATUS.wildcard, cb=self._on_status)]
+        subs = [await self.bus.nc.subscribe(subjects.TASK_RECORD.wildcard,
+                                            cb=self._first_result(victim, first_result))]
         self._note_workers()
         try:
             return await self._generate(tasks, clusters, victim, first_result)
@@ -296,25 +294,14 @@ class Demo:
     def ran_on(self, worker: str) -> str:
         return self.worker_cluster.get(worker.rsplit("-", 1)[-1], "")
 
-    async def _on_status(self, msg: Any) -> None:
-        """Every start of a task (each delivery), by whom and when: the failover figures."""
-        from tandem.common.events import GenerationStatus
-        from tandem.common.events import decode as decode_event
-
-        with contextlib.suppress(Exception):
-            ev = decode_event(msg.data, GenerationStatus)
-            if ev.state.value == "running":
-                self.starts.append({"id": ev.task_id, "worker": ev.worker, "at": ev.at})
-
     @staticmethod
     def _first_result(victim: str | None, seen: asyncio.Event) -> Any:
-        async def on_result(msg: Any) -> None:
-            from tandem.common.events import GenerationResult
-            from tandem.common.events import decode as decode_event
+        async def on_result(msg: Any) -> None:  # each write of a record: its success
+            from tandem.common.tasks import succeeded
 
-            with contextlib.suppress(Exception):
-                if decode_event(msg.data, GenerationResult).cluster == victim:
-                    seen.set()
+            rec = succeeded(msg.data)
+            if rec is not None and rec.cluster == victim:
+                seen.set()
 
         return on_result
 
@@ -418,7 +405,6 @@ class Demo:
             self.rec.generations.append({
                 "id": tid, **tasks[tid], "state": s["state"], "cluster": s["cluster"],
                 "worker": s["worker"], "ran_on": self.ran_on(s["worker"]),
-                "starts": [x for x in self.starts if x["id"] == tid],
                 "checkpoint": s["checkpoint"],
                 "checkpoint_step": s["checkpoint_step"], "attempts": s["attempts"],
                 "created_at": _ts(s["created_at"]), "started_at": _ts(s["started_at"]),
@@ -429,8 +415,11 @@ class Demo:
         stranded = [g for g in self.rec.generations if g["id"] in set(f["stranded_ids"])]
         elsewhere = [g for g in stranded if g["ran_on"] not in ("", victim)]
         restart_at = f.get("restarted_at")
-        first = min((x["at"] for g in stranded for x in g["starts"] if x["at"] >= killed_at
-                     and self.ran_on(x["worker"]) not in ("", victim)), default=None)
+        # The record's start is its first worker's: a task the victim had started keeps
+        # the victim's, so the first start elsewhere is a queued task's.
+        first = min((g["started_at"] for g in elsewhere
+                     if g["started_at"] is not None and g["started_at"] >= killed_at),
+                    default=None)
         f.update(finished_elsewhere=len(elsewhere),
                  finished_after_restart=len(stranded) - len(elsewhere),
                  failover_s=(first - killed_at) if first is not None else None,

@@ -46,12 +46,10 @@ WIRE_TYPES: list[WireType] = [
     WireType("RunConfig", RunConfig,
              "`tandem.jobs.train` request (the job service), HTTP `POST /v1/training-runs` "
              "body, `tandem train submit`; the `config` of KV `runs`"),
-    WireType("GenEvent", events.GenEvent,
-             "stream `GEN_EVENTS`: `gen.status.<task>` and `gen.result.<task>`, tagged by `type`"),
-    WireType("GenerationStatus", events.GenerationStatus, "`gen.status.<task>` (JetStream)"),
-    WireType("GenerationResult", events.GenerationResult, "`gen.result.<task>` (JetStream)"),
+    WireType("TaskRecord", events.TaskRecord,
+             "KV `tasks`, key `<task>`: each write on `$KV.tasks.<task>`"),
     WireType("GenerationProgress", events.GenerationProgress, "`gen.progress.<task>` (core NATS)"),
-    WireType("TaskRecord", events.TaskRecord, "KV `tasks`, key `<task>`"),
+    WireType("CancelNotice", events.CancelNotice, "KV `cancels`, key `<task>`"),
     WireType("TrainEvent", events.TrainEvent,
              "stream `TRAIN`: `train.<run>.status`, `train.<run>.step`, `train.<run>.checkpoint`, "
              "tagged by `kind`"),

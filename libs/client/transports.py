@@ -17,6 +17,8 @@ import httpx
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 JOBS = "tandem.jobs"  # the job service's subject prefix (tandem.common.subjects.JOBS)
+PROGRESS = "gen.progress"  # + .<task>: each denoising step (subjects.GEN_PROGRESS)
+RECORDS = "$KV.tasks"  # + .<task>: each write of a task's record (subjects.TASK_RECORD)
 
 
 class JobError(Exception):
@@ -105,7 +107,8 @@ class Client:
 
 class NatsClient(Client):
     """Over the NATS job service (``tandem.jobs.*``, request/reply) and the task's own
-    subjects: ``gen.progress.<task>`` (core) and ``gen.status`` / ``gen.result``."""
+    subjects: ``gen.progress.<task>`` (each step) and ``$KV.tasks.<task>`` (each write of
+    its record, the one source of its state and result)."""
 
     def __init__(self, nc: Any, api_key: str | None = None, timeout: float = 10.0) -> None:
         self.nc = nc
@@ -159,25 +162,32 @@ class NatsClient(Client):
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         async def on(msg: Any) -> None:
-            queue.put_nowait((msg.subject.split(".")[1], json.loads(msg.data)))
+            kind = "progress" if msg.subject.startswith("gen.") else "record"
+            queue.put_nowait((kind, json.loads(msg.data)))
 
         # Subscribed before the record is read: no change can fall between the two.
-        subs = [await self.nc.subscribe(f"gen.{kind}.{task_id}", cb=on)
-                for kind in ("progress", "status", "result")]
+        subs = [await self.nc.subscribe(f"{subject}.{task_id}", cb=on)
+                for subject in (PROGRESS, RECORDS)]
         try:
             record = await self.status(task_id)
-            yield {"event": "state", "state": record["state"], "cluster": record["cluster"],
+            state = record["state"]
+            yield {"event": "state", "state": state, "cluster": record["cluster"],
                    "worker": record["worker"]}
-            while record["state"] not in TERMINAL:
+            while state not in TERMINAL:
                 kind, data = await queue.get()
                 if kind == "progress":
+                    if state == "queued":  # its first step: it runs (written later)
+                        state = "running"
+                        yield {"event": "state", "state": state, "cluster": record["cluster"],
+                               "worker": ""}
                     yield {"event": "progress", **data}
-                elif kind == "result" or data.get("state") in TERMINAL:
-                    record = await self.status(task_id)
-                elif data.get("state") != record["state"]:
-                    record = {**record, "state": data["state"]}
-                    yield {"event": "state", "state": data["state"],
-                           "cluster": data.get("cluster", ""), "worker": data.get("worker", "")}
+                elif data.get("state") in TERMINAL:
+                    record = await self.status(task_id)  # the view: presigned image URLs
+                    state = record["state"]
+                elif data.get("state") != state:
+                    state = data["state"]
+                    yield {"event": "state", "state": state, "cluster": data.get("cluster", ""),
+                           "worker": data.get("worker", "")}
             yield {"event": "final", "record": record}
         finally:
             for sub in subs:

@@ -3,7 +3,7 @@
 Rules (msgspec's schema-evolution guide): each event carries ``v``, its schema version;
 new fields always get defaults; a field's type never changes; unknown fields are ignored
 on decode, so old and new services coexist. A stream that carries several kinds uses a
-tagged union (``GenEvent``, ``CkptEvent``) decoded by one typed decoder.
+tagged union (``TrainEvent``, ``CkptEvent``) decoded by one typed decoder.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class GenerationTask(Event, kw_only=True):
     lane: str = "interactive"
     cluster: str = ""
     submitted_at: float = msgspec.field(default_factory=now)
-    noop: bool = False  # dispatch-only task (benchmarks): no pipeline runs
+    noop: bool = False  # a task of a no-op model (benchmarks): its call makes no images
     # The API key (its name) that submitted it, set by the door that checked the key;
     # empty for an open door. A bare publisher's claim is its own: deployments with keys
     # deny clients direct publishes on gen.* (docs/security.md).
@@ -136,41 +136,6 @@ class GenerationTask(Event, kw_only=True):
         return (self.model, self.width, self.height, self.steps, self.guidance, self.noop)
 
 
-class GenerationStatus(Event, kw_only=True, tag="status"):
-    """A task's status change on ``gen.status.<task>``: running, failed, cancelled.
-
-    Success is not repeated here: ``GenerationResult`` on ``gen.result.<task>`` is it.
-    """
-
-    task_id: str
-    state: TaskState
-    at: float = msgspec.field(default_factory=now)
-    cluster: str = ""
-    worker: str = ""
-    reason: str = ""
-
-
-class GenerationResult(Event, kw_only=True, tag="result"):
-    """A task's success on ``gen.result.<task>``, published once: its status change to
-    ``succeeded`` as well (see ``GenerationStatus``)."""
-
-    task_id: str
-    images: list[str]  # S3 keys, one per image
-    cluster: str = ""
-    worker: str = ""
-    checkpoint: str = ""  # e.g. "run-1/step-400"; empty for a model built from config
-    checkpoint_step: int | None = None
-    timings: dict[str, float] = {}
-    at: float = msgspec.field(default_factory=now)
-
-    @property
-    def state(self) -> TaskState:
-        return TaskState.succeeded
-
-
-GenEvent = GenerationStatus | GenerationResult
-
-
 class GenerationProgress(Event, kw_only=True):
     """Core NATS (not stored): one per denoising step."""
 
@@ -181,7 +146,12 @@ class GenerationProgress(Event, kw_only=True):
 
 
 class TaskRecord(Event, kw_only=True):
-    """Value of KV ``tasks``: the task's latest state, moved only forward by CAS."""
+    """Value of KV ``tasks``: the one source of truth of a task, moved only forward by
+    compare-and-set (``tasks.py``). Each write is also a message on
+    ``$KV.tasks.<task>`` (``subjects.task_record``): the task's state changes, readable
+    by any NATS client. ``succeeded`` carries the result (``images``, ``checkpoint``,
+    ``timings``); ``failed`` and ``cancelled`` the ``reason``.
+    """
 
     task: GenerationTask
     state: TaskState = TaskState.queued
@@ -197,6 +167,18 @@ class TaskRecord(Event, kw_only=True):
     checkpoint_step: int | None = None
     reason: str = ""
     attempts: int = 0
+    timings: dict[str, float] = {}  # succeeded: where the worker's time went, seconds
+
+
+class CancelNotice(Event, kw_only=True):
+    """Value of KV ``cancels``, key ``<task>``: the gateway cancelled the task (its record
+    says ``cancelled`` already). Every worker watches the bucket, so a queued task
+    cancelled is never run and a running one stops at its next step, without a read of
+    the record per task."""
+
+    task_id: str
+    reason: str = ""
+    at: float = msgspec.field(default_factory=now)
 
 
 class IdempotencyRecord(Event, kw_only=True):

@@ -184,7 +184,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
     clusters = [subjects.token(c, "cluster") for c in clusters]
     if not clusters:
         raise ValueError("a permissions declaration needs at least one cluster")
-    gen_result, gen_status = subjects.GEN_RESULT.wildcard, subjects.GEN_STATUS.wildcard
+    records = subjects.TASK_RECORD.wildcard  # each write of a task's record
     home = None if home is None else subjects.token(home, "cluster")
     nodes = ">" if home is None else f"{home}.>"  # KV nodes keys are <cluster>.<node>
     telemetry, health, models = (s.filter(cluster=home) for s in (
@@ -192,16 +192,15 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
 
     gateway = (
         _Grants("gateway", "HTTP edge: enqueues generations, follows them, submits runs")
-        .publishes(gen_status, streams.GEN_EVENTS)  # a cancel's status
-        .emits(subjects.gen_cancel_all())
         .listens(subjects.GEN_PROGRESS.wildcard)
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_IDEMPOTENCY, write=True)
+        .kv(streams.KV_CANCELS, write=True)  # a cancel's notice to the workers
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS, write=True)
         .publishes(subjects.train_kind_filter("status"), streams.TRAIN)  # a run submitted
         # the dashboard (observe.py): live steps, checkpoints and results, a run's history
         .listens(subjects.train_kind_filter("step"), subjects.train_kind_filter("checkpoint"),
-                 subjects.GEN_RESULT.wildcard)
+                 records)
         .follows(streams.TRAIN)
         .serves(JOBS, SRV)  # the job service, tandem-jobs (services/gateway/jobs.py)
     )
@@ -210,12 +209,11 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         gateway.reads_last(subjects.gen_stream_name(c))  # the age of a queue's oldest task
 
     worker = (
-        _Grants("inference-worker", "pulls generation tasks, publishes results and progress")
-        .publishes(gen_result, streams.GEN_EVENTS).publishes(gen_status, streams.GEN_EVENTS)
+        _Grants("inference-worker", "pulls generation tasks, writes their records, progress")
         .emits(subjects.GEN_PROGRESS.wildcard, models)
-        .listens(subjects.gen_cancel_all())
         # A task's record by its id only: the worker never walks the bucket.
         .kv(streams.KV_TASKS, write=True, by_key=True).kv(streams.KV_NODES)
+        .kv(streams.KV_CANCELS)  # watched: the gateway's cancels
         .kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS)  # a run: model's newest committed checkpoint, on start
         # Failover discovers the clusters' queues by the names of the streams on gen.*.*
@@ -261,8 +259,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         _Grants(CLIENT, "programs that submit jobs: the job service, job status, progress "
                 "and results; no queue, stream or bucket of their own")
         .emits(JOBS, SRV)
-        .listens(gen_status, gen_result, subjects.GEN_PROGRESS.wildcard,
-                 subjects.train_kind_filter("status"))
+        .listens(records, subjects.GEN_PROGRESS.wildcard, subjects.train_kind_filter("status"))
     )
 
     admin = Role(ADMIN, "operators, the CLI and the local stack's provisioning: everything",

@@ -109,13 +109,13 @@ Spec = StreamSpec | KVSpec | ConsumerSpec
 # declaration serves R1 locally and R3 in production.
 
 DLQ = "DLQ"
-GEN_EVENTS = "GEN_EVENTS"
 TELEMETRY = "TELEMETRY"
 HEALTH = "HEALTH"
 TRAIN = "TRAIN"
 CKPT = "CKPT"
 KV_NODES = "nodes"
-KV_TASKS = "tasks"
+KV_TASKS = "tasks"  # subjects.TASK_RECORD is its keys' subject
+KV_CANCELS = "cancels"
 KV_RUNS = "runs"
 KV_DRAINS = "drains"
 KV_IDEMPOTENCY = "idempotency"
@@ -169,18 +169,16 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
     """Streams and buckets every deployment has, whatever its clusters."""
     return [
         StreamSpec(DLQ, (subjects.DLQ.wildcard,), max_age=14 * DAY, replicas=replicas),
-        StreamSpec(
-            GEN_EVENTS,
-            (subjects.GEN_RESULT.wildcard, subjects.GEN_STATUS.wildcard),
-            max_age=DAY, replicas=replicas,
-        ),
         StreamSpec(TELEMETRY, ("telemetry.*.*",), max_age=15 * 60.0, replicas=replicas,
                    storage=StorageType.FILE),
         StreamSpec(HEALTH, ("health.*.*",), max_age=90 * DAY, replicas=replicas),
         StreamSpec(TRAIN, ("train.*.*",), max_age=90 * DAY, replicas=replicas),
         StreamSpec(CKPT, ("ckpt.*.*",), max_age=365 * DAY, replicas=replicas),
         KVSpec(KV_NODES, ttl=heartbeat_ttl, replicas=replicas),
+        # A task's one record: its state, moved forward by compare-and-set, its result.
         KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas),
+        # The gateway's notice that it cancelled a task, watched by every worker.
+        KVSpec(KV_CANCELS, ttl=DAY, replicas=replicas),
         KVSpec(KV_IDEMPOTENCY, ttl=DAY, replicas=replicas),
         KVSpec(KV_RUNS, replicas=replicas),
         KVSpec(KV_DRAINS, replicas=replicas),

@@ -80,10 +80,11 @@ class Subject:
 
 
 GEN = Subject("gen.{cluster}.{lane}")
-GEN_RESULT = Subject("gen.result.{task}")
-GEN_STATUS = Subject("gen.status.{task}")
 GEN_PROGRESS = Subject("gen.progress.{task}")
-GEN_CANCEL = Subject("gen.cancel.{task}")
+# A task's record is KV ``tasks`` (streams.KV_TASKS): each write of it is a message on
+# this subject, the task's whole record as JSON, so a core subscription follows a task's
+# state changes and ``$KV.tasks.*`` every task's.
+TASK_RECORD = Subject("$KV.tasks.{task}")
 TELEMETRY = Subject("telemetry.{cluster}.{node}")
 HEALTH = Subject("health.{cluster}.{node}")
 MODELS = Subject("models.{cluster}.{node}")
@@ -107,12 +108,9 @@ def gen_cluster_filter(cluster: str) -> str:
     return f"gen.{token(cluster, 'cluster')}.*"
 
 
-def gen_result(task: str) -> str:
-    return f"gen.result.{token(task, 'task id')}"
-
-
-def gen_status(task: str) -> str:
-    return f"gen.status.{token(task, 'task id')}"
+def task_record(task: str) -> str:
+    """Where each write of a task's record travels (KV ``tasks``, key ``task``)."""
+    return f"$KV.tasks.{token(task, 'task id')}"
 
 
 def gen_progress(task: str) -> str:
@@ -124,15 +122,6 @@ def jobs(endpoint: str) -> str:
     if endpoint not in JOB_ENDPOINTS:
         raise InvalidToken("job endpoint", endpoint, f"not one of {', '.join(JOB_ENDPOINTS)}")
     return f"tandem.jobs.{endpoint}"
-
-
-def gen_cancel(task: str) -> str:
-    return f"gen.cancel.{token(task, 'task id')}"
-
-
-def gen_cancel_all() -> str:
-    """Every task's cancel subject: one subscription per worker, not one per task."""
-    return GEN_CANCEL.wildcard
 
 
 def telemetry(cluster: str, node: str) -> str:

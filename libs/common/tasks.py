@@ -1,12 +1,18 @@
 """How a generation task's record (KV ``tasks``) may move: forward only, by CAS.
 
+The record is a task's one source of truth: its state, its result, the reason it
+failed. A task costs three durable writes: the gateway creates the record (``queued``)
+and enqueues the task; the worker moves the record to its end (``to_succeeded``). A task
+that runs longer than the worker's progress interval is also written ``running`` with
+its progress (``to_running``), once per interval.
+
 Each function returns an update function for ``TypedKV.update``: it gets the current
 record and returns the new one, or None to leave it (the move would go backwards, or the
 task is already terminal). The gateway and the worker share these, so the rules of
 ``events.TASK_ORDER`` are written once, and so is the rule that a task id belongs to the
 body first recorded under it (``claim``). A task the gateway enqueued carries its seal
 (``seal``): the revision of the record it created, keyed by a secret the workers share,
-so a worker's first move on it needs no read.
+so a worker needs no read before its compare-and-set.
 """
 
 from __future__ import annotations
@@ -23,12 +29,28 @@ from tandem.common.events import (
     GenerationTask,
     TaskRecord,
     TaskState,
+    decode,
     now,
     struct_replace,
 )
 from tandem.common.settings import Settings
 
 Move = Callable[[TaskRecord | None], TaskRecord | None]
+_SUCCEEDED = b'"state":"succeeded"'  # as a record's JSON says it (never inside a string)
+
+
+def succeeded(data: bytes) -> TaskRecord | None:
+    """The record a write on ``$KV.tasks.<task>`` holds if it is a success, else None.
+
+    Followers of every task's writes (the dashboard, benches) see three a task; the
+    others are skipped without a decode."""
+    if _SUCCEEDED not in data:
+        return None
+    try:
+        rec = decode(data, TaskRecord)
+    except Exception:
+        return None
+    return rec if rec.state == TaskState.succeeded else None
 
 
 def may_move(current: TaskState, new: TaskState) -> bool:
@@ -107,39 +129,42 @@ def claim(task: GenerationTask, rec: TaskRecord | None) -> TaskRecord | None:
     return rec
 
 
-def to_running(task: GenerationTask, cluster: str, worker: str, attempt: int) -> Move:
-    """queued -> running (or running again on a redelivery, by another worker)."""
+def to_running(fraction: float, *, cluster: str, worker: str, attempt: int,
+               started_at: float) -> Move:
+    """queued -> running with ``fraction`` done (or a running record's progress, or a
+    redelivery taking it over). The worker writes it only once a task has run for a
+    while (``PROGRESS_KV_INTERVAL``), so a short task goes straight from queued to its
+    end: one write per task, not two."""
 
     def move(rec: TaskRecord | None) -> TaskRecord | None:
-        t = now()
-        if claim(task, rec) is None:  # published without a gateway (tools, tests): adopt it
-            rec = TaskRecord(task=task, cluster=cluster)
-        if rec.state.terminal:
+        if rec is None or rec.state not in (TaskState.queued, TaskState.running):
             return None
-        return struct_replace(rec, state=TaskState.running, updated_at=t,
-                              started_at=rec.started_at or t, cluster=cluster, worker=worker,
+        taken_over = rec.worker != worker or rec.attempts < attempt
+        if rec.state == TaskState.running and not taken_over and fraction <= rec.progress:
+            return None
+        return struct_replace(rec, state=TaskState.running, progress=round(fraction, 4),
+                              updated_at=now(), started_at=rec.started_at or started_at,
+                              cluster=cluster, worker=worker,
                               attempts=max(rec.attempts, attempt))
 
     return move
 
 
-def to_succeeded(images: list[str], checkpoint: str = "",
-                 checkpoint_step: int | None = None, *, adopt: GenerationTask | None = None,
-                 cluster: str = "", worker: str = "") -> Move:
-    """-> succeeded with its images. ``adopt`` (with ``cluster``, ``worker``) also takes a
-    queued or unrecorded task straight there: dispatch-only tasks have nothing to run."""
+def to_succeeded(images: list[str], *, cluster: str, worker: str, attempt: int,
+                 started_at: float, checkpoint: str = "", checkpoint_step: int | None = None,
+                 timings: dict[str, float] | None = None) -> Move:
+    """queued or running -> succeeded with its result: the one write that ends a task
+    (a cancelled record never moves, so a cancelled task never succeeds)."""
 
     def move(rec: TaskRecord | None) -> TaskRecord | None:
-        if adopt is not None and claim(adopt, rec) is None:
-            rec = TaskRecord(task=adopt, cluster=cluster)
         if rec is None or not may_move(rec.state, TaskState.succeeded):
             return None
         t = now()
-        extra = {"cluster": cluster, "worker": worker, "started_at": rec.started_at or t} \
-            if adopt is not None else {}
         return struct_replace(rec, state=TaskState.succeeded, images=images, progress=1.0,
                               checkpoint=checkpoint, checkpoint_step=checkpoint_step,
-                              updated_at=t, finished_at=t, **extra)
+                              cluster=cluster, worker=worker, attempts=max(rec.attempts, attempt),
+                              started_at=rec.started_at or started_at, timings=timings or {},
+                              updated_at=t, finished_at=t)
 
     return move
 
@@ -168,14 +193,3 @@ def to_failed(reason: str, body: GenerationTask | None = None) -> Move:
 
 def to_cancelled(reason: str = "cancelled by client") -> Move:
     return _to_terminal(TaskState.cancelled, reason)
-
-
-def with_progress(fraction: float) -> Move:
-    """Record progress of a running task; never touches a terminal one."""
-
-    def move(rec: TaskRecord | None) -> TaskRecord | None:
-        if rec is None or rec.state != TaskState.running or fraction <= rec.progress:
-            return None
-        return struct_replace(rec, progress=round(fraction, 4), updated_at=now())
-
-    return move

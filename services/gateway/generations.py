@@ -1,7 +1,9 @@
 """The gateway's generation logic, apart from HTTP: submit, look up, cancel, follow.
 
 All state lives on the bus (KV ``tasks``, KV ``idempotency``, ``GEN_*`` streams), never
-in this process, so a restarted gateway serves every earlier task as before.
+in this process, so a restarted gateway serves every earlier task as before. A task's
+record (KV ``tasks``) is its one source of truth: status, SSE and the job service read it,
+and each write of it is a message on ``$KV.tasks.<task>`` that any NATS client can follow.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus, TypedKV, retry_transient
 from tandem.common.events import (
-    GenerationStatus,
+    CancelNotice,
     GenerationTask,
     IdempotencyRecord,
     NodeHeartbeat,
@@ -42,7 +44,7 @@ from tandem.common.jobs import (
     check_request,
 )
 from tandem.common.models import Registry
-from tandem.common.streams import KV_IDEMPOTENCY, KV_NODES, KV_TASKS
+from tandem.common.streams import KV_CANCELS, KV_IDEMPOTENCY, KV_NODES, KV_TASKS
 from tandem.gateway.routing import Router, RoutingError, choose_cluster
 from tandem.gateway.schemas import ImageRef, view
 
@@ -74,12 +76,13 @@ class Submitted:
     replayed: bool  # an Idempotency-Key replay: nothing new was enqueued
 
     def accepted(self) -> dict[str, Any]:
-        """What every door answers: the record as accepted and where to follow it."""
+        """What every door answers: the record as accepted and where to follow it: each
+        write of its record (``record_subject``, the whole record as JSON: every state
+        change, the result with it) and each denoising step (``progress_subject``)."""
         tid = self.task.task_id
         return {"id": tid, "state": self.record.state.value, "model": self.task.model,
                 "cluster": self.record.cluster, "lane": self.task.lane, "seed": self.task.seed,
-                "status_subject": subjects.gen_status(tid),
-                "result_subject": subjects.gen_result(tid),
+                "record_subject": subjects.task_record(tid),
                 "progress_subject": subjects.gen_progress(tid)}
 
 
@@ -107,11 +110,13 @@ class Gateway:
         self.publish_retry_for = publish_retry_for
         self.sse_ping = sse_ping
         self.tasks: TypedKV[TaskRecord] | None = None
+        self.cancels: TypedKV[CancelNotice] | None = None
         self.idem: TypedKV[IdempotencyRecord] | None = None
         self.nodes: TypedKV[NodeHeartbeat] | None = None
 
     async def start(self) -> None:
         self.tasks = await self.bus.typed(KV_TASKS, TaskRecord)
+        self.cancels = await self.bus.typed(KV_CANCELS, CancelNotice)
         self.idem = await self.bus.typed(KV_IDEMPOTENCY, IdempotencyRecord)
         self.nodes = await self.bus.typed(KV_NODES, NodeHeartbeat)
 
@@ -254,12 +259,14 @@ class Gateway:
             raise JobRefused(404, f"no task {task_id!r}")
         if rec.state != TaskState.cancelled:
             raise JobRefused(409, f"task {task_id} already {rec.state.value}")
-        # Core NATS reaches a worker running it now; one that pulls it later reads the
-        # record first and never runs it.
-        await self.bus.emit(subjects.gen_cancel(task_id), b"")
-        await self.bus.publish(subjects.gen_status(task_id), GenerationStatus(
-            task_id=task_id, state=TaskState.cancelled, cluster=rec.cluster, reason=rec.reason),
-            msg_id=f"{task_id}-cancelled", retry_for=self.publish_retry_for)
+        # The record decides (a cancelled task never succeeds); the notice, written after
+        # it, tells every worker: one running the task stops it, one that pulls it later
+        # never runs it, without reading the record of every task it takes.
+        cancels = self.cancels
+        assert cancels is not None
+        await retry_transient(lambda: cancels.put(task_id, CancelNotice(
+            task_id=task_id, reason=rec.reason)), self.publish_retry_for,
+            what=f"cancel notice {task_id}")
         return rec
 
     # ------------------------------------------------------------------------- follow
@@ -267,6 +274,10 @@ class Gateway:
     async def follow(self, task_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """``(event, data)`` pairs: the state now, each step's progress, each state change,
         and the final state, after which it ends. ``("ping", {})`` while nothing happens.
+
+        A task's first progress says it runs: the record is written ``running`` only
+        once a task has run for the worker's progress interval, so a queued record
+        followed by progress is reported ``running`` at once.
         """
         assert self.tasks is not None
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=10_000)
@@ -293,7 +304,11 @@ class Gateway:
                     yield "ping", {}
                     continue
                 if kind == "progress":
-                    if last_state in (None, TaskState.queued.value, TaskState.running.value):
+                    if last_state == TaskState.queued.value:
+                        last_state = TaskState.running.value
+                        yield "state", {"id": task_id, "state": last_state,
+                                        "cluster": "", "worker": ""}
+                    if last_state in (None, TaskState.running.value):
                         yield "progress", msgspec.json.decode(data)
                     continue
                 rec = decode(data, TaskRecord)

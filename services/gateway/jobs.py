@@ -7,7 +7,7 @@ follow jobs by request/reply, with JSON bodies, on ``tandem.jobs.<endpoint>``:
 endpoint    request body                          reply
 ==========  ====================================  =======================================
 generate    a ``GenerationRequest``               the accepted record: id, state, cluster,
-                                                  seed, status / result / progress subjects
+                                                  seed, record / progress subjects
 train       a ``RunConfig``                       the run's record and its status subject
 cancel      ``{"id": task}`` or ``{"run_id": r}``  the record after the cancel
 status      ``{"id": task}`` or ``{"run_id": r}``  the record (as ``GET`` over HTTP)

@@ -4,10 +4,11 @@ The ``Observer`` runs beside the HTTP API in the gateway. Every ``interval`` sec
 reads the fleet (KV ``nodes`` and ``drains``), each cluster's queue per lane (the
 ``GEN_<CLUSTER>`` work-queue streams: how many tasks wait and how old the oldest is) and
 the training runs (KV ``runs``); from core NATS it follows training steps, checkpoints
-and generation results as they are published. It keeps a bounded history (a loss curve
-per run, the last generations) and sets the Prometheus gauges below, so a scrape of the
-gateway's ``/metrics`` shows the whole system's state alongside the gateway's own
-counters (the way kube-state-metrics does for Kubernetes).
+and the writes of task records (``$KV.tasks.*``), keeping the ones that succeeded. It
+keeps a bounded history (a loss curve per run, the last generations) and sets the
+Prometheus gauges below, so a scrape of the gateway's ``/metrics`` shows the whole
+system's state alongside the gateway's own counters (the way kube-state-metrics does
+for Kubernetes).
 
 Nothing here is authoritative: it is a view, rebuilt from the bus after a restart
 (the loss history of a run is refilled from the ``TRAIN`` stream the first time the run
@@ -28,7 +29,6 @@ import msgspec
 from tandem.common import log, metrics, subjects
 from tandem.common.events import (
     CheckpointWritten,
-    GenerationResult,
     GenerationTask,
     RunRecord,
     TrainEvent,
@@ -36,6 +36,7 @@ from tandem.common.events import (
     decode,
 )
 from tandem.common.streams import KV_RUNS
+from tandem.common.tasks import succeeded
 
 _log = log.get("tandem.gateway.observe")
 
@@ -108,7 +109,7 @@ class Observer:
         self._subs = [
             await nc.subscribe(subjects.train_kind_filter("step"), cb=self._on_train),
             await nc.subscribe(subjects.train_kind_filter("checkpoint"), cb=self._on_train),
-            await nc.subscribe(subjects.GEN_RESULT.wildcard, cb=self._on_result),
+            await nc.subscribe(subjects.TASK_RECORD.wildcard, cb=self._on_record),
         ]
         try:
             while not stop.is_set():
@@ -246,15 +247,14 @@ class Observer:
             view.checkpoints.append(ev.step)
             metrics.CKPT_BLOCKED.labels(ev.run_id).observe(ev.blocked_s)
 
-    async def _on_result(self, msg: Any) -> None:
-        try:
-            ev = decode(msg.data, GenerationResult)
-        except Exception:
+    async def _on_record(self, msg: Any) -> None:
+        rec = succeeded(msg.data)
+        if rec is None:
             return
         self.generations.appendleft({
-            "id": ev.task_id, "cluster": ev.cluster, "worker": ev.worker,
-            "checkpoint": ev.checkpoint, "checkpoint_step": ev.checkpoint_step,
-            "images": list(ev.images), "at": ev.at})
+            "id": rec.task.task_id, "cluster": rec.cluster, "worker": rec.worker,
+            "checkpoint": rec.checkpoint, "checkpoint_step": rec.checkpoint_step,
+            "images": list(rec.images), "at": rec.finished_at or rec.updated_at})
 
     # -------------------------------------------------------------------------- view
 

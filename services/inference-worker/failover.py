@@ -40,7 +40,7 @@ from tandem.common.bus import Bus, Consumer
 from tandem.common.clusters import ClusterBoard
 from tandem.common.errors import StreamConflict
 from tandem.common.settings import Settings
-from tandem.common.streams import GEN_EVENTS, HEARTBEAT_TTL, ConsumerSpec, gen_consumer
+from tandem.common.streams import HEARTBEAT_TTL, ConsumerSpec, gen_consumer
 
 _log = log.get("tandem.inference_worker.failover")
 
@@ -101,7 +101,7 @@ async def work_queues(bus: Bus) -> list[str]:
             break
     out = []
     for name in names:
-        if not name.startswith("GEN_") or name == GEN_EVENTS:
+        if not name.startswith("GEN_"):
             continue
         try:  # a queue outside this worker's grants is refused: it cannot pull it anyway
             reply = await bus.nc.request(f"{bus.api_prefix}.STREAM.INFO.{name}", b"",

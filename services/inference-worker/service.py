@@ -4,21 +4,21 @@ One worker per accelerator. It pulls from its cluster's per-lane consumers (inte
 before batch; ``pull_clusters`` names whose queues it takes, the seam failover uses),
 batches compatible tasks, runs one pipeline call, and for each task, in this order:
 
-1. images to S3 under ``images/<task_id>/<i>.png`` (retried while S3 is unreachable);
-2. the task record moved to ``succeeded`` by compare-and-set (the commit point: a
-   cancelled task never becomes succeeded, and a redelivered task whose record is already
-   succeeded only re-publishes its result);
-3. ``gen.result.<task>`` published only if the subject holds none yet (``publish_once``),
-   so a redelivery never yields a second result. The result is the task's ``succeeded``
-   status change; ``gen.status.<task>`` carries the others (running, failed, cancelled);
+1. the task is checked (``jobs.check_task``) and claimed (``records.Records.claim``: its
+   id is its own, it was not cancelled, no earlier delivery finished it), with no read
+   of its record for a task the gateway sealed;
+2. images to S3 under ``images/<task_id>/<i>.png`` (retried while S3 is unreachable);
+3. the task record moved to ``succeeded`` with the images by compare-and-set: the
+   commit point and the task's result, written once (a cancelled task never becomes
+   succeeded; a redelivery whose record already ended does not run again);
 4. only then the message is acked. In-progress acks keep it while it runs.
 
 One ``bus.Poller`` pulls every lane (the bus's one consumer loop: priority, room, drain
 pause, hand-back on stop); acks, naks and the DLQ are decided by the bus's ack policy;
 ``on_dead`` marks a dead-lettered task ``failed`` with the reason.
 
-One module a little past ~450 lines: the four steps above are the worker's commit
-protocol and stay in one file so their order can be read in one place; batching is in
+The steps above are the worker's commit protocol and stay in this file so their order
+can be read in one place; the record's moves are in ``records``, batching in
 ``batcher``, pipelines in ``pipelines``, checkpoint swaps in ``hotswap``, failover in
 ``failover``.
 """
@@ -37,14 +37,11 @@ from nats.aio.msg import Msg
 from pydantic import Field, field_validator
 
 from tandem.common import log, metrics, subjects
-from tandem.common import tasks as records
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Consumer, Delivery, Poller, TypedKV
 from tandem.common.errors import InvalidTask, Reject, Retry
 from tandem.common.events import (
     GenerationProgress,
-    GenerationResult,
-    GenerationStatus,
     GenerationTask,
     ModelsLoaded,
     TaskRecord,
@@ -70,6 +67,7 @@ from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.failover import Failover, FailoverSettings
 from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
+from tandem.inference_worker.records import Cancels, Held, Records
 
 _log = log.get("tandem.inference_worker")
 UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 is down
@@ -157,10 +155,11 @@ class InferenceWorker(Service):
         self.batcher = Batcher(self.pipeline, max_batch=settings.max_batch,
                                linger=settings.linger, on_step=self._on_step)
         self._progress: asyncio.Queue[tuple[list[Job], int, int]] = asyncio.Queue()
-        self._kv_progress_at: dict[str, float] = {}
         self._s3: Any = None
         self._bucket_ready = False
         self.tasks: TypedKV[TaskRecord] | None = None
+        self.records: Records | None = None  # the tasks' records (run)
+        self.held: dict[str, Held] = {}  # task id -> its record, while this worker holds it
         self.poller: Poller | None = None  # the pull loop over every consumer (run)
         self.steps_run = 0  # denoising steps of every pipeline call, for /healthz
         self.drain: Drain | None = None  # while drained, pull nothing new
@@ -224,6 +223,10 @@ class InferenceWorker(Service):
         bus = ctx.bus
         self.bus = bus
         self.tasks = await bus.typed(KV_TASKS, TaskRecord)
+        # Before the first pull: a task cancelled while this worker was down is known.
+        cancels = Cancels(bus, self._on_cancel)
+        await cancels.start()
+        self.records = Records(self.tasks, cancels, self.seal_key, self.worker_id)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
         await self.hotswap.attach(bus)  # KV runs: the newest committed step of each run
@@ -249,7 +252,6 @@ class InferenceWorker(Service):
                              idle_poll=self.s.idle_poll, paused=self._drained,
                              backoff=Backoff(0.01, max_delay=self.s.idle_poll),
                              on_stop=self._finish)
-        cancel_sub = await bus.nc.subscribe(subjects.gen_cancel_all(), cb=self._on_cancel)
         self.drain = Drain(bus, self.s.cluster, self.s.node)
         await self.drain.start()
         self.failover = Failover.for_worker(bus, self.s, consumers, consumer,
@@ -271,8 +273,7 @@ class InferenceWorker(Service):
                 announce.cancel()
                 swaps.cancel()
         finally:
-            with contextlib.suppress(Exception):
-                await cancel_sub.unsubscribe()
+            await cancels.stop()
             for c in consumers:
                 await c.close()
             await self.failover.close()
@@ -317,33 +318,23 @@ class InferenceWorker(Service):
             self._check(d)
             if task.model not in self.served:
                 raise Retry(f"model {task.model} is not served by {self.worker_id}", delay=1.0)
-            assert self.tasks is not None
-            cluster = self._cluster_of(d)
-            # A task the gateway sealed moves with no read (records.as_sealed); any
-            # other is read first: a body that is not the one recorded under its id
-            # raises TaskConflict (dead-lettered, never run; records.claim).
-            expect = records.as_sealed(task, d.msg.data, d.headers, self.seal_key)
-            if task.noop:
-                await self._dispatch_only(task, cluster, expect)
+            assert self.records is not None
+            # A body that is not the one recorded under its id raises TaskConflict
+            # (dead-lettered, never run); None: cancelled or already ended, never run.
+            held = await self.records.claim(d, self._cluster_of(d))
+            if held is None:
                 return
-            rec = await self.tasks.update(task.task_id, records.to_running(
-                task, cluster, self.worker_id, d.num_delivered), expect=expect)
-            if rec is None or rec.state.terminal:
-                if rec is not None and rec.state == TaskState.succeeded:
-                    # Done by an earlier delivery whose ack was lost: the result's msg id
-                    # makes this republish a no-op if it was already stored.
-                    await self._publish_result(rec)
-                return  # cancelled before it started: never runs
-            async with d.keepalive():
-                await self._run_task(d, task, cluster)
+            self.held[task.task_id] = held
+            try:
+                async with d.keepalive():
+                    await self._run_task(held)
+            finally:
+                self.held.pop(task.task_id, None)
 
-    async def _run_task(self, d: Delivery[GenerationTask], task: GenerationTask,
-                        cluster: str) -> None:
-        assert self.tasks is not None
-        await self._publish_status(task.task_id, TaskState.running, cluster,
-                                   msg_id=f"{task.task_id}-running-{d.num_delivered}")
+    async def _run_task(self, held: Held) -> None:
+        assert self.records is not None
+        task = held.task
         t0 = time.monotonic()
-        taken = time.time()
         try:
             job = await self.batcher.submit_job(task)
         except JobCancelled:
@@ -360,14 +351,14 @@ class InferenceWorker(Service):
         pipe = job.pipeline  # the one that made the images, even if swapped out since
         upload_start = time.time()
         keys = await self._upload(task.task_id, images)
-        phases.record(task, {**job.marks, "taken": taken, "upload_start": upload_start,
+        phases.record(task, {**job.marks, "taken": held.taken, "upload_start": upload_start,
                              "upload_end": time.time()}, **{"tandem.worker": self.worker_id})
-        rec = await self.tasks.update(task.task_id, records.to_succeeded(
-            keys, pipe.checkpoint if pipe else "", pipe.checkpoint_step if pipe else None))
+        rec = await self.records.finish(held, keys, pipe.checkpoint if pipe else "",
+                                        pipe.checkpoint_step if pipe else None,
+                                        {"generate_s": round(gen_s, 6)})
         if rec is None or rec.state != TaskState.succeeded:
             TASKS_DONE.labels("cancelled").inc()
             return  # cancelled while it ran: the record, not the images, decides
-        await self._publish_result(rec, timings={"generate_s": gen_s})
         TASKS_DONE.labels("succeeded").inc()
 
     def _check(self, d: Delivery[GenerationTask]) -> None:
@@ -389,42 +380,9 @@ class InferenceWorker(Service):
         if problems:
             raise InvalidTask(task.task_id, problems)
 
-    async def _dispatch_only(self, task: GenerationTask, cluster: str,
-                             expect: tuple[TaskRecord, int] | None) -> None:
-        """A no-op task: nothing runs, so it goes straight to succeeded (benchmarks)."""
-        assert self.tasks is not None
-        rec = await self.tasks.update(task.task_id, records.to_succeeded(
-            [], adopt=task, cluster=cluster, worker=self.worker_id), expect=expect)
-        if rec is not None and rec.state == TaskState.succeeded:
-            await self._publish_result(rec)
-            TASKS_DONE.labels("succeeded").inc()
-
     def _cluster_of(self, d: Delivery[GenerationTask]) -> str:
         # The stream says whose queue it came from; the task says where it was routed.
         return d.event.cluster or self.s.cluster
-
-    async def _publish_status(self, task_id: str, state: TaskState, cluster: str,
-                              msg_id: str, reason: str = "") -> None:
-        event = GenerationStatus(task_id=task_id, state=state, cluster=cluster,
-                                 worker=self.worker_id, reason=reason)
-        await self.bus.publish(subjects.gen_status(task_id), event, msg_id=msg_id,
-                               retry_for=10.0)
-
-    async def _publish_result(self, rec: TaskRecord, timings: dict[str, float] | None = None
-                              ) -> None:
-        """``gen.result.<task>``: the task's success, stored once however often a
-        redelivery publishes it again (``Bus.publish_once``).
-
-        The result is also the status change to ``succeeded``: no separate
-        ``gen.status`` says it again. Stored once, not twice, it is a third less of what
-        the stream stores per task, and a reader of status changes takes
-        ``gen.result.*`` as ``succeeded`` (``events.GenerationResult.state``).
-        """
-        task_id = rec.task.task_id
-        result = GenerationResult(task_id=task_id, images=list(rec.images), cluster=rec.cluster,
-                                  worker=rec.worker, checkpoint=rec.checkpoint,
-                                  checkpoint_step=rec.checkpoint_step, timings=timings or {})
-        await self.bus.publish_once(subjects.gen_result(task_id), result, retry_for=10.0)
 
     # ---------------------------------------------------------------------------- S3
 
@@ -467,15 +425,12 @@ class InferenceWorker(Service):
         except Exception:
             _log.warning("worker.dead_without_task_id", reason=reason)
             return
-        assert self.tasks is not None
+        assert self.records is not None
         if body is None:  # undecodable: never a recorded task's body; nothing to end
             _log.warning("worker.dead_undecodable", task_id=task_id, reason=reason)
             return
-        rec = await self.tasks.update(task_id, records.to_failed(reason, body))
+        await self.records.failed(body, reason)
         TASKS_DONE.labels("failed").inc()
-        if rec is not None and rec.state == TaskState.failed:
-            await self._publish_status(task_id, TaskState.failed, rec.cluster,
-                                       msg_id=f"{task_id}-failed", reason=reason)
 
     # -------------------------------------------------------------- progress and cancel
 
@@ -484,32 +439,39 @@ class InferenceWorker(Service):
         self._progress.put_nowait((jobs, step, total))
 
     async def _pump_progress(self) -> None:
-        """Emit one progress event per step and task; write it to the record now and then."""
-        assert self.tasks is not None
+        """Emit one progress event per step and task (core NATS: SSE and clients follow
+        every step). A task that has run for ``progress_kv_interval`` is written
+        ``running`` with its progress, then once per interval; a shorter one is not
+        written until its end, so it costs one write."""
+        assert self.records is not None
+        interval = self.s.progress_kv_interval
         while True:
             jobs, step, total = await self._progress.get()
+            now = time.monotonic()
             for job in jobs:
-                if job.cancelled:
+                if job.cancelled or job.future.done():
                     continue
                 task_id = job.task.task_id
                 with contextlib.suppress(Exception):
                     await self.bus.emit(subjects.gen_progress(task_id), GenerationProgress(
                         task_id=task_id, step=step, total=total))
-                last = self._kv_progress_at.get(task_id, 0.0)
-                if time.monotonic() - last >= self.s.progress_kv_interval or step == total:
-                    self._kv_progress_at[task_id] = time.monotonic()
-                    try:
-                        rec = await self.tasks.update(task_id, records.with_progress(step / total))
-                    except Exception as exc:
-                        _log.warning("worker.progress_write_failed", error=repr(exc))
-                        continue
-                    if rec is not None and rec.state == TaskState.cancelled:
-                        self.batcher.cancel(task_id)  # the cancel message may have been missed
-                if step == total:
-                    self._kv_progress_at.pop(task_id, None)
+                held = self.held.get(task_id)
+                if held is None or step == total:
+                    continue  # the last step: its end is written next
+                held.run_at = held.run_at or now
+                if now - (held.progress_at or held.run_at) < interval:
+                    continue
+                held.progress_at = now
+                try:
+                    rec = await self.records.progress(held, step / total)
+                except Exception as exc:
+                    _log.warning("worker.progress_write_failed", error=repr(exc))
+                    continue
+                if rec is not None and rec.state == TaskState.cancelled:
+                    self.batcher.cancel(task_id)  # its notice may not have come yet
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        task_id = msg.subject.rsplit(".", 1)[-1]
+    def _on_cancel(self, task_id: str) -> None:
+        """The gateway cancelled ``task_id`` (``Cancels``): stop it if it waits or runs."""
         if self.batcher.cancel(task_id):
             _log.info("worker.cancelled", task_id=task_id)
 

@@ -63,9 +63,9 @@ async def main() -> dict[str, Any]:
     nc = await nats.connect(os.environ["NATS_URL"])
     js = nc.jetstream()
     jobs = Jobs(nc, key)
-    results, statuses, progress, dead = Inbox(), Inbox(), Inbox(), Inbox()
-    await nc.subscribe("gen.result.*", cb=results.on)
-    await nc.subscribe("gen.status.*", cb=statuses.on)
+    # Each write of a task's record (its one source of truth) travels on $KV.tasks.<task>.
+    records, progress, dead = Inbox(), Inbox(), Inbox()
+    await nc.subscribe("$KV.tasks.*", cb=records.on)
     await nc.subscribe("gen.progress.*", cb=progress.on)
     await nc.subscribe(f"dlq.GEN_{cluster.upper()}", cb=dead.on)
 
@@ -81,8 +81,9 @@ async def main() -> dict[str, Any]:
     # A generation through the job service: accepted, progress, result, status, image.
     code, task = await jobs.call("generate", {"model": "digits", "class_label": 3, "steps": 4})
     out["accepted"] = {"code": code, **task}
-    got = await results.until(task["id"])
-    out["result"] = got[0]
+    writes = await records.until(task["id"], ended)
+    out["result"] = writes[-1]
+    out["writes"] = [w["state"] for w in writes]
     out["progress_steps"] = sorted(p["step"] for p in progress.by_id.get(task["id"], []))
     code, record = await jobs.call("status", {"id": task["id"]})
     out["status"] = {"code": code, "state": record["state"], "owner": record["owner"],
@@ -110,8 +111,7 @@ async def main() -> dict[str, Any]:
                                               "steps": 1000})
     code, cancelled = await jobs.call("cancel", {"id": slow["id"]})
     out["cancel"] = {"code": code, "state": cancelled["state"]}
-    out["cancel_status"] = (await statuses.until(
-        slow["id"], lambda items: any(s["state"] == "cancelled" for s in items)))[-1]["state"]
+    out["cancel_status"] = (await records.until(slow["id"], ended))[-1]["state"]
     code, again = await jobs.call("cancel", {"id": slow["id"]})  # idempotent, as DELETE
     out["cancel_again"] = [code, again["state"]]
     code, done = await jobs.call("cancel", {"id": task["id"]})  # it already succeeded
@@ -128,7 +128,7 @@ async def main() -> dict[str, Any]:
                                json.dumps({"task_id": tid, **body}).encode(),
                                headers={"Nats-Msg-Id": tid})
         out.setdefault("bare_stream", ack.stream)
-    out["bare_result"] = len((await results.until(good))[0]["images"])
+    out["bare_result"] = len((await records.until(good, ended))[-1]["images"])
     def about_bad(items: list[Any]) -> list[Any]:
         return [d for d in items if bad.encode() in base64.b64decode(d["data"])]
 
@@ -172,6 +172,10 @@ async def main() -> dict[str, Any]:
     await nc.drain()
     out["imports_tandem"] = sorted(m for m in sys.modules if m.split(".")[0] == "tandem")
     return out
+
+
+def ended(writes: list[Any]) -> bool:
+    return any(w["state"] in ("succeeded", "failed", "cancelled") for w in writes)
 
 
 def _fetch(url: str) -> bytes:

@@ -39,7 +39,8 @@ from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.events import TaskRecord, TaskState, decode
-from tandem.common.streams import GEN_EVENTS, HEARTBEAT_TTL, KV_TASKS
+from tandem.common.streams import HEARTBEAT_TTL, KV_TASKS
+from tandem.common.tasks import succeeded
 
 SMOKE = ("--repeat", "1", "--tasks", "2")
 
@@ -90,10 +91,12 @@ class Drill:
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.records: dict[str, TaskRecord] = {}
+        self.successes: dict[str, int] = {}  # task id -> writes of its record as succeeded
         self.accepted: list[str] = []
         self.refused: dict[int, int] = {}
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        self._writes: Any = None
         self.bus: Bus | None = None
         self.http: Any = None
 
@@ -101,6 +104,10 @@ class Drill:
         import httpx
 
         self.bus = await Bus.connect(self.stack.settings(), "drill")
+        # Every write of every record, as it is made: a second success would show here
+        # (the watch below keeps only the latest of each).
+        self._writes = await self.bus.nc.subscribe(subjects.TASK_RECORD.wildcard,
+                                                   cb=self._on_write)
         kv = await self.bus.kv(KV_TASKS)
         watcher = await kv.watchall()
         self._watch = asyncio.create_task(self._follow(watcher))
@@ -116,6 +123,12 @@ class Drill:
             await self.http.aclose()
         if self.bus is not None:
             await self.bus.drain()
+
+    async def _on_write(self, msg: Any) -> None:
+        rec = succeeded(msg.data)
+        if rec is not None:
+            self.successes[rec.task.task_id] = self.successes.get(rec.task.task_id, 0) + 1
+            self._changed.set()
 
     async def _follow(self, watcher: Any) -> None:
         try:
@@ -167,18 +180,15 @@ class Drill:
         return {i: self.records[i] for i in ids}
 
     async def results(self, ids: Sequence[str] = (), timeout: float = 30.0) -> dict[str, int]:
-        """Result messages per task id, as stored in ``GEN_EVENTS``; first waits (polling
-        the stream's counts) until each of ``ids`` has one: a worker publishes the result
-        just after it marks the record succeeded."""
-        assert self.bus is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            info = await self.bus.js.stream_info(GEN_EVENTS,
-                                                 subjects_filter=subjects.GEN_RESULT.wildcard)
-            got = {s.rsplit(".", 1)[-1]: n for s, n in (info.state.subjects or {}).items()}
-            if all(i in got for i in ids) or time.monotonic() > deadline:
-                return got
-            await asyncio.sleep(0.1)  # polling the stream's per-subject counts
+        """Successes per task id: how many times its record was written ``succeeded`` (a
+        compare-and-set from a live state, so never more than once). First waits, woken
+        by each record change, until each of ``ids`` has one or ``timeout`` passes."""
+        def seen() -> bool:
+            return all(i in self.successes for i in ids)
+
+        with contextlib.suppress(AssertionError):
+            await self.until(seen, timeout, "a success of each task")
+        return dict(self.successes)
 
     # ----------------------------------------------------------------------- processes
 

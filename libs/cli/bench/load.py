@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from tandem.cli.bench.children import ms
+from tandem.common.tasks import succeeded
 
 NOOP_BODY = b'{"model":"noop"}'
 
@@ -49,7 +50,8 @@ class Http:
 
 
 class Tasks:
-    """When each task was sent and when its ``succeeded`` status was seen."""
+    """When each task was sent and when its record was seen ``succeeded`` (``on_record``,
+    subscribed to ``$KV.tasks.*``)."""
 
     def __init__(self) -> None:
         self.sent: dict[str, float] = {}
@@ -57,9 +59,10 @@ class Tasks:
         self.rejected = 0
         self.changed = asyncio.Event()
 
-    async def on_result(self, msg: Any) -> None:  # a task's result is its success
-        self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
-        self.changed.set()
+    async def on_record(self, msg: Any) -> None:  # a task's result is its success
+        if succeeded(msg.data) is not None:
+            self.done.setdefault(msg.subject.rsplit(".", 1)[-1], time.perf_counter())
+            self.changed.set()
 
     async def submit(self, http: Http) -> None:
         t0 = time.perf_counter()

@@ -480,7 +480,7 @@ async def _one(nodes: int, args: argparse.Namespace, root: Path) -> dict[str, An
         bus = await Bus.connect(load(Settings, nats_url=f.topo.hub_url), "bench")
         await bus.provision(streams.core_streams())
         tasks = Tasks()
-        sub = await bus.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=tasks.on_result)
+        sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=tasks.on_record)
         lag = HeartbeatLag()
         lag_sub = await bus.nc.subscribe(f"$KV.{streams.KV_NODES}.>", cb=lag.on_put)
         board = await ClusterBoard(bus).start()

@@ -45,7 +45,6 @@ from tandem.common import streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import (
-    GenerationResult,
     GenerationTask,
     TaskRecord,
     TaskState,
@@ -107,6 +106,8 @@ class _Bench:
         self.nats.stop()
 
     def on_result(self, msg: Any) -> None:
+        if moves.succeeded(msg.data) is None:
+            return
         task_id = msg.subject.rsplit(".", 1)[-1]
         at = time.perf_counter()
         self.results[task_id] = at
@@ -262,7 +263,7 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
     t0 = time.perf_counter()
     while got < n:
         msgs = await sub.fetch(64, timeout=5)
-        records, results = [], []
+        records = []
         rounds += 1
         for msg in msgs:
             task = decode(msg.data, GenerationTask)
@@ -274,11 +275,7 @@ async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
                                        created_at=task.submitted_at, updated_at=time.time()))
             records.append((f"{kv_prefix}{task.task_id}", record,
                             {"Nats-Expected-Last-Subject-Sequence": rev}))
-            result = encode(GenerationResult(task_id=task.task_id, images=[], cluster=cluster))
-            results.append((subjects.gen_result(task.task_id), result,
-                            {"Nats-Expected-Last-Subject-Sequence": "0"}))
         await send(f"r{rounds}", records)
-        await send(f"e{rounds}", results)
         for msg in msgs:
             await msg.ack()
         got += len(msgs)
@@ -468,7 +465,7 @@ async def _once(args: argparse.Namespace) -> dict[str, Any]:
         try:
             bus = await Bus.connect(load(Settings, nats_url=b.nats.url), "bench")
             await bus.provision(streams.core_streams())
-            sub = await bus.nc.subscribe(subjects.GEN_RESULT.wildcard, cb=_sync(b.on_result))
+            sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=_sync(b.on_result))
             result = {
                 "latency": await _latency(b, bus, args.requests),
                 "throughput": await _throughput(b, bus, args.tasks),

@@ -111,6 +111,14 @@ class TypedKV(Generic[E]):
         its revision, known without reading) is tried first: if the key has moved on,
         the compare-and-set fails and the loop reads it as usual.
         """
+        got = await self.move(key, fn, attempts, expect)
+        return got[0] if got is not None else None
+
+    async def move(self, key: str, fn: Callable[[E | None], E | None], attempts: int = 50,
+                   expect: tuple[E, int] | None = None) -> tuple[E, int] | None:
+        """``update``, with the revision: the value stored and its revision, or the
+        current value and revision when ``fn`` declined (None if there is none), so the
+        caller's next move on the key can be ``expect``-ed without a read."""
         from nats.js.errors import KeyWrongLastSequenceError
 
         for _ in range(attempts):
@@ -120,13 +128,13 @@ class TypedKV(Generic[E]):
             if new is None:
                 if guessed:
                     continue  # declined on the guess: decide on what is really stored
-                return cur[0] if cur else None
+                return cur
             try:
                 if cur is None:
-                    await self.kv.create(key, encode(new))
+                    rev = await self.kv.create(key, encode(new))
                 else:
-                    await self._write(key, encode(new), cur[1])
-                return new
+                    rev = await self._write(key, encode(new), cur[1])
+                return new, rev
             except KeyWrongLastSequenceError:
                 continue
         raise RuntimeError(f"compare-and-set on {key} lost {attempts} races")

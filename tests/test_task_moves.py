@@ -1,0 +1,72 @@
+"""A task's record moves (``tandem.common.tasks``): forward only, one end, its owner's body."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.common import tasks as moves
+from tandem.common.errors import TaskConflict
+from tandem.common.events import GenerationTask, TaskRecord, TaskState, encode, struct_replace
+
+TASK = GenerationTask(task_id="t1", model="digits", class_label=3, cluster="east")
+
+
+def queued() -> TaskRecord:
+    return moves.queued(TASK, "east")
+
+
+def test_running_is_written_with_progress_and_only_forward() -> None:
+    run = moves.to_running(0.25, cluster="east", worker="w1", attempt=1, started_at=10.0)
+    rec = run(queued())
+    assert rec is not None and rec.state == TaskState.running
+    assert (rec.progress, rec.worker, rec.attempts, rec.started_at) == (0.25, "w1", 1, 10.0)
+    # More progress moves it; the same or less from the same delivery does not.
+    more = moves.to_running(0.5, cluster="east", worker="w1", attempt=1, started_at=11.0)(rec)
+    assert more is not None and more.progress == 0.5 and more.started_at == 10.0
+    assert moves.to_running(0.5, cluster="east", worker="w1", attempt=1,
+                            started_at=11.0)(more) is None
+    # A redelivery elsewhere takes it over from the start of its own run.
+    over = moves.to_running(0.1, cluster="west", worker="w2", attempt=2, started_at=20.0)(more)
+    assert over is not None and (over.worker, over.attempts, over.cluster) == ("w2", 2, "west")
+    assert over.started_at == 10.0  # the first start stays
+    for end in (TaskState.succeeded, TaskState.failed, TaskState.cancelled):
+        assert run(struct_replace(queued(), state=end)) is None
+    assert run(None) is None  # a record is claimed before anything runs
+
+
+def test_the_end_is_written_once_from_a_live_state_with_the_result() -> None:
+    end = moves.to_succeeded(["images/t1/0.png"], cluster="east", worker="w1", attempt=2,
+                             started_at=10.0, checkpoint="r/step-4", checkpoint_step=4,
+                             timings={"generate_s": 0.5})
+    rec = end(queued())
+    assert rec is not None and rec.state == TaskState.succeeded
+    assert rec.images == ["images/t1/0.png"] and rec.progress == 1.0
+    assert (rec.worker, rec.attempts, rec.started_at) == ("w1", 2, 10.0)
+    assert (rec.checkpoint, rec.checkpoint_step, rec.timings) == ("r/step-4", 4,
+                                                                 {"generate_s": 0.5})
+    assert rec.finished_at is not None
+    assert end(rec) is None  # never a second success
+    cancelled = moves.to_cancelled()(queued())
+    assert cancelled is not None and end(cancelled) is None  # a cancel comes first: it stays
+    assert moves.to_failed("late")(rec) is None  # nor does a success end otherwise
+
+
+def test_a_delivery_may_claim_only_its_own_bodys_record() -> None:
+    assert moves.claim(TASK, None) is None
+    assert moves.claim(TASK, queued()) == queued()
+    intruder = struct_replace(TASK, class_label=7)
+    with pytest.raises(TaskConflict):
+        moves.claim(intruder, queued())
+    # A dead-lettered intruder's failure never touches the owner's record.
+    assert moves.to_failed("rejected", intruder)(queued()) is None
+
+
+def test_succeeded_picks_successes_out_of_record_writes_without_being_fooled() -> None:
+    done = moves.to_succeeded([], cluster="east", worker="w1", attempt=1,
+                              started_at=1.0)(queued())
+    assert done is not None and moves.succeeded(encode(done)) == done
+    assert moves.succeeded(encode(queued())) is None
+    # A prompt that spells the marker is a string: its quotes are escaped in the JSON.
+    sly = moves.queued(struct_replace(TASK, prompt='"state":"succeeded"'), "east")
+    assert moves.succeeded(encode(sly)) is None
+    assert moves.succeeded(b'{"state":"succeeded"') is None  # not a record at all
