@@ -35,12 +35,13 @@ def _quotient(ratio: float, a: float, b: float) -> bool:
 
 @pytest.mark.slow
 async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient() -> None:
-    r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--images", "4",
-                                    "--steps", "2", "--batch", "2", "--repeat", "1"))
-    a, t, c = r["latency"], r["throughput"], r["batching"]
-    assert set(r["figures"]) == {"latency", "doors", "throughput", "throughput_to_floor",
-                                "batching"}
-    assert r["figures"]["throughput"]["ratio"]["runs"] == [t["ratio"]]
+    r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--rounds", "1",
+                                    "--images", "4", "--steps", "2", "--batch", "2",
+                                    "--repeat", "1"))
+    a, t, c = r["latency"], r["protocol"], r["batching"]
+    assert set(r["figures"]) == {"latency", "doors", "protocol", "protocol_messages",
+                                "protocol_cpu", "validation", "protocol_raw", "batching"}
+    assert r["figures"]["protocol"]["ratio"]["runs"] == [t["ratio"]]
 
     assert a["requests"] == 3
     for side in ("tandem", "raw_round_trip", "http_hop"):
@@ -53,15 +54,28 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert _quotient(d["ratio"], d["nats_submit"]["p50_ms"], d["http_submit"]["p50_ms"])
     assert d["meets_goal"] == (d["ratio"] <= 1.0)
 
-    assert t["tasks"] == 40
-    assert _positive(t["tandem_per_s"], t["floor_per_s"], t["raw_per_s"])
-    assert _quotient(t["ratio"], t["tandem_per_s"], t["raw_per_s"])
-    assert _quotient(t["floor_ratio"], t["floor_per_s"], t["raw_per_s"])
-    assert _quotient(t["tandem_to_floor"], t["tandem_per_s"], t["floor_per_s"])
-    assert set(t["cpu_per_task"]) == {"tandem", "floor", "raw"}
-    for used in t["cpu_per_task"].values():
-        assert set(used) == {"client_us", "server_us"}
-        assert all(math.isfinite(v) and v >= 0 for v in used.values())
+    # The protocol, whatever the machine: a task is three durable writes (the record the
+    # gateway creates, the task, the worker's end of the record), the worker's one of
+    # them; on the wire the worker takes the task, writes, reads the write's ack, acks.
+    assert t["tasks"] == 40 and t["rounds"] == 1
+    assert t["messages_per_task"] == a["writes_per_task"] == 3
+    assert t["worker_writes_per_task"] == 1 and t["worker_wire_per_task"] >= 4
+    sides = t["sides"]
+    assert set(sides) == {"tandem", "floor", "floor_unchecked"}
+    for side in [*sides.values(), t["raw"]]:
+        assert _positive(side["per_s"], side["wall_s"], side["wire_per_task"])
+        assert side["client_us"] >= 0 and side["server_us"] >= 0
+        assert math.isclose(side["cpu_us"], side["client_us"] + side["server_us"], abs_tol=0.2)
+    assert sides["floor"]["writes_per_task"] == sides["floor_unchecked"]["writes_per_task"] == 1
+    assert t["raw"]["writes_per_task"] == 0
+    assert _quotient(t["ratio"], sides["tandem"]["per_s"], sides["floor"]["per_s"])
+    assert t["cpu_us_per_task"] == sides["tandem"]["cpu_us"]
+    v = t["validation"]
+    assert (v["checked_per_s"], v["unchecked_per_s"]) == (
+        sides["floor"]["per_s"], sides["floor_unchecked"]["per_s"])
+    assert math.isclose(v["drop"], 1 - v["checked_per_s"] / v["unchecked_per_s"], abs_tol=1e-3)
+    assert v["noise"] == 0 and v["within_noise"] == (v["drop"] <= 0)  # one round: no spread
+    assert _positive(v["check_task_us"])
 
     # Whole batches: 4 images in batches of 2 count the 2 after the first batch.
     assert c["images"] == 4 and c["max_batch"] == 2
@@ -70,7 +84,7 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert _quotient(c["ratio"], c["batched_images_per_s"], c["unbatched_images_per_s"])
 
     text = bench_serve.render(r)
-    assert "protocol floor" in text and "CPU per task" in text
+    assert "protocol" in text and "CPU/task" in text and "validation" in text
 
 
 @pytest.mark.parametrize("images, batch", [("5", "2"), ("2", "2"), ("8", "0")])

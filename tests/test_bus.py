@@ -162,6 +162,44 @@ async def test_failing_handler_is_dead_lettered_after_max_deliver(bus: Bus, uid:
     assert c.handled == 1
 
 
+async def test_a_message_held_past_its_ack_wait_is_kept_and_never_redelivered(
+        bus: Bus, uid: str) -> None:
+    stream = streams.StreamSpec(f"K_{uid}", (f"k.{uid}",), retention=RetentionPolicy.WORK_QUEUE)
+    consumer = streams.ConsumerSpec(stream.name, "k", ack_wait=1, max_deliver=3)
+    await bus.provision([*streams.core_streams(), stream, consumer])
+    # The in-progress acks, as the server receives them (a core subscriber sees each).
+    kept: list[bytes] = []
+    enough, acked = asyncio.Event(), asyncio.Event()
+
+    async def on_ack(msg) -> None:  # type: ignore[no-untyped-def]
+        kept.append(msg.data)
+        if kept.count(b"+WPI") >= 8:  # 8 x 0.2 s: held well past the 1 s AckWait
+            enough.set()
+        if msg.data in (b"", b"+ACK"):  # nats-py acks with an empty body
+            acked.set()
+
+    sub = await bus.nc.subscribe(f"$JS.ACK.{stream.name}.k.>", cb=on_ack)
+    await bus.publish(f"k.{uid}", GenerationTask(task_id="long", model="m"))
+    deliveries: list[int] = []
+
+    async def hold(d: Delivery[GenerationTask]) -> None:
+        deliveries.append(d.num_delivered)
+        async with d.keepalive(0.2):
+            await enough.wait()
+
+    stop = asyncio.Event()
+    c = bus.consumer(consumer, GenerationTask, hold, fetch_timeout=0.2, concurrency=2)
+    task = asyncio.create_task(c.run(stop))
+    await asyncio.wait_for(enough.wait(), TIMEOUT)
+    stop.set()  # the loop ends once the handler has returned and its message is acked
+    await asyncio.wait_for(task, TIMEOUT)
+    await asyncio.wait_for(acked.wait(), TIMEOUT)
+    await sub.unsubscribe()
+    info = await bus.js.consumer_info(stream.name, "k")
+    assert deliveries == [1] and info.num_redelivered == 0 and info.num_ack_pending == 0
+    assert c.handled == 1
+
+
 async def test_consumer_resumes_after_server_kill_and_no_acked_publish_is_lost(
         nats_server: NatsServer, settings: Settings, uid: str) -> None:
     bus = await Bus.connect(settings, "test")

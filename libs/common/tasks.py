@@ -39,12 +39,18 @@ Move = Callable[[TaskRecord | None], TaskRecord | None]
 _SUCCEEDED = b'"state":"succeeded"'  # as a record's JSON says it (never inside a string)
 
 
+def says_succeeded(data: bytes) -> bool:
+    """Whether a write on ``$KV.tasks.<task>`` may be a success, without decoding it
+    (False is certain; True is certain for a record Tandem wrote)."""
+    return _SUCCEEDED in data
+
+
 def succeeded(data: bytes) -> TaskRecord | None:
     """The record a write on ``$KV.tasks.<task>`` holds if it is a success, else None.
 
     Followers of every task's writes (the dashboard, benches) see three a task; the
     others are skipped without a decode."""
-    if _SUCCEEDED not in data:
+    if not says_succeeded(data):
         return None
     try:
         rec = decode(data, TaskRecord)

@@ -23,13 +23,20 @@ from typing import Any
 from tandem.common import metrics, tracing
 from tandem.common.events import GenerationTask
 
+_OBSERVE = {label: metrics.PHASE_SECONDS.labels(label) for label in (
+    "queue_wait", "batching", "model_load", "denoising", "upload")}
+
 
 def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> None:
-    """Report the phases ``marks`` allow (missing marks skip their phase)."""
-    attrs = {"tandem.task_id": task.task_id, "tandem.model": task.model,
-             "tandem.lane": task.lane, **attributes}
-    if "batch_images" in marks:
-        attrs["tandem.batch.images"] = int(marks["batch_images"])
+    """Report the phases ``marks`` allow (missing marks skip their phase). Spans only
+    while they are exported: this runs for every task, a no-op one too."""
+    spans = tracing.recording()
+    attrs: dict[str, Any] = {}
+    if spans:
+        attrs = {"tandem.task_id": task.task_id, "tandem.model": task.model,
+                 "tandem.lane": task.lane, **attributes}
+        if "batch_images" in marks:
+            attrs["tandem.batch.images"] = int(marks["batch_images"])
     phases = (
         ("queue wait", "queue_wait", task.submitted_at, marks.get("taken")),
         ("batching", "batching", marks.get("taken"), marks.get("run_start")),
@@ -40,5 +47,6 @@ def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> 
     for name, label, start, end in phases:
         if start is None or end is None:
             continue
-        metrics.PHASE_SECONDS.labels(label).observe(max(end - start, 0.0))
-        tracing.span_between(name, start, end, attrs)
+        _OBSERVE[label].observe(max(end - start, 0.0))
+        if spans:
+            tracing.span_between(name, start, end, attrs)

@@ -73,6 +73,7 @@ _log = log.get("tandem.inference_worker")
 UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 is down
 
 TASKS_DONE = metrics.Counter("tandem_worker_tasks", "Tasks finished by outcome", ["outcome"])
+SUCCEEDED, CANCELLED = TASKS_DONE.labels("succeeded"), TASKS_DONE.labels("cancelled")
 BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
                                  buckets=(1, 2, 4, 8, 16, 32, 64))
 GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
@@ -338,7 +339,7 @@ class InferenceWorker(Service):
         try:
             job = await self.batcher.submit_job(task)
         except JobCancelled:
-            TASKS_DONE.labels("cancelled").inc()
+            CANCELLED.inc()
             return
         except HandedBack:
             raise Retry("worker stopping; task handed back", delay=0.0) from None
@@ -357,9 +358,9 @@ class InferenceWorker(Service):
                                         pipe.checkpoint_step if pipe else None,
                                         {"generate_s": round(gen_s, 6)})
         if rec is None or rec.state != TaskState.succeeded:
-            TASKS_DONE.labels("cancelled").inc()
+            CANCELLED.inc()
             return  # cancelled while it ran: the record, not the images, decides
-        TASKS_DONE.labels("succeeded").inc()
+        SUCCEEDED.inc()
 
     def _check(self, d: Delivery[GenerationTask]) -> None:
         """Refuse (dead-letter, never run) a task the gateway would have refused, one

@@ -144,3 +144,28 @@ def why(window: Window | Mapping[str, Any], loop: str | None = None,
     for e in extra or []:
         text += f"; {e}"
     return text
+
+
+def per_task(sides: Mapping[str, Mapping[str, float]], raw: Mapping[str, float],
+             goal_us: float | None = None) -> list[str]:
+    """Where a durable task's cost lies, from the serve bench's sides (``tandem``,
+    ``floor``, each with ``client_us``, ``server_us``, ``wire_per_task``) and ``raw``
+    fetch + ack: what a client pays per wire message, what the floor (the same durable
+    steps, nothing else) costs against ``goal_us``, and what Tandem adds over the floor.
+    The floor bounds every worker written with that client: none goes below it."""
+    t, f = sides["tandem"], sides["floor"]
+    out = []
+    for name, s in (("raw fetch + ack", raw), ("the floor", f)):
+        wire = s["wire_per_task"] or 1.0
+        out.append(f"{name}: {s['client_us'] + s['server_us']:.1f} us a task (client "
+                   f"{s['client_us']:.1f} over {wire:g} wire messages, "
+                   f"{s['client_us'] / wire:.1f} us each; nats-server {s['server_us']:.1f})")
+    floor_us = f["client_us"] + f["server_us"]
+    if goal_us is not None and floor_us > goal_us:
+        out.append(f"the floor alone is {floor_us / goal_us:.2f}x the {goal_us:g} us goal: "
+                   "no worker doing these steps with this client and server meets it")
+    out.append(f"Tandem adds {t['client_us'] - f['client_us']:+.1f} us of client and "
+               f"{t['server_us'] - f['server_us']:+.1f} us of nats-server CPU a task over "
+               f"the floor ({t['wire_per_task']:g} wire messages against "
+               f"{f['wire_per_task']:g})")
+    return out

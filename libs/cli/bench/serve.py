@@ -1,19 +1,22 @@
-"""serving: dispatch latency, task throughput and batching against raw nats-py.
+"""serving: dispatch latency, what the bus costs a task, batching, against raw nats-py.
 
 Starts nats-server, an S3 endpoint (moto), the gateway and inference workers as child
 processes on free loopback ports, then, in the same run:
 
-(a) latency: HTTP POST of a no-op task -> its ``gen.result`` arrives (p50/p99), beside
-    a raw nats-py JetStream publish -> fetch -> ack round trip and a bare HTTP round
-    trip to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop). In the
-    same rounds, the submit round trip (request -> accepted record) by each door: HTTP
-    POST and the NATS job service's ``tandem.jobs.generate``; goal: NATS <= HTTP;
-(b) throughput: a pre-filled queue of no-op tasks drained by one worker (first result
-    -> last result) beside raw fetch + ack of the same number of messages; goal >= 0.5.
-    Beside both, the protocol floor: bare nats-py taking the same durable steps per task
-    as the worker (fetch, compare-and-set the record, publish the result once, wait for
-    both acks, ack), and the CPU each side cost the worker (or the bench) and nats-server
-    per task: how much of the gap is Tandem's code, how much the steps themselves;
+(a) latency: HTTP POST of a no-op task -> its record written ``succeeded`` (p50/p99),
+    through the real task path (the ``noop`` model's call makes no images), beside a
+    raw nats-py JetStream publish -> fetch -> ack round trip and a bare HTTP round trip
+    to the same gateway (the "HTTP hop"); goal: p50 <= 3x (raw + HTTP hop). In the same
+    rounds, the submit round trip (request -> accepted record) by each door: HTTP POST
+    and the NATS job service's ``tandem.jobs.generate``; goal: NATS <= HTTP. The durable
+    writes every stream stored over these rounds, per task, are the whole path's
+    (gateway and worker): ``protocol.messages_per_task``, goal <= 3;
+(b) protocol (``protocol.py``): no-op tasks drained by one worker through the real path
+    against the protocol floor, bare nats-py doing the same durable steps, in
+    ``--rounds`` rounds interleaved ABAB within the run; goal >= 0.95. Beside them, CPU
+    per task of client and nats-server (goal <= 50 us for Tandem), durable writes and
+    wire messages per task, the floor without the worker's validation (issue 19: its
+    drop against the noise of the floor's own rounds) and raw fetch + ack (context);
 (c) batching: images/s of the CPU test model (digits) with max_batch 8 against
     max_batch 1, same tasks and settings; goal >= 1.8x.
 
@@ -29,6 +32,7 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 import sys
 import tempfile
 import time
@@ -38,30 +42,30 @@ from typing import Any
 
 from nats.js.api import RetentionPolicy
 
-from tandem.cli.bench import saturation, stats
+from tandem.cli.bench import protocol, saturation, stats
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
 from tandem.cli.devstack import NatsServer, Process, S3Server, free_port
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import (
-    GenerationTask,
-    TaskRecord,
-    TaskState,
-    decode,
-    encode,
-)
+from tandem.common.events import DrainRecord, GenerationTask, TaskRecord, encode
 from tandem.common.settings import Settings, load
 
 GOAL_LATENCY = 3.0
-GOAL_THROUGHPUT = 0.5
+GOAL_PROTOCOL = 0.95
+GOAL_WRITES = 3.0
+GOAL_CPU_US = 50.0
 GOAL_BATCHING = 1.8
-SMOKE = ("--requests", "3", "--tasks", "40", "--images", "4", "--steps", "2", "--batch", "2")
+SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "4", "--steps",
+         "2", "--batch", "2")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="sequential requests for (a)")
-    p.add_argument("--tasks", type=int, default=2000, help="no-op tasks for (b)")
+    p.add_argument("--tasks", type=int, default=5000, help="no-op tasks per side and round "
+                   "of (b)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of (b) per repeat, the sides "
+                   "interleaved (A B C, C B A, ...)")
     p.add_argument("--images", type=int, default=96, help="images for (c)")
     p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)")
     p.add_argument("--batch", type=int, default=8, help="max_batch of the batched side of (c)")
@@ -91,13 +95,15 @@ class _Bench:
         self.procs.append(p)
         return p
 
-    async def worker(self, name: str, cluster: str, **values: str) -> Process:
+    async def worker(self, name: str, cluster: str, ready: bool = True,
+                     **values: str) -> Any:
+        """A worker child, once its models are loaded; with ``ready`` False, also the URL
+        of its /healthz (a held worker is loaded but pulls nothing)."""
         env = self.env(cluster=cluster, node=name, worker_id=name, **values)
         p = self.spawn(name, "tandem.inference_worker", env)
-        port = env["TANDEM_METRICS_PORT"]
-        await wait_ready(f"http://127.0.0.1:{port}/healthz", p,
-                     lambda h: h.get("status") == "ok" and h.get("models_loaded"))
-        return p
+        url = f"http://127.0.0.1:{env['TANDEM_METRICS_PORT']}/healthz"
+        await wait_ready(url, p, lambda h: h.get("status") == "ok" and h.get("models_loaded"))
+        return p if ready else (p, url)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -148,27 +154,6 @@ class _Bench:
         return (len(ids) - batch) * per / (stamps[-1] - stamps[0])
 
 
-class _Meter:
-    """CPU seconds a side's client (a process, or this one) and nats-server used while
-    it drained: per task, in microseconds."""
-
-    def __init__(self, server: Process, client: Process | None = None) -> None:
-        self.server, self.client = server, client
-        self.used: dict[str, float] = {}
-
-    def _now(self) -> tuple[float, float]:
-        client = self.client.cpu_seconds() if self.client else time.process_time()
-        return client, self.server.cpu_seconds()
-
-    def start(self) -> None:
-        self._t0 = self._now()
-
-    def stop(self, n: int) -> None:
-        (c0, s0), (c1, s1) = self._t0, self._now()
-        self.used = {"client_us": round((c1 - c0) / n * 1e6, 1),
-                     "server_us": round((s1 - s0) / n * 1e6, 1)}
-
-
 # ------------------------------------------------------------------------------- raw sides
 
 
@@ -188,102 +173,6 @@ async def _raw_round_trips(bus: Bus, n: int) -> list[float]:
     await sub.unsubscribe()
     await bus.js.delete_stream(spec.name)
     return out
-
-
-async def _raw_fetch_ack(bus: Bus, n: int, meter: _Meter) -> float:
-    spec = streams.StreamSpec("BENCH_TP", ("bench.tp",), retention=RetentionPolicy.WORK_QUEUE)
-    consumer = streams.ConsumerSpec(spec.name, "tp", max_ack_pending=100_000)
-    await bus.provision([spec, consumer])
-    payload = encode(GenerationTask(task_id="t", model="noop"))
-    for i in range(0, n, 256):
-        futs = [await bus.js.publish_async("bench.tp", payload) for _ in range(min(256, n - i))]
-        await asyncio.gather(*futs)
-    sub = await bus.js.pull_subscribe_bind(durable="tp", stream=spec.name)
-    got = 0
-    meter.start()
-    t0 = time.perf_counter()
-    while got < n:
-        for msg in await sub.fetch(64, timeout=5):
-            await msg.ack()
-            got += 1
-    rate = n / (time.perf_counter() - t0)
-    meter.stop(n)
-    await sub.unsubscribe()
-    await bus.js.delete_stream(spec.name)
-    return rate
-
-
-async def _floor(b: _Bench, bus: Bus, n: int, meter: _Meter) -> float:
-    """No-op tasks/s through the bare protocol: per task what the worker must do on the
-    wire, in plain nats-py, with nothing else (no tracing, metrics, retries or checks).
-
-    Fetch 64; per task, decode it, check the gateway's seal (``tasks.seal``: the record
-    at that revision is the one created for this very body, so no read is needed) and
-    compare-and-set the record to succeeded at the sealed revision
-    (``Nats-Expected-Last-Subject-Sequence``); wait for those acks; publish each result,
-    once only (expected last sequence 0); wait for those acks; ack the tasks.
-    Publishes are pipelined on one reply inbox (cheaper than ``publish_async``'s future
-    per message), so this is the most a nats-py client can get out of these steps.
-    """
-    cluster = "floor"
-    tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
-                            cluster=cluster) for _ in range(n)]
-    await b.prefill(bus, cluster, tasks)
-    spec = streams.ConsumerSpec(subjects.gen_stream_name(cluster), "floor",
-                                max_ack_pending=100_000)
-    await bus.provision([spec])
-    sub = await bus.js.pull_subscribe_bind(durable="floor", stream=spec.stream)
-    nc, kv_prefix, inbox = bus.nc, f"$KV.{streams.KV_TASKS}.", bus.nc.new_inbox()
-    loop = asyncio.get_running_loop()
-    waiting: dict[str, list[Any]] = {}  # round -> [acks left, future]
-
-    async def on_ack(msg: Any) -> None:
-        key = msg.subject.rsplit(".", 2)[1]
-        entry = waiting[key]
-        if entry[1].done():
-            return
-        if b'"error"' in msg.data:  # never expected: every write is the first since queued
-            entry[1].set_exception(RuntimeError(f"floor: a write was refused: {msg.data!r}"))
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            entry[1].set_result(None)
-
-    acks = await nc.subscribe(f"{inbox}.*.*", cb=on_ack)
-
-    async def send(key: str, items: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
-        entry = waiting[key] = [len(items), loop.create_future()]
-        for i, (subject, data, headers) in enumerate(items):
-            await nc.publish(subject, data, reply=f"{inbox}.{key}.{i}", headers=headers)
-        await asyncio.wait_for(entry[1], 5)
-        del waiting[key]
-
-    got = rounds = 0
-    meter.start()
-    t0 = time.perf_counter()
-    while got < n:
-        msgs = await sub.fetch(64, timeout=5)
-        records = []
-        rounds += 1
-        for msg in msgs:
-            task = decode(msg.data, GenerationTask)
-            sealed = msg.headers[moves.RECORD_SEAL]
-            rev = sealed.partition(".")[0]
-            if moves.seal(b.seal_key, int(rev), msg.data) != {moves.RECORD_SEAL: sealed}:
-                raise RuntimeError(f"floor: task {task.task_id} is not sealed by the bench")
-            record = encode(TaskRecord(task=task, state=TaskState.succeeded, cluster=cluster,
-                                       created_at=task.submitted_at, updated_at=time.time()))
-            records.append((f"{kv_prefix}{task.task_id}", record,
-                            {"Nats-Expected-Last-Subject-Sequence": rev}))
-        await send(f"r{rounds}", records)
-        for msg in msgs:
-            await msg.ack()
-        got += len(msgs)
-    rate = n / (time.perf_counter() - t0)
-    meter.stop(n)
-    await acks.unsubscribe()
-    await sub.unsubscribe()
-    return rate
 
 
 # ------------------------------------------------------------------------------- the run
@@ -309,6 +198,7 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
         b.waiters[task_id] = fut
         return await asyncio.wait_for(fut, 30)
 
+    writes0 = await protocol.stored(bus)
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         for i in range(n + 20):  # the first 20 warm up connections and caches
             t0 = time.perf_counter()
@@ -328,6 +218,8 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
                 tandem.append(done - t1)
                 http_submit.append(t2 - t1)
                 nats_submit.append(t4 - t3)
+    # Two tasks a round (one by each door), each to its end through gateway and worker.
+    writes = (await protocol.stored(bus) - writes0) / (2 * (n + 20))
     raw = (await _raw_round_trips(bus, n + 20))[20:]
     p50 = pct(tandem, 0.5)
     bound = GOAL_LATENCY * (pct(raw, 0.5) + pct(hop, 0.5))
@@ -335,28 +227,33 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
     return {"requests": n, "tandem": ms(tandem), "raw_round_trip": ms(raw),
             "http_hop": ms(hop), "goal_p50_ms": round(bound * 1000, 3),
             "ratio_to_raw_plus_hop": round(p50 / (bound / GOAL_LATENCY), 3),
-            "meets_goal": p50 <= bound,
+            "meets_goal": p50 <= bound, "writes_per_task": round(writes, 3),
             # Submit round trip (request -> accepted record) by each door, same rounds.
             "doors": {"http_submit": ms(http_submit), "nats_submit": ms(nats_submit),
                       "ratio": round(door_ratio, 3), "meets_goal": door_ratio <= 1.0}}
 
 
-async def _throughput(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
-    tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
-                            cluster="tput") for _ in range(n)]
-    await b.prefill(bus, "tput", tasks)
-    w = await b.worker("w-tput", "tput", serve="noop", max_batch="64")
-    meters = {"tandem": _Meter(b.nats, w), "floor": _Meter(b.nats), "raw": _Meter(b.nats)}
-    meters["tandem"].start()
-    tandem = await b.drain_rate([t.task_id for t in tasks], 1)
-    meters["tandem"].stop(n)
-    floor = await _floor(b, bus, n, meters["floor"])
-    raw = await _raw_fetch_ack(bus, n, meters["raw"])
-    cpu = {side: m.used for side, m in meters.items()}
-    return {"tasks": n, "tandem_per_s": round(tandem, 1), "raw_per_s": round(raw, 1),
-            "ratio": round(tandem / raw, 3), "meets_goal": tandem / raw >= GOAL_THROUGHPUT,
-            "floor_per_s": round(floor, 1), "floor_ratio": round(floor / raw, 3),
-            "tandem_to_floor": round(tandem / floor, 3), "cpu_per_task": cpu}
+async def _protocol(b: _Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
+    """(b): the sides of ``protocol.py``, interleaved over ``rounds``, then raw once."""
+    cluster, node = "tput", "w-tput"
+    # Held from its start: its node is drained before it starts, so it pulls nothing.
+    await bus.provision([streams.gen_stream(cluster), *streams.gen_consumers(cluster)])
+    held = protocol.Held(bus, cluster, node, "")
+    await (await bus.typed(streams.KV_DRAINS, DrainRecord)).put(
+        held.key, DrainRecord(cluster=cluster, node=node, reason="bench: held"))
+    w, held.health_url = await b.worker(node, cluster, serve="noop",
+                                        max_batch=protocol.TANDEM_BATCH, ready=False)
+    sides = {
+        "tandem": lambda r: protocol.tandem_round(bus, b.nats, w, held, n, b.prefill),
+        "floor": lambda r: protocol.floor_round(bus, b.nats, n, b.seal_key, True, b.prefill),
+        "floor_unchecked": lambda r: protocol.floor_round(bus, b.nats, n, b.seal_key, False,
+                                                          b.prefill),
+    }
+    got = protocol.summary(await stats.interleaved(rounds, sides))
+    w.stop(10)
+    got["raw"] = await protocol.raw_round(bus, b.nats, n)
+    got["validation"]["check_task_us"] = protocol.check_task_us()
+    return {"tasks": n, "rounds": rounds, **got}
 
 
 async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
@@ -393,7 +290,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     figures = _figures(runs)
     fj = stats.figures_json(figures)
     result: dict[str, Any] = {"repeat": args.repeat, "cpus": os.cpu_count()}
-    for part, key in (("latency", "ratio_to_raw_plus_hop"), ("throughput", "ratio"),
+    for part, key in (("latency", "ratio_to_raw_plus_hop"), ("protocol", "ratio"),
                       ("batching", "ratio")):
         result[part] = stats.median_run(runs, lambda x, p=part, k=key: x[p][k])[part]
     result["figures"] = fj
@@ -402,9 +299,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
-    """Each part as a figure over the runs; a goal not met says what was saturated."""
+    """Each part as a figure over the runs; a goal not met says why, measured."""
     lat = [x["latency"] for x in runs]
-    tput = [x["throughput"] for x in runs]
+    pro = [x["protocol"] for x in runs]
     bat = [x["batching"] for x in runs]
     latency = stats.Figure(
         "latency", "(a) no-op HTTP in -> result out, p50", "ms",
@@ -412,43 +309,62 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         [a["raw_round_trip"]["p50_ms"] + a["http_hop"]["p50_ms"] for a in lat],
         "raw JS round trip + HTTP hop", ratio=[a["ratio_to_raw_plus_hop"] for a in lat],
         goal=stats.Goal("<=", GOAL_LATENCY))
-    throughput = stats.Figure(
-        "throughput", "(b) no-op tasks drained by one worker", "tasks/s",
-        [t["tandem_per_s"] for t in tput], [t["raw_per_s"] for t in tput], "raw fetch + ack",
-        ratio=[t["ratio"] for t in tput], goal=stats.Goal(">=", GOAL_THROUGHPUT), digits=1)
-    floor = stats.Figure(
-        "throughput_to_floor", "(b) against the protocol floor", "tasks/s",
-        [t["tandem_per_s"] for t in tput], [t["floor_per_s"] for t in tput],
-        "bare nats-py, same durable steps", ratio=[t["tandem_to_floor"] for t in tput],
-        digits=1)
-    batching = stats.Figure(
-        "batching", f"(c) digits, max_batch {bat[0]['max_batch']} against 1", "img/s",
-        [c["batched_images_per_s"] for c in bat], [c["unbatched_images_per_s"] for c in bat],
-        "max_batch 1, same worker", ratio=[c["ratio"] for c in bat],
-        goal=stats.Goal(">=", GOAL_BATCHING), digits=2)
-    if throughput.met is False:
-        t = stats.median_run(tput, lambda x: x["ratio"])
-        per_task = t["cpu_per_task"]
-        # CPU per task times tasks per second: the cores each process used while draining.
-        cores = {"inference worker": per_task["tandem"]["client_us"] * 1e-6 * t["tandem_per_s"],
-                 "nats-server": per_task["tandem"]["server_us"] * 1e-6 * t["tandem_per_s"]}
-        raw = per_task["raw"]
-        throughput.why = saturation.why(
-            {"cores": cores, "cpus": os.cpu_count() or 1, "machine_busy_cores": None},
-            extra=[f"CPU per task: worker {per_task['tandem']['client_us']} us + nats-server "
-                   f"{per_task['tandem']['server_us']} us, raw {raw['client_us']} us + "
-                   f"{raw['server_us']} us"])
-    for fig in (latency, batching):
-        if fig.met is False:
-            fig.why = saturation.why(stats.median_run(runs, lambda x, f=fig: x[f.name][
-                "ratio_to_raw_plus_hop" if f.name == "latency" else "ratio"])["round_cpu"],
-                loop="bench process") + " (over the whole run, every part)"
     doors = stats.Figure(
         "doors", "(a) submit round trip p50: NATS job service against HTTP", "ms",
         [a["doors"]["nats_submit"]["p50_ms"] for a in lat],
         [a["doors"]["http_submit"]["p50_ms"] for a in lat], "HTTP POST /v1/generations",
         ratio=[a["doors"]["ratio"] for a in lat], goal=stats.Goal("<=", 1.0))
-    return [latency, doors, throughput, floor, batching]
+    sides = [x["sides"] for x in pro]
+    ratio = stats.Figure(
+        "protocol", "(b) no-op tasks drained by one worker, real path", "tasks/s",
+        [s["tandem"]["per_s"] for s in sides], [s["floor"]["per_s"] for s in sides],
+        "protocol floor: bare nats-py, same durable steps", ratio=[x["ratio"] for x in pro],
+        goal=stats.Goal(">=", GOAL_PROTOCOL), digits=1)
+    writes = stats.Figure(
+        "protocol_messages", "(a) durable writes per task, gateway and worker", "writes",
+        [x["messages_per_task"] for x in pro], goal=stats.Goal("<=", GOAL_WRITES, on="tandem"),
+        notes=[f"the worker's share: {x['worker_writes_per_task']:g} writes and "
+               f"{x['worker_wire_per_task']:g} wire messages per task (floor "
+               f"{x['sides']['floor']['wire_per_task']:g}, raw fetch + ack "
+               f"{x['raw']['wire_per_task']:g})" for x in pro[:1]])
+    cpu = stats.Figure(
+        "protocol_cpu", "(b) CPU per no-op task, worker + nats-server", "us",
+        [x["cpu_us_per_task"] for x in pro], [s["floor"]["cpu_us"] for s in sides],
+        "protocol floor, client + nats-server", goal=stats.Goal("<=", GOAL_CPU_US, on="tandem"),
+        digits=1)
+    val = [x["validation"] for x in pro]
+    validation = stats.Figure(
+        "validation", "(b) the floor with the worker's validation against without", "tasks/s",
+        [v["checked_per_s"] for v in val], [v["unchecked_per_s"] for v in val],
+        "the floor without check_task", digits=1,
+        notes=[f"drop {statistics.median(v['drop'] for v in val):.1%} against a noise of "
+               f"{statistics.median(v['noise'] for v in val):.1%} (the spread of the floor's "
+               f"own rounds); check_task costs {val[0]['check_task_us']:g} us a task"])
+    raw = stats.Figure(
+        "protocol_raw", "(b) the same worker against raw fetch + ack (context)", "tasks/s",
+        [s["tandem"]["per_s"] for s in sides], [x["raw"]["per_s"] for x in pro],
+        "raw fetch + ack, no record", digits=1)
+    batching = stats.Figure(
+        "batching", f"(c) digits, max_batch {bat[0]['max_batch']} against 1", "img/s",
+        [c["batched_images_per_s"] for c in bat], [c["unbatched_images_per_s"] for c in bat],
+        "max_batch 1, same worker", ratio=[c["ratio"] for c in bat],
+        goal=stats.Goal(">=", GOAL_BATCHING), digits=2)
+    median = stats.median_run(pro, lambda x: x["ratio"])
+    if ratio.met is False or cpu.met is False:
+        why = saturation.per_task(median["sides"], median["raw"], GOAL_CPU_US)
+        if ratio.met is False:
+            t = median["sides"]["tandem"]
+            ratio.why = saturation.why(
+                {"cores": {"inference worker": t["client_cores"]},
+                 "cpus": os.cpu_count() or 1, "machine_busy_cores": None}, extra=why)
+        if cpu.met is False:
+            cpu.why = "; ".join(why)
+    for fig in (latency, batching):
+        if fig.met is False:
+            fig.why = saturation.why(stats.median_run(runs, lambda x, f=fig: x[f.name][
+                "ratio_to_raw_plus_hop" if f.name == "latency" else "ratio"])["round_cpu"],
+                loop="bench process") + " (over the whole run, every part)"
+    return [latency, doors, ratio, writes, cpu, validation, raw, batching]
 
 
 async def _once(args: argparse.Namespace) -> dict[str, Any]:
@@ -465,10 +381,16 @@ async def _once(args: argparse.Namespace) -> dict[str, Any]:
         try:
             bus = await Bus.connect(load(Settings, nats_url=b.nats.url), "bench")
             await bus.provision(streams.core_streams())
+            # Results of (a) and (c) as they are written; (b) has its own observer, so
+            # this process does nothing for the writes of the floor it measures.
+            sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=_sync(b.on_result))
+            latency = await _latency(b, bus, args.requests)
+            await sub.unsubscribe()
+            proto = await _protocol(b, bus, args.tasks, args.rounds)
+            proto["messages_per_task"] = latency["writes_per_task"]
             sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=_sync(b.on_result))
             result = {
-                "latency": await _latency(b, bus, args.requests),
-                "throughput": await _throughput(b, bus, args.tasks),
+                "latency": latency, "protocol": proto,
                 "batching": await _batching(b, bus, args.images, args.steps, args.batch),
                 "cpus": os.cpu_count(),
             }
@@ -487,8 +409,9 @@ def _sync(fn: Any) -> Any:
 
 
 def render(r: dict[str, Any]) -> str:
-    a, t, c = r["latency"], r["throughput"], r["batching"]
+    a, t, c = r["latency"], r["protocol"], r["batching"]
     yes = {True: "yes", False: "NO"}
+    v = t["validation"]
     return "\n".join([
         f"tandem bench serve ({r['cpus']} CPUs); each part: its median of "
         f"{r.get('repeat', 1)} runs",
@@ -505,13 +428,19 @@ def render(r: dict[str, Any]) -> str:
         f"{a['doors']['nats_submit']['p50_ms']:.3f} ms, HTTP "
         f"{a['doors']['http_submit']['p50_ms']:.3f} ms: ratio {a['doors']['ratio']:.3f} "
         f"(goal <= 1)  meets goal: {yes[a['doors']['meets_goal']]}",
-        f"(b) no-op throughput, {t['tasks']} queued tasks",
-        f"    tandem {t['tandem_per_s']:>10,.1f}/s   raw fetch+ack {t['raw_per_s']:>10,.1f}/s   "
-        f"ratio {t['ratio']:.3f}  (goal >= 0.5)  meets goal: {yes[t['meets_goal']]}",
-        f"    protocol floor (bare nats-py, same durable steps) {t['floor_per_s']:,.1f}/s: "
-        f"{t['floor_ratio']:.3f} of raw; tandem is {t['tandem_to_floor']:.3f} of the floor",
-        *(f"    CPU per task, {side:6s}  client {c['client_us']:6.1f} us   "
-          f"nats-server {c['server_us']:6.1f} us" for side, c in t["cpu_per_task"].items()),
+        f"    durable writes per task, gateway + worker: {t['messages_per_task']:g} "
+        f"(goal <= {GOAL_WRITES:g})",
+        f"(b) protocol: {t['tasks']} queued no-op tasks per side and round, {t['rounds']} "
+        "rounds interleaved; each side's median round",
+        *(f"    {side:15s} {x['per_s']:>10,.1f}/s   CPU/task client {x['client_us']:6.1f} us"
+          f" + nats-server {x['server_us']:5.1f} us   writes/task {x['writes_per_task']:g}"
+          f"   wire msgs/task {x['wire_per_task']:g}"
+          for side, x in [*t["sides"].items(), ("raw fetch+ack", t["raw"])]),
+        f"    tandem / floor = {t['ratio']:.3f} (goal >= {GOAL_PROTOCOL:g})   CPU per task "
+        f"{t['cpu_us_per_task']:g} us (goal <= {GOAL_CPU_US:g})",
+        f"    validation (check_task {v['check_task_us']:g} us a task): the floor drops "
+        f"{v['drop']:.1%} with it, noise {v['noise']:.1%}: within noise: "
+        f"{yes[v['within_noise']]}",
         f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
         f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
         f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "

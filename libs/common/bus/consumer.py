@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -66,24 +66,72 @@ class Delivery(Generic[E]):
         """Reset the AckWait timer: this message is still being worked on."""
         await self.msg.in_progress()
 
-    @contextlib.asynccontextmanager
-    async def keepalive(self, interval: float | None = None) -> AsyncIterator[None]:
-        """Send in-progress acks every ``interval`` seconds while the block runs."""
+    def keepalive(self, interval: float | None = None) -> _Kept:
+        """``async with``: send in-progress acks every ``interval`` seconds (a third of
+        AckWait by default) while the block runs. One timer per consumer serves every
+        message it holds (``_Keeper``), so a block shorter than the interval costs no
+        task and sends nothing."""
         every = interval or max(self.consumer.spec.ack_wait / 3, 0.2)
-        stop = asyncio.Event()
+        return _Kept(self.consumer.keeper, self.msg, every)
 
-        async def beat() -> None:
-            while not stop.is_set():
-                if not await _wait(stop, every):
+
+class _Kept:
+    """``Delivery.keepalive``'s block: the message is held by its consumer's keeper."""
+
+    __slots__ = ("every", "keeper", "msg")
+
+    def __init__(self, keeper: _Keeper, msg: Msg, every: float) -> None:
+        self.keeper, self.msg, self.every = keeper, msg, every
+
+    async def __aenter__(self) -> None:
+        self.keeper.hold(self.msg, self.every)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.keeper.release(self.msg)
+
+
+class _Keeper:
+    """In-progress acks for every message a consumer's handlers hold: one task sleeps
+    until the earliest is due, sends what is due and sleeps again; it ends when nothing
+    is held (and the next hold starts it again)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[Any]] = {}  # id(msg) -> [next due (loop time), every, msg]
+        self.task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._next = float("inf")  # when the task wakes next (loop time)
+
+    def hold(self, msg: Msg, every: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + every
+        self.held[id(msg)] = [due, every, msg]
+        if self.task is None or self.task.done():
+            self.task = loop.create_task(self._run())
+        elif due < self._next:
+            self._wake.set()  # a shorter interval than the one it sleeps for
+
+    def release(self, msg: Msg) -> None:
+        self.held.pop(id(msg), None)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.held:
+            self._next = min(entry[0] for entry in self.held.values())
+            self._wake.clear()
+            await _wait(self._wake, self._next - loop.time())
+            now = loop.time()
+            for entry in list(self.held.values()):
+                if entry[0] <= now:
+                    entry[0] = now + entry[1]
                     with contextlib.suppress(Exception):
-                        await self.msg.in_progress()
+                        await entry[2].in_progress()
+        self._next = float("inf")
 
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            stop.set()
-            await task
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
 
 
 class Consumer(Generic[E]):
@@ -110,6 +158,7 @@ class Consumer(Generic[E]):
         self.paused = paused
         self.span_name = span_name or f"{spec.stream} process"
         self.policy = AckPolicy(bus, spec, on_dead)
+        self.keeper = _Keeper()  # in-progress acks of the messages its handlers hold
         self._recording = tracing.recording()
         self._sub: Pull | None = None
 
@@ -136,6 +185,7 @@ class Consumer(Generic[E]):
 
     async def close(self) -> None:
         """Unsubscribe the pull inbox and hand back anything delivered but not fetched."""
+        await self.keeper.close()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.close()
