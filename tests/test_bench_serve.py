@@ -75,7 +75,10 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
         sides["floor"]["per_s"], sides["floor_unchecked"]["per_s"])
     assert math.isclose(v["drop"], 1 - v["checked_per_s"] / v["unchecked_per_s"], abs_tol=1e-3)
     assert v["noise"] == 0 and v["within_noise"] == (v["drop"] <= 0)  # one round: no spread
-    assert _positive(v["check_task_us"])
+    assert _positive(v["check_task_us"]) and v["check_task_us"] == t["overheads"]["check_task"]
+    assert set(t["overheads"]) == {"metrics", "log_context", "trace_context", "task",
+                                   "check_task"}
+    assert _positive(*t["overheads"].values())
 
     # Whole batches: 4 images in batches of 2 count the 2 after the first batch.
     assert c["images"] == 4 and c["max_batch"] == 2

@@ -49,7 +49,7 @@ async def test_killing_every_process_of_east_moves_its_queued_and_running_tasks_
         stack: Stack, drill: Drill) -> None:
     d = drill
     await all_up(stack, d)
-    running = [(await d.submit(model="digits", class_label=i, steps=200, cluster="east"))["id"]
+    running = [(await d.submit(model="digits", class_label=i, steps=40, cluster="east"))["id"]
                for i in range(2)]
 
     def east_holds_both() -> bool:  # polled: the worker's own /healthz says what it holds

@@ -11,7 +11,7 @@ A model's ``source`` says where its weights come from::
     builtin:tiny-text    tiny text-to-image pipeline built in-process (random weights)
     dir:<path>           any local diffusers pipeline directory (from_pretrained, offline)
     run:<run_id>         the newest committed checkpoint of a training run
-    noop                 no pipeline: dispatch only (benchmarks)
+    noop                 a call that makes no images: the real task path around it (benchmarks)
     fault:<kind>         fault injection for tests (the worker refuses it unless enabled)
 """
 

@@ -336,9 +336,64 @@ def summary(rounds: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
 
 def check_task_us(repeat: int = 20_000) -> float:
     """CPU microseconds of one ``check_task`` of a no-op task, as the worker calls it."""
-    task = noop_tasks(1, "c")[0]
-    registry, limits = Registry.parse(""), JobLimits()
+    return _us_per_call(lambda: check_task(TASK, REGISTRY, LIMITS), repeat)
+
+
+TASK = GenerationTask(task_id="t" * 32, model="noop", noop=True, steps=1, cluster="c")
+REGISTRY, LIMITS = Registry.parse(""), JobLimits()
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def _us_per_call(fn: Callable[[], object], repeat: int) -> float:
     t0 = time.process_time()
     for _ in range(repeat):
-        check_task(task, registry, limits)
+        fn()
     return round((time.process_time() - t0) / repeat * 1e6, 2)
+
+
+async def overheads(repeat: int = 20_000) -> dict[str, float]:
+    """CPU microseconds a task costs the worker, this process measured, for each thing
+    it does per task that the floor does not: what explains the gap between them.
+
+    - ``metrics``: the histogram observations of a task (its five phases, its
+      generation time and its batch's size) and its outcome counter;
+    - ``log_context``: binding the task's id and model to its log lines;
+    - ``trace_context``: making the task's ``traceparent`` the current context;
+    - ``task``: the asyncio task each message is handled in (the floor handles a fetch
+      in one loop), with its keep-alive hold and the batcher's future."""
+    from opentelemetry import context as otel_context
+
+    from tandem.common import log, metrics
+    from tandem.common.bus.headers import attach_remote
+
+    hist = metrics.PHASE_SECONDS.labels("bench")
+    counter = metrics.CONSUMED.labels("bench", "bench")
+
+    def observe() -> None:
+        for _ in range(7):
+            hist.observe(0.001)
+        counter.inc()
+
+    def bound() -> None:
+        with log.bound(task_id=TASK.task_id, model=TASK.model):
+            pass
+
+    def traced() -> None:
+        otel_context.detach(attach_remote(TRACEPARENT))
+
+    async def handled(fut: asyncio.Future[None]) -> None:
+        await fut
+
+    loop = asyncio.get_running_loop()
+    t0 = time.process_time()
+    for _ in range(repeat // 64):
+        futs = [loop.create_future() for _ in range(64)]
+        tasks = [loop.create_task(handled(f)) for f in futs]
+        await asyncio.sleep(0)  # every task starts and waits on its future
+        for f in futs:
+            f.set_result(None)
+        await asyncio.gather(*tasks)
+    per_task = (time.process_time() - t0) / (repeat // 64 * 64) * 1e6
+    return {"metrics": _us_per_call(observe, repeat), "log_context": _us_per_call(bound, repeat),
+            "trace_context": _us_per_call(traced, repeat), "task": round(per_task, 2),
+            "check_task": check_task_us(repeat)}

@@ -147,12 +147,15 @@ def why(window: Window | Mapping[str, Any], loop: str | None = None,
 
 
 def per_task(sides: Mapping[str, Mapping[str, float]], raw: Mapping[str, float],
-             goal_us: float | None = None) -> list[str]:
+             goal_us: float | None = None,
+             overheads: Mapping[str, float] | None = None) -> list[str]:
     """Where a durable task's cost lies, from the serve bench's sides (``tandem``,
     ``floor``, each with ``client_us``, ``server_us``, ``wire_per_task``) and ``raw``
     fetch + ack: what a client pays per wire message, what the floor (the same durable
-    steps, nothing else) costs against ``goal_us``, and what Tandem adds over the floor.
-    The floor bounds every worker written with that client: none goes below it."""
+    steps, nothing else) costs against ``goal_us``, and what Tandem adds over the floor,
+    with ``overheads`` (microseconds a task of each thing the worker does that the floor
+    does not, measured in the bench's process). The floor bounds every worker written
+    with that client: none goes below it."""
     t, f = sides["tandem"], sides["floor"]
     out = []
     for name, s in (("raw fetch + ack", raw), ("the floor", f)):
@@ -168,4 +171,10 @@ def per_task(sides: Mapping[str, Mapping[str, float]], raw: Mapping[str, float],
                f"{t['server_us'] - f['server_us']:+.1f} us of nats-server CPU a task over "
                f"the floor ({t['wire_per_task']:g} wire messages against "
                f"{f['wire_per_task']:g})")
+    if overheads:
+        parts = {k: v for k, v in overheads.items() if k != "check_task"}  # both pay it
+        out.append("of which, measured one at a time: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f} us" for k, v in parts.items())
+            + f" ({sum(parts.values()):.1f} us together; the rest is the consumer, "
+            "batcher and record code around them)")
     return out

@@ -252,7 +252,8 @@ async def _protocol(b: _Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
     got = protocol.summary(await stats.interleaved(rounds, sides))
     w.stop(10)
     got["raw"] = await protocol.raw_round(bus, b.nats, n)
-    got["validation"]["check_task_us"] = protocol.check_task_us()
+    got["overheads"] = await protocol.overheads()
+    got["validation"]["check_task_us"] = got["overheads"]["check_task"]
     return {"tasks": n, "rounds": rounds, **got}
 
 
@@ -351,7 +352,8 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         goal=stats.Goal(">=", GOAL_BATCHING), digits=2)
     median = stats.median_run(pro, lambda x: x["ratio"])
     if ratio.met is False or cpu.met is False:
-        why = saturation.per_task(median["sides"], median["raw"], GOAL_CPU_US)
+        why = saturation.per_task(median["sides"], median["raw"], GOAL_CPU_US,
+                                  median["overheads"])
         if ratio.met is False:
             t = median["sides"]["tandem"]
             ratio.why = saturation.why(
