@@ -318,10 +318,12 @@ def summary(rounds: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
 
     def noise(side: str) -> float:  # spread of a side's own rounds, relative to its median
         rates = [r["per_s"] for r in rounds[side]]
-        return (max(rates) - min(rates)) / statistics.median(rates) if len(rates) > 1 else 0.0
+        return (max(rates) - min(rates)) / statistics.median(rates)
 
     drop = 1 - f["per_s"] / u["per_s"]
-    spread = max(noise("floor"), noise("floor_unchecked"))
+    # One round has no spread to judge the drop against: no noise, no verdict.
+    spread = (max(noise("floor"), noise("floor_unchecked"))
+              if len(rounds["floor"]) > 1 else None)
     return {
         "ratio": round(t["per_s"] / f["per_s"], 3),
         "cpu_us_per_task": t["cpu_us"],
@@ -329,8 +331,9 @@ def summary(rounds: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
         "worker_wire_per_task": t["wire_per_task"],
         "sides": med, "per_round": rounds,
         "validation": {"checked_per_s": f["per_s"], "unchecked_per_s": u["per_s"],
-                       "drop": round(drop, 4), "noise": round(spread, 4),
-                       "within_noise": drop <= spread},
+                       "drop": round(drop, 4),
+                       "noise": None if spread is None else round(spread, 4),
+                       "within_noise": None if spread is None else drop <= spread},
     }
 
 

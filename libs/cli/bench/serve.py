@@ -339,8 +339,10 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         [v["checked_per_s"] for v in val], [v["unchecked_per_s"] for v in val],
         "the floor without check_task", digits=1,
         notes=[f"drop {statistics.median(v['drop'] for v in val):.1%} against a noise of "
-               f"{statistics.median(v['noise'] for v in val):.1%} (the spread of the floor's "
-               f"own rounds); check_task costs {val[0]['check_task_us']:g} us a task"])
+               + (f"{statistics.median(v['noise'] for v in val):.1%} (the spread of the "
+                  "floor's own rounds)" if val[0]["noise"] is not None else
+                  "unknown (one round a repeat: no spread)")
+               + f"; check_task costs {val[0]['check_task_us']:g} us a task"])
     raw = stats.Figure(
         "protocol_raw", "(b) the same worker against raw fetch + ack (context)", "tasks/s",
         [s["tandem"]["per_s"] for s in sides], [x["raw"]["per_s"] for x in pro],
@@ -441,8 +443,9 @@ def render(r: dict[str, Any]) -> str:
         f"    tandem / floor = {t['ratio']:.3f} (goal >= {GOAL_PROTOCOL:g})   CPU per task "
         f"{t['cpu_us_per_task']:g} us (goal <= {GOAL_CPU_US:g})",
         f"    validation (check_task {v['check_task_us']:g} us a task): the floor drops "
-        f"{v['drop']:.1%} with it, noise {v['noise']:.1%}: within noise: "
-        f"{yes[v['within_noise']]}",
+        f"{v['drop']:.1%} with it, "
+        + (f"noise {v['noise']:.1%}: within noise: {yes[v['within_noise']]}"
+           if v["noise"] is not None else "noise unknown (one round: no spread)"),
         f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
         f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
         f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "
