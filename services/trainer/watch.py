@@ -309,15 +309,21 @@ class AttemptWatch:
     async def _on_checkpoint(self, written: CheckpointWritten) -> None:
         step = written.step
         self.last_ckpt_step = max(self.last_ckpt_step, step)
-        # The run and cluster are the coordinator's to say; ``at`` is when it relays,
-        # as it always was (the checkpointer measures written -> committed from it).
+        # The run, cluster and attempt are the coordinator's to say; ``at`` is when it
+        # relays, as it always was (the checkpointer measures written -> committed from it).
         event = msgspec.structs.replace(written, run_id=self.run_id, cluster=self.cluster,
-                                        at=time.time())
+                                        node=written.node or self.cfg.node,
+                                        attempt=self.attempt_no, at=time.time())
         self.metrics.checkpoint(event.blocked_s)
         # A step rewritten after a resume is announced again (the checkpointer's mirror
-        # is idempotent), since the first copy may have been lost with the node.
+        # is idempotent), since the first copy may have been lost with the node. Each
+        # node writes its own part of a sharded checkpoint: one event per node.
+        key = f"{self.run_id}-{step}-a{self.attempt_no}-{event.node}"
         await self._publish(subjects.train(self.run_id, "checkpoint"), event,
-                           f"{self.run_id}-ckpt-{step}-a{self.attempt_no}", retry_for=30.0)
+                            f"ckpt-{key}", retry_for=30.0)
+        # The files are on that node's disk only: its own checkpointer mirrors them.
+        await self._publish(subjects.mirror(event.cluster, event.node), event,
+                            f"mirror-{key}", retry_for=30.0)
 
 
 def _finite(x: float | None) -> float:
