@@ -666,7 +666,8 @@ def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_
                            per_node=per_node, master_addr="10.1.2.9", master_port=29500,
                            spec={"rank_nodes": [n for n in nodes for _ in range(per_node)]})
         expected = LocalLauncher(python=settings.python, master_addr="10.1.2.9").command(
-            Placement(nodes=nodes, per_node=per_node), 1, 29500, spec_path)
+            Placement(nodes=nodes, per_node=per_node), 1, 29500, spec_path, "r1-a1",
+            local_addr=settings.rendezvous_host)
         assert node_command(settings, order, "10.1.2.9", 29500, spec_path) == expected
         # node rank 0 opens the rendezvous where the other pods reach it
         assert settings.rendezvous_host == POD_SOURCES["status.podIP"]
