@@ -705,6 +705,25 @@ def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_fold
         assert len(mounts) == 1, mounts
 
 
+def test_each_nodes_checkpointer_pulls_only_its_own_nodes_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes share no disk: the checkpointer of a node mirrors what the trainer's ranks
+    wrote on that node, and only that (the subject the coordinator routes it to)."""
+    from tandem.common import subjects
+    from tandem.common.streams import checkpointer_consumer
+
+    for overlay in CLUSTERS:
+        (c,) = pod_spec(objects(overlay, "DaemonSet")["checkpointer"])["containers"]
+        assert env_of(overlay, c)["TANDEM_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        settings = pod_settings(overlay, c, "checkpointer", tmp_path, monkeypatch)
+        svc = service_class("checkpointer")(settings)
+        assert settings.scope == "node" and settings.cluster == overlay
+        assert svc.consumer_spec == checkpointer_consumer(
+            settings.ack_wait, cluster=overlay, node=POD_SOURCES["spec.nodeName"])
+        assert svc.consumer_spec.filter_subjects == (
+            subjects.mirror(overlay, POD_SOURCES["spec.nodeName"]),)
+
+
 # ----------------------------------------------------------------------------- security
 
 
