@@ -155,7 +155,7 @@ def _torchrun(tmp_path: Path, world: int, steps: int, resume: str = "") -> Path:
     spec_path.write_bytes(msgspec.json.encode(spec))
     placement = place(world, ["n0"])
     assert placement is not None
-    cmd = LocalLauncher().command(placement, 0, free_port(), spec_path, f"tr-{world}")
+    cmd = LocalLauncher().command(placement, 0, free_port(), spec_path)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]

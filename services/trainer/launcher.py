@@ -175,10 +175,12 @@ class LocalLauncher:
         self.monitor_interval = monitor_interval
 
     def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
-                rdzv_id: str, local_addr: str | None = None) -> list[str]:
+                rdzv_id: str = "tandem", local_addr: str | None = None) -> list[str]:
         """Node ``node_rank``'s torchrun: a c10d rendezvous ``rdzv_id`` at
         ``master_addr:port``, hosted by node rank 0's agent; ``local_addr``: the address
-        other nodes reach this one at (default ``master_addr``, all on one host)."""
+        other nodes reach this one at (default ``master_addr``, all on one host). An
+        attempt's id is ``rendezvous_id``; the default serves one-off launches (a bench,
+        a test) whose port is theirs alone."""
         return [
             self.python, "-m", "torch.distributed.run",
             f"--nnodes={len(placement.nodes)}", f"--nproc-per-node={placement.per_node}",
