@@ -32,6 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from tandem.common import checkpoints as ck
+from tandem.common import subjects
 from tandem.common.events import CheckpointManifest, CheckpointWritten
 
 MiB = 1 << 20
@@ -56,9 +57,17 @@ def write_checkpoint(root: Path, run_id: str, step: int,
     return directory, ck.scan(directory, run_id, step)
 
 
-def written(directory: Path, manifest: CheckpointManifest) -> CheckpointWritten:
+def written(directory: Path, manifest: CheckpointManifest, cluster: str = "local",
+            node: str = "node-0", attempt: int = 1) -> CheckpointWritten:
+    """The event the coordinator publishes for a checkpoint written on ``node``."""
     return CheckpointWritten(run_id=manifest.run_id, step=manifest.step,
-                             path=str(directory), manifest=manifest)
+                             path=str(directory), manifest=manifest, cluster=cluster,
+                             node=node, attempt=attempt)
+
+
+def mirror_subject(ev: CheckpointWritten) -> str:
+    """Where the coordinator hands ``ev`` to its node's checkpointer."""
+    return subjects.mirror(ev.cluster, ev.node)
 
 Match = Callable[[str, str], bool]
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te",

@@ -29,6 +29,7 @@ class Gateway:
     keys: dict[str, str]  # name -> the key itself
     certs: CertFiles
     log: Path
+    nats_url: str  # the job service's door, the same gateway process
 
     @property
     def ca(self) -> ssl.SSLContext:
@@ -78,7 +79,7 @@ def https_gateway(root: Path, s3: S3Server, keys: dict[str, tuple[list[str], dic
                                 stderr=subprocess.STDOUT)
     try:
         port = _wait_port(proc, log)
-        yield Gateway(f"https://127.0.0.1:{port}", secret, certs, log)
+        yield Gateway(f"https://127.0.0.1:{port}", secret, certs, log, nats.url)
     finally:
         proc.terminate()
         try:

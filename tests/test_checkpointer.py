@@ -34,7 +34,7 @@ from tandem.common.runner import Context
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_RUNS
-from tests.checkpoint_support import FaultProxy, MiB, write_checkpoint, written
+from tests.checkpoint_support import FaultProxy, MiB, mirror_subject, write_checkpoint, written
 from tests.conftest import PYTHON, ROOT, service_env
 
 DEADLINE = 60.0
@@ -105,8 +105,8 @@ class Case:
         return write_checkpoint(self.root, self.run, step, sizes)
 
     async def publish(self, directory: Path, manifest: CheckpointManifest) -> Any:
-        return await self.bus.publish(subjects.train(self.run, "checkpoint"),
-                                      written(directory, manifest))
+        ev = written(directory, manifest)
+        return await self.bus.publish(mirror_subject(ev), ev)
 
 
 @pytest.fixture
@@ -161,12 +161,12 @@ def multipart_uploads(s3: Any, bucket: str) -> list[str]:
 
 
 async def settled(bus: Bus, seq: int, ack_wait: float = 3.0) -> None:
-    """Wait until the checkpointer acked (or terminated) TRAIN message ``seq``."""
+    """Wait until the checkpointer acked (or terminated) MIRROR message ``seq``."""
     async def done() -> bool:
-        info = await bus.js.consumer_info("TRAIN", "checkpointer")
+        info = await bus.js.consumer_info("MIRROR", "checkpointer")
         return info.ack_floor.stream_seq >= seq
 
-    await until(done, what=f"TRAIN seq {seq} settled")
+    await until(done, what=f"MIRROR seq {seq} settled")
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -210,10 +210,10 @@ async def test_redelivered_checkpoint_uploads_nothing_and_commits_once(
     directory, manifest = case.checkpoint(5)
     event = written(directory, manifest)
     async with running(bus, **case.config(proxy.url)) as svc:
-        await bus.publish(subjects.train(run, "checkpoint"), event)
+        await bus.publish(mirror_subject(event), event)
         await events.next(CheckpointMirrored)
         before = len(proxy.uploads())
-        again = await bus.publish(subjects.train(run, "checkpoint"), event)
+        again = await bus.publish(mirror_subject(event), event)
         await settled(bus, again.seq)
         assert svc.committed == 1
 
@@ -351,14 +351,14 @@ async def test_invalid_checkpoint_event_goes_to_the_dlq_and_the_next_one_commits
     async def on_dead(msg: Any) -> None:
         dead.put_nowait(decode(msg.data, DeadLetter))
 
-    await bus.nc.subscribe(subjects.dlq("TRAIN"), cb=on_dead)
+    await bus.nc.subscribe(subjects.dlq("MIRROR"), cb=on_dead)
     directory, manifest = case.checkpoint(1, {"rng.bin": 10})
     bad = msgspec.structs.replace(manifest, files=[
         *manifest.files, FileEntry(name="../../etc/passwd", size=1, sha256="0" * 64)])
     async with running(bus, **case.config(s3_server.url)):
         await case.publish(directory, bad)
         letter = await asyncio.wait_for(dead.get(), DEADLINE)
-        await bus.publish(subjects.train(run, "checkpoint"), b'{"kind": "checkpoint"}')
+        await bus.publish(subjects.mirror("local", "node-0"), b'{"kind": "checkpoint"}')
         letter2 = await asyncio.wait_for(dead.get(), DEADLINE)
         await case.publish(directory, manifest)
         assert (await events.next(CheckpointMirrored)).step == 1

@@ -239,16 +239,33 @@ def test_a_sharded_checkpoint_commits_only_whole_from_every_nodes_part(
     with pytest.raises(CheckpointCorrupt, match="rank 9 outside world size 4"):
         ck.decode_manifest(bad, "r", 8)
 
-    # The checkpointer's mirror uploads a part's files but never commits a part.
-    directory = tmp_path / "step-8"
-    for f in b.files:
-        (directory / f.name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / f.name).write_bytes(f.name.encode())
-    part = ck.sharded(ck.scan(directory, "r", 8), 4, "nb")
+    # The checkpointer's mirror never commits a part as a checkpoint; it mirrors and
+    # records it, and commits the merge only once every node's part is recorded.
+    parts = {}
+    for node, manifest in (("nb", b), ("na", a)):
+        directory = tmp_path / node / "step-8"
+        for f in manifest.files:
+            (directory / f.name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / f.name).write_bytes(f"{node} {f.name}".encode())
+        parts[node] = (directory, ck.sharded(ck.scan(directory, "r", 8), 4, node))
     mirror = Mirror(s3, MirrorConfig(bucket=bucket))
     try:
         with pytest.raises(ValueError, match="not a commit"):
-            mirror.mirror(directory, part)
+            mirror.mirror(*parts["nb"])
+        assert ck.list_steps(s3, bucket, "r") == {}  # refused before sending anything
+        first = mirror.mirror_part(*parts["nb"], attempt=2)
+        assert (first.committed, first.lacks) == (False, [ck.DCP_METADATA, *ck.SHARDED_STATE,
+                                                          "a shard of rank 0",
+                                                          "a shard of rank 1"])
+        assert ck.list_steps(s3, bucket, "r") == {8: False}
+        # A part of another attempt never completes this one's.
+        stale = mirror.mirror_part(*parts["na"], attempt=1)
+        assert stale.lacks and ck.list_steps(s3, bucket, "r") == {8: False}
+        last = mirror.mirror_part(*parts["na"], attempt=2)
+        assert (last.committed, last.lacks) == (True, [])
     finally:
         mirror.close()
-    assert ck.list_steps(s3, bucket, "r") == {8: False}
+    committed = ck.read_manifest(s3, bucket, "r", 8)
+    assert committed == last.manifest and committed.part == ""
+    assert ck.same_files(committed, ck.merge_parts([p for _, p in parts.values()]))
+    assert ck.restore(s3, bucket, "r", tmp_path / "restored").step == 8

@@ -66,3 +66,17 @@ def test_a_command_that_needs_the_stack_says_it_is_not_running_and_how_to_start_
     assert "tandem dev up" in res.stderr, res.stderr[-2000:]
     where = {"generate": gateway, "checkpoints": s3}.get(argv[0], nats)
     assert f"127.0.0.1:{where}" in res.stderr, res.stderr[-2000:]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly_with_sigpipes_code() -> None:
+    """`tandem schema | head -1`: the reader closes the pipe after one line; the command
+    ends with 141 (128 + SIGPIPE), as a shell tool would, and prints no traceback. (The
+    schemas are ~80 KB, more than a pipe holds, so the write does meet the closed pipe.)"""
+    proc = subprocess.Popen([*CLI, "schema"], cwd=ROOT, env=service_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()  # what head does after its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err[-2000:]
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]

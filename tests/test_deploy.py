@@ -666,7 +666,8 @@ def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_
                            per_node=per_node, master_addr="10.1.2.9", master_port=29500,
                            spec={"rank_nodes": [n for n in nodes for _ in range(per_node)]})
         expected = LocalLauncher(python=settings.python, master_addr="10.1.2.9").command(
-            Placement(nodes=nodes, per_node=per_node), 1, 29500, spec_path)
+            Placement(nodes=nodes, per_node=per_node), 1, 29500, spec_path, "r1-a1",
+            local_addr=settings.rendezvous_host)
         assert node_command(settings, order, "10.1.2.9", 29500, spec_path) == expected
         # node rank 0 opens the rendezvous where the other pods reach it
         assert settings.rendezvous_host == POD_SOURCES["status.podIP"]
@@ -702,6 +703,25 @@ def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_fold
             for key, value in pod_spec(pods["checkpointer"])["nodeSelector"].items():
                 assert spec["nodeSelector"][key] == value, name
         assert len(mounts) == 1, mounts
+
+
+def test_each_nodes_checkpointer_pulls_only_its_own_nodes_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes share no disk: the checkpointer of a node mirrors what the trainer's ranks
+    wrote on that node, and only that (the subject the coordinator routes it to)."""
+    from tandem.common import subjects
+    from tandem.common.streams import checkpointer_consumer
+
+    for overlay in CLUSTERS:
+        (c,) = pod_spec(objects(overlay, "DaemonSet")["checkpointer"])["containers"]
+        assert env_of(overlay, c)["TANDEM_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        settings = pod_settings(overlay, c, "checkpointer", tmp_path, monkeypatch)
+        svc = service_class("checkpointer")(settings)
+        assert settings.scope == "node" and settings.cluster == overlay
+        assert svc.consumer_spec == checkpointer_consumer(
+            settings.ack_wait, cluster=overlay, node=POD_SOURCES["spec.nodeName"])
+        assert svc.consumer_spec.filter_subjects == (
+            subjects.mirror(overlay, POD_SOURCES["spec.nodeName"]),)
 
 
 # ----------------------------------------------------------------------------- security

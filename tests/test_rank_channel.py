@@ -32,6 +32,7 @@ ONE_OF_EACH = [
             evidence={"loss_finite": False, "grad_norm_finite": True}),
     channel.Done(step=10),
     channel.Bye(rank=0, code=0),
+    channel.Resumed(step=40, skipped={60: "n1: shards/__2_0.distcp: sha256 0f..."}),
 ]
 
 

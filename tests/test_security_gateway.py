@@ -13,18 +13,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from tandem.cli.devstack import S3Server
+from tandem.client import JobError, SyncClient
 from tandem.common.bus import Bus
 from tandem.common.events import RunRecord, RunState, struct_replace
-from tandem.common.runs import submit_run
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS, core_streams
-from tandem.gateway.auth import AuthSettings, Guard, hash_key, new_key
+from tandem.gateway.api import caller
+from tandem.gateway.auth import AuthSettings, Guard, Keyring, Limits, hash_key, new_key, parse_keys
+from tandem.gateway.training import add_training_routes
 from tests.conftest import PYTHON, service_env
 from tests.security_support import TIMEOUT, Gateway, https_gateway
 
@@ -36,6 +38,7 @@ KEYS = {  # name -> (scopes, extra limits)
     "ops": (["admin"], {}),
     "slow": (["generate"], {"rate": 0.001, "burst": 2}),
     "viewer": (["generate"], {"max_streams": 1}),
+    "twodoors": (["generate", "train"], {"rate": 0.001, "burst": 3, "max_runs": 1}),
 }
 
 
@@ -194,6 +197,29 @@ def test_keys_are_kept_hashed_never_logged_and_https_is_required(gateway: Gatewa
         httpx.get(gateway.url.replace("https://", "http://") + "/healthz", timeout=5)
 
 
+def test_a_keys_rate_and_runs_are_one_budget_across_http_and_the_job_service(
+        gateway: Gateway) -> None:
+    """Neither door is a way around the other's limits: one bucket and one count of
+    unfinished runs per key, whichever door each request came in by."""
+    key = gateway.keys["twodoors"]
+    run = {"steps": 10, "cluster": "east"}  # no trainer here: it stays pending
+    with SyncClient(gateway.nats_url, api_key=key) as bus, \
+            gateway.client("twodoors") as http:
+        submitted = bus.train(**run)  # the job service: request 1 of 3, run 1 of 1
+        assert submitted["state"] == "pending" and submitted["owner"] == "twodoors"
+        second = http.post("/v1/training-runs", json=run)  # HTTP: request 2 of 3
+        assert second.status_code == 429, second.text
+        assert "1 training runs not finished" in second.json()["detail"]
+        assert submitted["run_id"] in second.json()["detail"]
+        assert http.get("/v1/models").status_code == 200  # request 3 of 3
+        with pytest.raises(JobError) as err:
+            bus.models()  # the bucket HTTP emptied
+        assert err.value.status == 429 and "over its rate limit" in str(err.value)
+        assert err.value.retry_after is not None and err.value.retry_after >= 1
+        again = http.get("/v1/models")
+        assert again.status_code == 429 and int(again.headers["retry-after"]) >= 1
+
+
 def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: Path) -> None:
     env = service_env(api_keys='[{"name": "x", "sha256": "not-hex", "scopes": ["generate"]}]')
     res = subprocess.run([PYTHON, "-m", "tandem.gateway"], env=env, capture_output=True,
@@ -207,22 +233,9 @@ def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: 
 
 @pytest.fixture
 async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
-    """The Guard in front of a minimal training-run route that submits for real."""
+    """The Guard in front of the gateway's training-run routes, on a real bus."""
     await bus.provision(core_streams())
     runs = await bus.typed(KV_RUNS, RunRecord)
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        rec = await submit_run(bus, json.loads(body or b"{}"))
-        out = json.dumps({"run_id": rec.run_id, "state": rec.state.value}).encode()
-        await send({"type": "http.response.start", "status": 202,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": out})
 
     async def state(run_id: str) -> str | None:
         got = await runs.get(run_id)
@@ -232,7 +245,11 @@ async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str,
     entries = [{"name": n, "sha256": hash_key(k), "scopes": ["train"]}
                for n, k in keys.items()]
     settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=2)
-    guard = Guard.wrap(app, settings, run_state=state)
+    keyring = Keyring(parse_keys(settings.api_keys))
+    limits = Limits(keyring, settings, run_state=state)
+    app = FastAPI()
+    add_training_routes(app, bus, caller, limits)  # the gateway's own route, submitting for real
+    guard = Guard.wrap(app, keyring, limits)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard),
                                  base_url="http://gw") as client:
         yield client, keys

@@ -24,7 +24,7 @@ from tandem.common.models import RegistrySettings
 from tandem.common.settings import Settings, load
 from tandem.common.storage import s3_client
 from tandem.common.streams import DLQ, KV_RUNS
-from tests.checkpoint_support import write_checkpoint, written
+from tests.checkpoint_support import mirror_subject, write_checkpoint, written
 from tests.conftest import ROOT
 from tests.test_checkpointer import running, until
 
@@ -201,14 +201,10 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
                   s3_access_key="tandem", s3_secret_key="tandem", retry_backoff=0.1,
                   ack_wait=3.0, checkpoint_root=str(root), local_keep=5)
     async with running(bus, **config):
-        await bus.publish(subjects.train(bad_run, "checkpoint"),
-                          written(out_dir, out_manifest))
-        await bus.publish(subjects.train(bad_run, "checkpoint"),
-                          written(root / bad_run / "step-2", link_manifest))
-        await bus.publish(subjects.train(bad_run, "checkpoint"),
-                          written(mixed_dir, mixed_manifest))
-        await bus.publish(subjects.train(good_run, "checkpoint"),
-                          written(good_dir, good_manifest))
+        for ev in (written(out_dir, out_manifest),
+                   written(root / bad_run / "step-2", link_manifest),
+                   written(mixed_dir, mixed_manifest), written(good_dir, good_manifest)):
+            await bus.publish(mirror_subject(ev), ev)
         runs = await bus.typed(KV_RUNS, RunRecord)
 
         async def committed() -> bool:
@@ -216,7 +212,7 @@ async def test_a_checkpoint_outside_the_checkpoint_root_goes_to_dlq_untouched(
             return got is not None and got[0].latest_checkpoint_step == 3
 
         await until(committed, what="the valid checkpoint committed")
-        sub = await bus.js.pull_subscribe(subjects.dlq("TRAIN"), stream=DLQ)
+        sub = await bus.js.pull_subscribe(subjects.dlq("MIRROR"), stream=DLQ)
         letters = [decode(m.data, DeadLetter) for m in await sub.fetch(3, timeout=10)]
     assert len(letters) == 3
     assert all("outside the checkpoint root" in d.reason for d in letters), letters

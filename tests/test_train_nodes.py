@@ -19,6 +19,7 @@ Every wait is on a KV update or a stream event, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -146,17 +147,24 @@ async def events_until_end(bus: Bus, run: str) -> list[Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("nodes")
-    (root / "stack.toml").write_text(STACK_TOML)
+@contextlib.contextmanager
+def agents_stack(root: Path, toml: str, services: list[str]) -> Iterator[Stack]:
+    """The local stack ``toml`` describes, in ``root``, with ``services`` started and
+    healthy. With auth: the coordinator and its agents log in as the trainer role (and
+    checkpointers as theirs), so what they send each other must be what
+    tandem.common.permissions grants."""
+    (root / "stack.toml").write_text(toml)
     config = StackConfig.load(root / "stack.toml")
-    # With auth: the coordinator and its agents log in as the trainer role, so what they
-    # send each other must be what tandem.common.permissions grants it.
     with open(root / "stack.log", "w") as sink, Stack(config, root / "stack", sink,
                                                         grace=5.0, auth=True) as st:
-        health = st.start(services=["trainer"], health_timeout=120)
+        health = st.start(services=services, health_timeout=120)
         assert set(health.values()) == {"healthy"}, health
+        yield st
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with agents_stack(tmp_path_factory.mktemp("nodes"), STACK_TOML, ["trainer"]) as st:
         yield st
 
 

@@ -128,8 +128,8 @@ async def submit(bus: Bus, name: str, *, steps: int, seed: int, label: int) -> s
 
 async def commit(bus: Bus, ev: CheckpointWritten) -> None:
     """Hand a written checkpoint to the checkpointer, as the trainer's coordinator does."""
-    await bus.publish(subjects.train(ev.run_id, "checkpoint"), ev,
-                      msg_id=f"ckpt-{ev.run_id}-{ev.step}")
+    await bus.publish(subjects.mirror(ev.cluster, ev.node), ev,
+                      msg_id=f"mirror-{ev.run_id}-{ev.step}")
 
 
 async def succeeded(bus: Bus, task_id: str) -> TaskRecord:

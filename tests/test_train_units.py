@@ -7,6 +7,7 @@ import asyncio
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -329,3 +330,38 @@ def test_the_dit_b_preset_is_a_model_worth_sharding() -> None:
     assert params * 4 * 3 >= 1.2e9  # fp32 weights and AdamW's two moments
     with pytest.raises(InvalidRunConfig, match="dit-b"):
         parse_run_config({"model": "dit-z"})
+
+
+def test_a_node_fetches_a_committed_checkpoint_verified_and_tells_corrupt_from_unreachable(
+        s3_server: Any, uid: str, tmp_path: Path) -> None:
+    """``fetch.fetch_step``, what each node's first rank does for a resume on its own disk:
+    a verified copy (kept when one is there), "corrupt" (the ranks fall back to an older
+    step) or "error" (the attempt fails: an outage is no reason to fall back)."""
+    from tandem.common.settings import Settings, load
+    from tandem.common.storage import ensure_bucket, s3_client
+    from tandem.trainer.fetch import fetch_step
+    from tests.test_checkpoints import commit, flip_byte
+
+    s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                        s3_secret_key="tandem"))
+    bucket, run = f"fetch-{uid}", f"r{uid}"
+    ensure_bucket(s3, bucket)
+    commit(s3, bucket, tmp_path / "writer", run, 5, {"rng.bin": 3000})
+    root = tmp_path / "node"
+    assert fetch_step(s3, bucket, root, run, 5) == ("ok", "downloaded")
+    assert ck.same_files(ck.verify(ck.step_dir(root, run, 5)),
+                         ck.scan(tmp_path / "writer" / "step-5", run, 5))
+    assert fetch_step(s3, bucket, root, run, 5) == ("ok", "kept the copy on this node")
+
+    flip_byte(s3, bucket, ck.object_key(run, 5, "rng.bin"))
+    shutil.rmtree(ck.step_dir(root, run, 5))
+    kind, why = fetch_step(s3, bucket, root, run, 5)
+    assert kind == "corrupt" and why.startswith("rng.bin: sha256 "), why
+    assert not ck.step_dir(root, run, 5).exists()  # nothing half-fetched is left as a step
+    kind, why = fetch_step(s3, bucket, root, run, 6)
+    assert kind == "corrupt" and "not committed" in why
+
+    dead = s3_client(load(Settings, s3_endpoint="http://127.0.0.1:9", s3_access_key="tandem",
+                          s3_secret_key="tandem", s3_max_attempts=1))
+    kind, why = fetch_step(dead, bucket, root, run, 5)
+    assert kind == "error" and "EndpointConnectionError" in why, why

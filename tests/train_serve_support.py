@@ -61,7 +61,7 @@ class TinyTrainer:
         assert self.writer.wait(60), "checkpoint write did not finish"
         w = self.writer.written[-1]
         return CheckpointWritten(run_id=w.run_id, step=w.step, path=str(w.path),
-                                 manifest=w.manifest)
+                                 manifest=w.manifest, cluster="local", node="node-0")
 
     def close(self) -> None:
         self.writer.close()

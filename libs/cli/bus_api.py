@@ -35,6 +35,7 @@ from tandem.common.streams import ConsumerSpec, KVSpec, StreamSpec
 from tandem.common.subjects import Subject
 
 CLUSTER = "_cluster_"  # the stand-in cluster the per-cluster declarations are made for
+NODE = "_node_"  # and node, for the per-node ones
 DOC = "docs/bus-api.md"
 REGENERATE = "tandem schema --write-docs"
 
@@ -73,12 +74,16 @@ ROUTES: list[Route] = [
           ("status", "TrainStatus", "a run's state: pending (submitted), running, "
            "restarting, succeeded, failed, cancelled"),
           ("step", "TrainStep", "loss, grad norm, lr, throughput, per-rank step times"),
-          ("checkpoint", "CheckpointWritten", "a checkpoint is whole on a node's disk")]),
+          ("checkpoint", "CheckpointWritten", "a checkpoint (or a node's part of one) is "
+           "whole on a node's disk: the run's history (that node's checkpointer is sent it "
+           "on `mirror.<cluster>.<node>`)")]),
     *(Route(subjects.CKPT, name, f'ckpt(run, "{kind}")', "subscribe", what, kind)
       for kind, name, what in [
           ("mirrored", "CheckpointMirrored", "committed in S3 (manifest stored): servable"),
           ("failed", "CheckpointFailed", "the mirror gave up, with the reason"),
-          ("pruned", "CheckpointPruned", "steps removed by retention")]),
+          ("pruned", "CheckpointPruned", "steps removed by retention"),
+          ("part", "CheckpointPartMirrored", "one node's part of a sharded checkpoint is in "
+           "S3 and verified (not a commit: `mirrored` follows once every node's is)")]),
     *(Route(subjects.JOBS, name, f'jobs("{kind}")', "request", what, kind)
       for kind, name, what in [
           ("generate", "GenerationRequest", "queue a generation; reply: the accepted record "
@@ -95,6 +100,9 @@ ROUTES: list[Route] = [
           "a node's health changed, with the evidence"),
     Route(subjects.MODELS, "ModelsLoaded", "models(cluster, node)", "",
           "the models a worker has loaded, for its node's heartbeat"),
+    Route(subjects.MIRROR, "CheckpointWritten", "mirror(cluster, node)", "",
+          "a checkpoint (or a node's part of one) on that node's disk: the order to that "
+          "node's checkpointer"),
     Route(subjects.TRAINER_NODE, "NodeLaunch", "trainer_node(cluster, node)", "",
           "the coordinator's orders to one node's trainer agent (`NodeLaunch` or "
           "`NodeStop`); reply `NodeReply`"),
@@ -140,8 +148,9 @@ HEADERS: list[tuple[str, str, str]] = [
 
 
 def placeholder(text: str) -> str:
-    """A per-cluster name as the doc shows it."""
-    return text.replace(CLUSTER.upper(), "<CLUSTER>").replace(CLUSTER, "<cluster>")
+    """A per-cluster (or per-node) name as the doc shows it."""
+    return (text.replace(CLUSTER.upper(), "<CLUSTER>").replace(CLUSTER, "<cluster>")
+            .replace(NODE, "<node>"))
 
 
 def stream_specs() -> list[StreamSpec]:
@@ -155,6 +164,7 @@ def kv_specs() -> list[KVSpec]:
 
 def consumer_specs() -> list[ConsumerSpec]:
     return [*streams.gen_consumers(CLUSTER), streams.checkpointer_consumer(),
+            streams.checkpointer_consumer(cluster=CLUSTER, node=NODE),
             streams.trainer_consumer(CLUSTER)]
 
 
@@ -176,7 +186,7 @@ def _matches(pattern: str, subject: str) -> bool:
 
 def _examples(route: Route) -> list[str]:
     """Concrete subjects of ``route`` for the declarations' one cluster."""
-    values = {"cluster": [CLUSTER], "node": ["_node_"], "task": ["_task_"], "run": ["_run_"],
+    values = {"cluster": [CLUSTER], "node": [NODE], "task": ["_task_"], "run": ["_run_"],
               "lane": list(subjects.LANES), "kind": [route.kind or "_kind_"],
               "stream": [s.name for s in stream_specs()]}
     fields = [f for _, f, _, _ in string.Formatter().parse(route.subject.template) if f]
@@ -220,7 +230,7 @@ def readers(route: Route) -> list[str]:
             continue
         for c in consumer_specs():
             pulls = f"{permissions.API}.CONSUMER.MSG.NEXT.{c.stream}.{c.durable}"
-            if c.stream == stream.name and pulls in role.publish and (
+            if c.stream == stream.name and any(_matches(p, pulls) for p in role.publish) and (
                     not c.filter_subjects or _covers(c.filter_subjects, route)):
                 out.append(f"{role.name} (pulls `{placeholder(c.durable)}`)")
         if f"{permissions.API}.CONSUMER.CREATE.{stream.name}" in role.publish:

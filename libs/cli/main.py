@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from tandem.common.errors import TandemError
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # The reader went away (`tandem schema | head`): what it wanted it has. Point
+        # stdout at /dev/null so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
     except Exception as exc:
         from tandem.cli.reach import unreachable_message
 

@@ -23,11 +23,13 @@ RECORDS = "$KV.tasks"  # + .<task>: each write of a task's record (subjects.TASK
 
 class JobError(Exception):
     """A refused request: ``status`` as HTTP gives it (the job service's error code too)
-    and ``detail``, the API's message or, for 422, one entry per bad field."""
+    and ``detail``, the API's message or, for 422, one entry per bad field;
+    ``retry_after``: the seconds the service asks to wait (429, 503), else None."""
 
-    def __init__(self, status: int, detail: Any) -> None:
+    def __init__(self, status: int, detail: Any, retry_after: str | None = None) -> None:
         self.status = status
         self.detail = detail
+        self.retry_after = float(retry_after) if retry_after else None
         text = detail if isinstance(detail, str) else "; ".join(
             f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
             for d in detail) if isinstance(detail, list) else json.dumps(detail)
@@ -129,10 +131,11 @@ class NatsClient(Client):
         msg = await self.nc.request(f"{JOBS}.{endpoint}", json.dumps(body).encode(),
                                     timeout=self.timeout, headers=hdrs or None)
         data = json.loads(msg.data) if msg.data else {}
-        code = (msg.headers or {}).get("Nats-Service-Error-Code")
+        got = msg.headers or {}
+        code = got.get("Nats-Service-Error-Code")
         if code:
-            raise JobError(int(code), data.get("detail", (msg.headers or {}).get(
-                "Nats-Service-Error", "")))
+            raise JobError(int(code), data.get("detail", got.get("Nats-Service-Error", "")),
+                           got.get("Retry-After"))
         return data
 
     async def generate(self, *, idempotency_key: str | None = None,
@@ -215,7 +218,7 @@ class HttpClient(Client):
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            raise JobError(r.status_code, detail)
+            raise JobError(r.status_code, detail, r.headers.get("retry-after"))
         return r.json()
 
     async def generate(self, *, idempotency_key: str | None = None,

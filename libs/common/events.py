@@ -378,7 +378,10 @@ class CheckpointManifest(msgspec.Struct, kw_only=True):
 
 
 class CheckpointWritten(Event, kw_only=True, tag="checkpoint", tag_field="kind"):
-    """A checkpoint is whole on local disk, on ``train.<run>.checkpoint``."""
+    """A checkpoint (or, sharded over several nodes, one node's part of it: ``manifest``'s
+    ``part``) is whole on ``node``'s disk. The coordinator publishes it twice: on
+    ``train.<run>.checkpoint``, the run's history, and on ``mirror.<cluster>.<node>``, the
+    order to that node's checkpointer."""
 
     run_id: str
     step: int
@@ -389,6 +392,9 @@ class CheckpointWritten(Event, kw_only=True, tag="checkpoint", tag_field="kind")
     node: str = ""
     cluster: str = ""
     at: float = msgspec.field(default_factory=now)
+    # The restart cycle that wrote it: the parts of one sharded checkpoint are merged
+    # only within one attempt, never a node's part of an earlier, abandoned write.
+    attempt: int = 0
 
 
 TrainEvent = TrainStatus | TrainStep | CheckpointWritten
@@ -420,7 +426,23 @@ class CheckpointPruned(Event, kw_only=True, tag="pruned", tag_field="kind"):
     at: float = msgspec.field(default_factory=now)
 
 
-CkptEvent = CheckpointMirrored | CheckpointFailed | CheckpointPruned
+class CheckpointPartMirrored(Event, kw_only=True, tag="part", tag_field="kind"):
+    """One node's part of a sharded checkpoint is in S3 and verified, on
+    ``ckpt.<run>.part``: not a commit. ``lacks`` says what the checkpoint still needs
+    (the parts of other nodes); empty when this part completed it, in which case
+    ``ckpt.<run>.mirrored`` follows."""
+
+    run_id: str
+    step: int
+    node: str
+    attempt: int = 0
+    files: int = 0
+    bytes: int = 0
+    lacks: list[str] = []
+    at: float = msgspec.field(default_factory=now)
+
+
+CkptEvent = CheckpointMirrored | CheckpointFailed | CheckpointPruned | CheckpointPartMirrored
 
 
 class RunRecord(Event, kw_only=True):

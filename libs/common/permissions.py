@@ -95,9 +95,12 @@ class _Grants:
         self.pub.add(subject)
         return self.stream(stream, pattern)
 
-    def consumes(self, spec: ConsumerSpec, pattern: str | None = None) -> _Grants:
-        """``pattern``: the ``<stream>/<durable>`` family this consumer belongs to."""
-        s, d = spec.stream, spec.durable
+    def consumes(self, spec: ConsumerSpec, pattern: str | None = None,
+                 any_durable: bool = False) -> _Grants:
+        """``pattern``: the ``<stream>/<durable>`` family this consumer belongs to.
+        ``any_durable``: every durable of ``spec.stream`` (a family whose names the
+        declaration cannot list, such as one per node: a NATS wildcard is a whole token)."""
+        s, d = spec.stream, "*" if any_durable else spec.durable
         self.provisions.add(pattern or f"{s}/{d}")
         self.pub |= {
             f"{API}.CONSUMER.INFO.{s}.{d}",
@@ -236,6 +239,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
     trainer = (
         _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
         .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
+        .publishes(subjects.MIRROR.wildcard, streams.MIRROR)  # each node's checkpointer's
         .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>",
                  f"$KV.{streams.KV_RUNS}.*")  # a run's record changed: a client's cancel
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
@@ -249,7 +253,10 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
 
     checkpointer = (
         _Grants("checkpointer", "mirrors checkpoints to S3, commits, prunes")
-        .consumes(streams.checkpointer_consumer())
+        # One fleet-wide durable, or one per node (checkpointer-<cluster>-<node>), on its
+        # own stream: only checkpointers consume MIRROR.
+        .consumes(streams.checkpointer_consumer(), f"{streams.MIRROR}/checkpointer*",
+                  any_durable=True)
         .publishes(subjects.CKPT.wildcard, streams.CKPT)
         .kv(streams.KV_RUNS, write=True)
     )

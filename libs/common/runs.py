@@ -134,6 +134,12 @@ class FaultSpec(_Spec):
     slow_factor: float = Field(1.0, ge=1)
     hang_on_exit_rank: int | None = Field(
         None, description="This rank never exits after its goodbye (a teardown that hangs).")
+    stall_checkpoint_at_step: int | None = Field(
+        None, description="Sharded runs, first attempt only: the node of rank "
+        "stall_checkpoint_rank never commits its part of this step's checkpoint (its first "
+        "rank waits before the local commit until it is killed), while the other nodes "
+        "commit theirs: a node lost in the middle of a checkpoint, for kill drills.")
+    stall_checkpoint_rank: int = 0
 
 
 class FSDPSpec(_Spec):

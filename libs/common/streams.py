@@ -113,6 +113,7 @@ TELEMETRY = "TELEMETRY"
 HEALTH = "HEALTH"
 TRAIN = "TRAIN"
 CKPT = "CKPT"
+MIRROR = "MIRROR"
 KV_NODES = "nodes"
 KV_TASKS = "tasks"  # subjects.TASK_RECORD is its keys' subject
 KV_CANCELS = "cancels"
@@ -174,6 +175,10 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
         StreamSpec(HEALTH, ("health.*.*",), max_age=90 * DAY, replicas=replicas),
         StreamSpec(TRAIN, ("train.*.*",), max_age=90 * DAY, replicas=replicas),
         StreamSpec(CKPT, ("ckpt.*.*",), max_age=365 * DAY, replicas=replicas),
+        # Each node's checkpoints for that node's checkpointer: a work queue (an order is
+        # gone once mirrored); a week bounds what waits for a node that never returns.
+        StreamSpec(MIRROR, (subjects.MIRROR.wildcard,), retention=RetentionPolicy.WORK_QUEUE,
+                   max_age=7 * DAY, replicas=replicas),
         KVSpec(KV_NODES, ttl=heartbeat_ttl, replicas=replicas),
         # A task's one record: its state, moved forward by compare-and-set, its result.
         KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas),
@@ -185,18 +190,28 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
     ]
 
 
-def checkpointer_consumer(ack_wait: float = 60.0, max_deliver: int = 20) -> ConsumerSpec:
-    """The checkpointer's durable consumer: only the checkpoint events of ``TRAIN`` (status
-    and step events share the stream). A mirror can take minutes; the handler sends
-    in-progress acks, so ``ack_wait`` bounds only how long a crashed checkpointer holds one.
+def checkpointer_consumer(ack_wait: float = 60.0, max_deliver: int = 20, *,
+                          cluster: str | None = None, node: str | None = None) -> ConsumerSpec:
+    """A checkpointer's durable consumer on ``MIRROR``: with ``cluster`` and ``node``, only
+    the checkpoints written on that node (``checkpointer-<cluster>-<node>``: one
+    checkpointer per node, each seeing only its own disk); without, every node's
+    (``checkpointer``: one checkpointer that sees every node's folder, as on one box or a
+    shared volume). ``MIRROR`` is a work queue, whose consumers may not overlap: the
+    server refuses a per-node consumer beside the fleet-wide one (and two nodes whose
+    names join to the same durable), so a deployment uses one form or the other.
+
+    A mirror can take minutes; the handler sends in-progress acks, so ``ack_wait``
+    bounds only how long a crashed checkpointer holds one.
     """
-    return ConsumerSpec(
-        stream=TRAIN,
-        durable="checkpointer",
-        filter_subjects=(subjects.train_kind_filter("checkpoint"),),
-        ack_wait=ack_wait,
-        max_deliver=max_deliver,
-    )
+    if (cluster is None) != (node is None):
+        raise ValueError("a per-node checkpointer consumer needs both cluster and node")
+    if cluster is None or node is None:
+        durable, only = "checkpointer", subjects.MIRROR.wildcard
+    else:
+        only = subjects.mirror(cluster, node)  # validates both tokens
+        durable = f"checkpointer-{cluster}-{node}"
+    return ConsumerSpec(stream=MIRROR, durable=durable, filter_subjects=(only,),
+                        ack_wait=ack_wait, max_deliver=max_deliver)
 
 
 def trainer_consumer(cluster: str) -> ConsumerSpec:

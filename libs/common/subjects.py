@@ -18,7 +18,7 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 
 Lane = Literal["interactive", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "batch")
-CKPT_KINDS = ("mirrored", "failed", "pruned")
+CKPT_KINDS = ("mirrored", "failed", "pruned", "part")
 TRAIN_KINDS = ("status", "step", "checkpoint")
 
 
@@ -90,6 +90,9 @@ HEALTH = Subject("health.{cluster}.{node}")
 MODELS = Subject("models.{cluster}.{node}")
 TRAIN = Subject("train.{run}.{kind}")
 CKPT = Subject("ckpt.{run}.{kind}")
+# A checkpoint written on a node, for the checkpointer of that node (stream MIRROR): its
+# files are on that node's disk only, so no other node's checkpointer can mirror them.
+MIRROR = Subject("mirror.{cluster}.{node}")
 DLQ = Subject("dlq.{stream}")
 # The trainer coordinator and its node agents (core NATS request/reply, no stream: an
 # order to an absent agent must fail now, not be replayed to a later one).
@@ -161,6 +164,12 @@ def ckpt_kind_filter(kind: str) -> str:
     if kind not in CKPT_KINDS:
         raise InvalidToken("checkpoint event kind", kind, f"must be one of {', '.join(CKPT_KINDS)}")
     return f"ckpt.*.{kind}"
+
+
+def mirror(cluster: str, node: str) -> str:
+    """``CheckpointWritten`` of a checkpoint (or a node's part of one) on ``node``'s disk:
+    what that node's checkpointer mirrors (``streams.checkpointer_consumer``)."""
+    return f"mirror.{token(cluster, 'cluster')}.{token(node, 'node')}"
 
 
 def trainer_node(cluster: str, node: str) -> str:

@@ -23,6 +23,20 @@ rotted since the manifest was written fails with ``LocalCheckpointError``, not r
 Idempotence: a file already stored whole and verified is not uploaded again; a
 committed checkpoint is recognised (same files) and nothing is written; leftover
 multipart uploads of the step are aborted before an attempt.
+
+``Mirror.mirror_part(directory, part, attempt)`` does the same for one node's part of a
+sharded checkpoint, then records the part (``parts/a<attempt>/<node>.json``, verified
+like a file) and lists the parts recorded for that attempt: when together they make the
+checkpoint whole (``checkpoints.merge_parts``) and every file they list is stored with
+its size, it commits their merge, ``If-None-Match: *`` as above. Each node's
+checkpointer records its part before it lists, so whichever records last sees every part
+and commits; two that finish together both find it whole, and the conditional put lets
+exactly one write it. A part never aborts another node's uploads: only the multipart
+uploads of its own files.
+
+One module, over the usual size, because both paths (a whole checkpoint, a node's part)
+are built from the same upload, verification and commit steps and keep one invariant
+together: nothing is committed before every byte it lists is stored and verified.
 """
 
 from __future__ import annotations
@@ -85,6 +99,11 @@ class MirrorConfig:
 @dataclass
 class MirrorResult:
     committed: bool  # True: this attempt stored the manifest; False: it was already there
+    # (or, for a node's part, that the checkpoint still ``lacks`` other nodes' parts)
+    lacks: list[str] = field(default_factory=list)
+    # The checkpoint's commit manifest (for a part: the merge of every node's), once it
+    # is committed, by this call or before it; None while it lacks parts.
+    manifest: CheckpointManifest | None = None
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # already stored whole and verified
     bytes_uploaded: int = 0
@@ -144,15 +163,69 @@ class Mirror:
     # ------------------------------------------------------------------------- the attempt
 
     def mirror(self, directory: Path, manifest: CheckpointManifest) -> MirrorResult:
+        """Mirror a whole checkpoint and commit it (see the module docstring)."""
+        ck.check_commit(manifest)  # a node's part of a sharded checkpoint: ``mirror_part``
         started = time.perf_counter()
         run, step = manifest.run_id, manifest.step
-        existing = self._stored_manifest(run, step)
-        if existing is not None:
-            if not ck.same_files(existing, manifest):
-                raise CommitConflict(ck.MANIFEST, "step already committed with other files")
-            return MirrorResult(committed=False, seconds=time.perf_counter() - started)
-        result = MirrorResult(committed=True)
+        if done := self._already_committed(manifest, ck.same_files, started):
+            return done
+        result = MirrorResult(committed=True, manifest=manifest)
         result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step))
+        self._send(directory, manifest, result)
+        result.committed = self._commit(manifest)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def mirror_part(self, directory: Path, part: CheckpointManifest,
+                    attempt: int) -> MirrorResult:
+        """Mirror one node's part of a sharded checkpoint written by ``attempt``, record
+        it, and commit the checkpoint if every node's part is now recorded (module
+        docstring). ``committed`` is True only if this call stored the manifest; ``lacks``
+        names what the checkpoint still needs when it is not whole yet."""
+        if not part.part:
+            raise ValueError("mirror_part takes a node's part (its manifest names the node)")
+        started = time.perf_counter()
+        run, step = part.run_id, part.step
+        if done := self._already_committed(part, ck.covers, started):
+            return done
+        result = MirrorResult(committed=False)
+        mine = {ck.object_key(run, step, f.name) for f in part.files}
+        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step), keys=mine)
+        self._send(directory, part, result)
+        self._put_verified(ck.part_key(run, step, attempt, part.part),
+                           ck.encode_manifest(part))
+        parts = self._recorded_parts(run, step, attempt)
+        try:
+            result.lacks = ck.lacking(parts)
+            whole = None if result.lacks else ck.merge_parts(parts)
+        except ValueError as exc:
+            raise CommitConflict(ck.MANIFEST, f"the parts of attempt {attempt} disagree: "
+                                 f"{exc}") from None
+        if whole is not None:
+            self._check_stored(whole)
+            result.committed = self._commit(whole)
+            result.manifest = whole
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _already_committed(
+            self, manifest: CheckpointManifest,
+            agrees: Callable[[CheckpointManifest, CheckpointManifest], bool],
+            started: float) -> MirrorResult | None:
+        """None while the step is not committed; the result of a redelivery when its
+        commit ``agrees`` with ``manifest`` (nothing to send); ``CommitConflict`` else."""
+        existing = self._stored_manifest(manifest.run_id, manifest.step)
+        if existing is None:
+            return None
+        if not agrees(existing, manifest):
+            raise CommitConflict(ck.MANIFEST, "step already committed with other files")
+        return MirrorResult(committed=False, manifest=existing,
+                            seconds=time.perf_counter() - started)
+
+    def _send(self, directory: Path, manifest: CheckpointManifest,
+              result: MirrorResult) -> None:
+        """Upload the files of ``manifest`` not already stored whole and verified."""
+        run, step = manifest.run_id, manifest.step
         stored = self._stored_sizes(ck.step_prefix(run, step))
         todo: list[FileEntry] = []
         for entry in manifest.files:
@@ -163,9 +236,45 @@ class Mirror:
                 todo.append(entry)
         result.bytes_uploaded = self._upload(directory, run, step, todo)
         result.uploaded = [e.name for e in todo]
-        result.committed = self._commit(manifest)
-        result.seconds = time.perf_counter() - started
-        return result
+
+    def _recorded_parts(self, run: str, step: int, attempt: int) -> list[CheckpointManifest]:
+        """Every node's part of ``step`` recorded for ``attempt`` (this one's included)."""
+        out = []
+        for key in sorted(self._stored_sizes(ck.parts_prefix(run, step, attempt))):
+            data = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+            try:
+                out.append(ck.parse_manifest(data, run, step))
+            except ValueError as exc:
+                raise VerifyError(key.rsplit("/", 1)[-1], f"unreadable part record: {exc}") \
+                    from None
+        return out
+
+    def _check_stored(self, whole: CheckpointManifest) -> None:
+        """Every file ``whole`` lists is stored with its size (each node verified its own
+        bytes before recording its part; this catches a file gone since)."""
+        run, step = whole.run_id, whole.step
+        stored = self._stored_sizes(ck.step_prefix(run, step))
+        for entry in whole.files:
+            size = stored.get(ck.object_key(run, step, entry.name))
+            if size != entry.size:
+                raise VerifyError(entry.name, f"a recorded part lists it with {entry.size} "
+                                  f"bytes, S3 holds {'none' if size is None else size}")
+
+    def _put_verified(self, key: str, body: bytes) -> None:
+        """Put a small object (a part record) and verify what was stored."""
+        self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=body,
+                           ChecksumSHA256=_b64(hashlib.sha256(body).digest()),
+                           ContentType="application/json")
+        if self.cfg.verify != "checksum":
+            self._stored_is(key, body)
+
+    def _stored_is(self, key: str, body: bytes) -> None:
+        """Read ``key`` back: it must be ``body``, else it is deleted (nobody may rely on
+        a corrupted copy) and the attempt fails to be retried."""
+        stored = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+        if stored != body:
+            self.s3.delete_object(Bucket=self.cfg.bucket, Key=key)
+            raise VerifyError(key.rsplit("/", 1)[-1], "stored object differs from the one sent")
 
     def _stored_manifest(self, run: str, step: int) -> CheckpointManifest | None:
         try:
@@ -198,12 +307,9 @@ class Mirror:
             return False
         if self.cfg.verify == "checksum":  # the store checked the SHA-256 sent with it
             return True
-        stored = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
-        if stored != body:
-            # Our own commit arrived corrupted: take it back (it is not a valid commit
-            # anyone may rely on) and let the next attempt write it again.
-            self.s3.delete_object(Bucket=self.cfg.bucket, Key=key)
-            raise VerifyError(ck.MANIFEST, "stored manifest differs from the one sent")
+        # Our own commit arriving corrupted is taken back (it is not a valid commit anyone
+        # may rely on) and the next attempt writes it again.
+        self._stored_is(key, body)
         return True
 
     # --------------------------------------------------------------------- what is stored
@@ -290,9 +396,11 @@ class Mirror:
 
     # ---------------------------------------------------------------------------- uploads
 
-    def abort_uploads(self, prefix: str, older_than: float | None = None) -> int:
+    def abort_uploads(self, prefix: str, older_than: float | None = None,
+                      keys: set[str] | None = None) -> int:
         """Abort multipart uploads under ``prefix`` (initiated before ``older_than``, an
-        epoch time, when given). Returns how many were aborted."""
+        epoch time, when given; only of ``keys``, when given). Returns how many were
+        aborted."""
         n = 0
         kwargs: dict[str, Any] = {"Bucket": self.cfg.bucket, "Prefix": prefix}
         while True:
@@ -303,6 +411,8 @@ class Mirror:
                     return n
                 raise
             for up in page.get("Uploads", []):
+                if keys is not None and up["Key"] not in keys:
+                    continue  # another node's upload of the same step, maybe in flight
                 initiated = up.get("Initiated")
                 if older_than is not None and initiated is not None \
                         and initiated.timestamp() > older_than:

@@ -1,11 +1,18 @@
 """The checkpointer: mirror each written checkpoint to S3, commit it, apply retention.
 
-For every ``train.<run>.checkpoint`` (durable consumer ``checkpointer``):
+For every checkpoint written on a node, ``mirror.<cluster>.<node>`` (stream ``MIRROR``;
+``scope=node``: durable ``checkpointer-<cluster>-<node>``, only this node's; ``scope=
+fleet``: durable ``checkpointer``, every node's, for one checkpointer that sees every
+node's folder):
 
-1. validate the event (run, step, ``step-N`` path, file names) — garbage goes to the DLQ;
+1. validate the event (run, step, ``step-N`` path inside ``checkpoint_root``, file
+   names, the subject it came on) — garbage goes to the DLQ;
 2. mirror it (``mirror.Mirror``): every file uploaded and verified, ``manifest.json``
    put last with ``If-None-Match: *`` — the commit. Attempts are retried with backoff;
-   a local checkpoint that is missing or does not match its manifest is not;
+   a local checkpoint that is missing or does not match its manifest is not. A node's
+   part of a sharded checkpoint is mirrored and recorded (``Mirror.mirror_part``): it
+   is ``ckpt.<run>.part``, and the checkpoint is committed by the checkpointer whose
+   part completes it;
 3. committed → ``ckpt.<run>.mirrored``, KV ``runs`` ``latest_checkpoint_*`` (by CAS,
    only forward), retention in S3 (``ckpt.<run>.pruned``), then local copies of
    committed checkpoints beyond ``local_keep`` are deleted (``delete_local``: the only
@@ -14,7 +21,8 @@ For every ``train.<run>.checkpoint`` (durable consumer ``checkpointer``):
    copy is kept.
 
 A redelivered event (a crash between commit and ack) finds the manifest, uploads
-nothing, and finishes steps 3 (the event ids make the publishes idempotent).
+nothing, and finishes steps 3 (the event ids make the publishes idempotent); a crash
+mid-upload is redelivered and resumes (files stored whole are not sent again).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from tandem.common.errors import Reject, Retry
 from tandem.common.events import (
     CheckpointFailed,
     CheckpointMirrored,
+    CheckpointPartMirrored,
     CheckpointPruned,
     CheckpointWritten,
     RunRecord,
@@ -98,6 +107,12 @@ class CheckpointerSettings(Settings):
     stale_upload_age: float = Field(
         3600.0, gt=0,
         description="Multipart uploads under runs/ older than this (s) are aborted at start.")
+    scope: Literal["fleet", "node"] = Field(
+        "fleet",
+        description="node: mirror only the checkpoints written on this node (TANDEM_CLUSTER, "
+        "TANDEM_NODE), one checkpointer per node with the node's own disk; fleet: every "
+        "node's, for one checkpointer that sees every node's folder (one box, a shared "
+        "volume). One or the other per deployment: the server refuses both at once.")
 
     def mirror_config(self) -> MirrorConfig:
         return MirrorConfig(bucket=self.s3_bucket, multipart_threshold=self.multipart_threshold,
@@ -119,7 +134,10 @@ class Checkpointer(Service):
 
     @property
     def consumer_spec(self) -> ConsumerSpec:
-        return checkpointer_consumer(self.settings.ack_wait)
+        s = self.settings
+        if s.scope == "node":
+            return checkpointer_consumer(s.ack_wait, cluster=s.cluster, node=s.node)
+        return checkpointer_consumer(s.ack_wait)
 
     def streams(self) -> Sequence[Spec]:
         return [*super().streams(), self.consumer_spec]
@@ -138,7 +156,8 @@ class Checkpointer(Service):
             await asyncio.to_thread(storage.ensure_bucket, self.s3, s.s3_bucket)
             aborted = await asyncio.to_thread(self.mirror.abort_uploads, "runs/",
                                               time.time() - s.stale_upload_age)
-            ctx.log.info("checkpointer.started", bucket=s.s3_bucket, stale_aborted=aborted)
+            ctx.log.info("checkpointer.started", bucket=s.s3_bucket, stale_aborted=aborted,
+                         scope=s.scope, durable=self.consumer_spec.durable)
         except Exception as exc:  # S3 down at start: the handler retries per checkpoint
             ctx.log.warning("checkpointer.s3_unavailable", error=repr(exc))
         consumer = ctx.bus.consumer(self.consumer_spec, CheckpointWritten, self.handle,
@@ -153,9 +172,13 @@ class Checkpointer(Service):
     async def handle(self, d: Delivery[CheckpointWritten]) -> None:
         ev = d.event
         directory = self._validate(d)
-        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step)
+        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step, node=ev.node)
         async with d.keepalive():
             result, error, attempts = await self._mirror(ev, directory, lg)
+        if result is not None and ev.manifest.part:
+            await self._part_mirrored(ev, directory, result, lg)
+            if result.lacks:
+                return
         if result is None:
             self.failed += 1
             OUTCOMES.labels("failed").inc()
@@ -172,8 +195,9 @@ class Checkpointer(Service):
         ev = d.event
         try:
             subjects.token(ev.run_id, "run id")
-            if d.subject != subjects.train(ev.run_id, "checkpoint"):
-                raise ValueError(f"run {ev.run_id!r} published on {d.subject!r}")
+            if d.subject != subjects.mirror(ev.cluster, ev.node):
+                raise ValueError(f"a checkpoint of {ev.cluster!r}/{ev.node!r} published on "
+                                 f"{d.subject!r}")
             ck.validate_manifest(ev.manifest, ev.run_id, ev.step)
             directory = Path(ev.path)
             if not directory.is_absolute() or ck.parse_step(directory.name) != ev.step:
@@ -198,7 +222,11 @@ class Checkpointer(Service):
         async for attempt in retries:
             try:
                 await asyncio.to_thread(storage.ensure_bucket, self.s3, self.settings.s3_bucket)
-                result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
+                if ev.manifest.part:
+                    result = await asyncio.to_thread(self.mirror.mirror_part, directory,
+                                                     ev.manifest, ev.attempt)
+                else:
+                    result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
                 return result, "", attempt
             except MirrorError as exc:
                 reason = str(exc)
@@ -213,6 +241,26 @@ class Checkpointer(Service):
         return None, f"gave up after {self.settings.attempts} attempts: {reason}", \
             self.settings.attempts
 
+    async def _part_mirrored(self, ev: CheckpointWritten, directory: Path,
+                             result: MirrorResult, lg: Any) -> None:
+        """A node's part is in S3 and recorded: say so; if the checkpoint still lacks other
+        nodes' parts, this node's committed older copies may still go."""
+        lg.info("checkpoint.part_mirrored", dir=str(directory), attempt=ev.attempt,
+                lacks=result.lacks, uploaded=len(result.uploaded), skipped=len(result.skipped),
+                bytes=result.bytes_uploaded, mirror_s=round(result.seconds, 3))
+        await self.ctx.bus.publish(
+            subjects.ckpt(ev.run_id, "part"),
+            CheckpointPartMirrored(run_id=ev.run_id, step=ev.step, node=ev.node,
+                                   attempt=ev.attempt, files=len(ev.manifest.files),
+                                   bytes=sum(f.size for f in ev.manifest.files),
+                                   lacks=result.lacks),
+            msg_id=f"ckpt-{ev.run_id}-{ev.step}-part-a{ev.attempt}-{ev.node}", retry_for=30.0)
+        if result.lacks:
+            committed = await asyncio.to_thread(ck.committed_steps, self.s3,
+                                                self.settings.s3_bucket, ev.run_id)
+            await asyncio.to_thread(delete_local, directory.parent, set(committed),
+                                    self.settings.local_keep, lg)
+
     async def _committed(self, ev: CheckpointWritten, directory: Path, result: MirrorResult,
                          lg: Any) -> None:
         s = self.settings
@@ -223,14 +271,14 @@ class Checkpointer(Service):
             self.committed += 1
             OUTCOMES.labels("committed").inc()
             COMMIT_SECONDS.observe(seconds)
-        lg.info("checkpoint.committed", uri=uri, now=result.committed,
+        lg.info("checkpoint.committed", uri=uri, now=result.committed, dir=str(directory),
                 uploaded=len(result.uploaded), skipped=len(result.skipped),
                 bytes=result.bytes_uploaded, mirror_s=round(result.seconds, 3),
                 aborted_uploads=result.aborted_uploads)
         await self.ctx.bus.publish(
             subjects.ckpt(run, "mirrored"),
             CheckpointMirrored(run_id=run, step=ev.step, uri=uri, seconds=seconds,
-                               bytes=sum(f.size for f in ev.manifest.files)),
+                               bytes=sum(f.size for f in (result.manifest or ev.manifest).files)),
             msg_id=f"ckpt-{run}-{ev.step}-mirrored", retry_for=30.0)
         await self.runs.update(run, lambda rec: _record_latest(rec, run, ev.step, uri))
         committed = await asyncio.to_thread(ck.committed_steps, self.s3, bucket, run)

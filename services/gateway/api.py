@@ -11,19 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.common import metrics
 from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobRefused
+from tandem.gateway.auth import Limits
 from tandem.gateway.generations import Gateway
 from tandem.gateway.limits import BodyLimit
-from tandem.gateway.schemas import Accepted, GenerationView
+from tandem.gateway.schemas import Accepted, GenerationView, refused
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
-
-
-def refused(exc: JobRefused) -> JSONResponse:
-    """A refusal as HTTP: its status, ``{"detail": ...}`` (a 422's in FastAPI's own shape,
-    so every validation error reads the same), Retry-After when it has one."""
-    headers = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
-    return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
 
 
 def caller(request: Request) -> Caller:
@@ -51,7 +45,8 @@ def _native_telemetry() -> dict[str, Any]:
     return {} if tracing.recording() else {"telemetry": {"tracing": False}}
 
 
-def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None) -> Any:
+def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
+               limits: Limits | None = None) -> Any:
     app = FastAPI(
         title="Tandem gateway",
         version="1",
@@ -140,6 +135,6 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None) 
         body, ctype = metrics.exposition()
         return Response(content=body, media_type=ctype)
 
-    add_training_routes(app, gw.bus, caller)
+    add_training_routes(app, gw.bus, caller, limits)
     add_fleet_routes(app, gw.bus)
     return BodyLimit(app, max_body_bytes), app

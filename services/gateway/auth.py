@@ -9,7 +9,9 @@ default rule (admin) until it is given its own in ``RULES``:
 - no key or an unknown one → ``401``; a key without the route's scope → ``403``
   naming the scope; ``admin`` holds every scope;
 - per key: a token bucket of requests (``429`` + ``Retry-After``), concurrent SSE
-  streams, and training runs not yet finished (``429`` naming the limit).
+  streams, and training runs not yet finished (``429`` naming the limit): ``Limits``,
+  one per gateway process, which the NATS job service shares, so the bucket and the
+  runs of a key are the same whichever door it uses.
 
 With no keys configured (``TANDEM_API_KEYS`` empty: the local stack, the demo) the
 middleware is not installed and the API is open; the request-shape limits (body size,
@@ -26,7 +28,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -182,6 +184,7 @@ class Keyring:
 
     def __init__(self, keys: list[ApiKey]) -> None:
         self.by_hash = {k.sha256: k for k in keys}
+        self.by_name = {k.name: k for k in keys}
 
     def __bool__(self) -> bool:
         return bool(self.by_hash)
@@ -198,6 +201,10 @@ class Keyring:
                          f"(it has {', '.join(key.scopes)})")
         return key
 
+    def named(self, name: str) -> ApiKey | None:
+        """The key a caller holds (by its name), None for the open caller."""
+        return self.by_name.get(name) if name else None
+
     def check(self, presented: str, need: str, what: str) -> Caller:
         """The caller of a request that presents ``presented`` and needs ``need``;
         without any keys configured, the open caller."""
@@ -208,11 +215,13 @@ class Keyring:
 
 
 class Denied(Exception):
-    """A request without a known key (401) or the scope it needs (403)."""
+    """A request without a known key (401), the scope it needs (403), or over one of its
+    key's limits (429, with the seconds to wait in ``retry_after``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int = 0) -> None:
         self.status = status
         self.message = message
+        self.retry_after = retry_after
         super().__init__(message)
 
 
@@ -260,26 +269,24 @@ class KeyState:
     run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class Guard:
-    """The ASGI middleware. ``run_state`` looks up a run (KV ``runs``) for the run limit."""
+class Limits:
+    """Every key's limits, one object per gateway process that both doors share.
 
-    def __init__(self, app: Any, keys: list[ApiKey], settings: AuthSettings,
+    The HTTP Guard and the NATS job service take from the same token bucket per key
+    (``admit``), and a training run submitted by either door counts against the same
+    unfinished runs of its key (``run_slot``), so neither door is a way around the
+    other's limits. SSE streams (``stream``) exist over HTTP only. The open caller (no
+    keys configured) has no limits. Each refusal is ``Denied(429)`` with its
+    ``retry_after`` and a message naming the limit. ``run_state`` looks a run up (KV
+    ``runs``) so a finished run stops counting.
+    """
+
+    def __init__(self, keys: Keyring, settings: AuthSettings,
                  run_state: RunState | None = None) -> None:
-        self.app = app
-        self.keys = Keyring(keys)
+        self.keys = keys
         self.s = settings
         self.run_state = run_state
         self.state: dict[str, KeyState] = {}
-
-    @classmethod
-    def wrap(cls, app: Any, settings: AuthSettings, run_state: RunState | None = None) -> Any:
-        """``app`` behind a Guard, or ``app`` itself when no keys are configured."""
-        keys = parse_keys(settings.api_keys)
-        if not keys:
-            _log.warning("auth.disabled", reason="TANDEM_API_KEYS is empty: the API is open")
-            return app
-        _log.info("auth.enabled", keys=len(keys))
-        return cls(app, keys, settings, run_state)
 
     def _state(self, key: ApiKey) -> KeyState:
         st = self.state.get(key.name)
@@ -288,84 +295,57 @@ class Guard:
                                                         key.burst or self.s.rate_burst))
         return st
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        method, path = scope["method"], scope["path"]
-        need = needs(method, path)
-        if need == PUBLIC:
-            await self.app(scope, receive, send)
-            return
-        try:
-            key = self.keys.key(_presented(scope), need, f"{method} {path}")
-        except Denied as exc:
-            _log.info("auth.refused", status=exc.status, path=path, why=exc.message)
-            if exc.status == 401:
-                await _reply(send, 401, f"{exc.message}: send 'Authorization: Bearer <key>'",
-                             {"www-authenticate": 'Bearer realm="tandem"'})
-            else:
-                await _reply(send, exc.status, exc.message)
+    def admit(self, caller: Caller) -> None:
+        """Take one request from the caller's bucket, or raise ``Denied(429)``."""
+        key = self.keys.named(caller.key)
+        if key is None:
             return
         st = self._state(key)
         wait = st.bucket.take()
         if wait > 0:
             AUTH.labels("rate_limited").inc()
-            await _reply(send, 429, f"key {key.name!r} is over its rate limit of "
+            raise Denied(429, f"key {key.name!r} is over its rate limit of "
                          f"{st.bucket.rate:g} requests/s (burst {st.bucket.burst})",
-                         {"retry-after": str(max(1, math.ceil(wait)))})
-            return
-        AUTH.labels("ok").inc()
-        scope.setdefault("state", {})["caller"] = Caller(key.name, key.allows(Scope.admin))
-        if method == "GET" and SSE.fullmatch(path):
-            await self._stream(key, st, scope, receive, send)
-        elif method == "POST" and RUN_SUBMIT.fullmatch(path):
-            await self._submit_run(key, st, scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+                         retry_after=max(1, math.ceil(wait)))
 
-    async def _stream(self, key: ApiKey, st: KeyState, scope: Any, receive: Any,
-                      send: Any) -> None:
+    @contextlib.asynccontextmanager
+    async def stream(self, caller: Caller) -> AsyncIterator[None]:
+        """Hold one of the caller's SSE streams while the body runs, or ``Denied(429)``."""
+        key = self.keys.named(caller.key)
+        if key is None:
+            yield
+            return
+        st = self._state(key)
         limit = key.max_streams or self.s.max_streams_per_key
         if st.streams >= limit:
             AUTH.labels("stream_limited").inc()
-            await _reply(send, 429, f"key {key.name!r} has {st.streams} event streams open; "
-                         f"the limit is {limit}", {"retry-after": "1"})
-            return
+            raise Denied(429, f"key {key.name!r} has {st.streams} event streams open; "
+                         f"the limit is {limit}", retry_after=1)
         st.streams += 1
         try:
-            await self.app(scope, receive, send)
+            yield
         finally:
             st.streams -= 1
 
-    async def _submit_run(self, key: ApiKey, st: KeyState, scope: Any, receive: Any,
-                          send: Any) -> None:
+    @contextlib.asynccontextmanager
+    async def run_slot(self, caller: Caller) -> AsyncIterator[Callable[[str], None]]:
+        """Check the caller's unfinished runs and submit as one step per key: the body
+        gets ``taken(run_id)`` to call once its run is recorded. ``Denied(429)`` naming
+        the unfinished runs when the key is at its limit."""
+        key = self.keys.named(caller.key)
+        if key is None:
+            yield lambda run_id: None
+            return
+        st = self._state(key)
         limit = key.max_runs or self.s.max_runs_per_key
-        async with st.run_lock:  # check and submit as one step per key
+        async with st.run_lock:
             await self._forget_finished(st)
             if len(st.runs) >= limit:
                 AUTH.labels("run_limited").inc()
-                await _reply(send, 429, f"key {key.name!r} has {len(st.runs)} training runs "
-                             f"not finished ({', '.join(sorted(st.runs))}); the limit is "
-                             f"{limit}", {"retry-after": "60"})
-                return
-            status, body = 0, bytearray()
-
-            async def capture(message: dict[str, Any]) -> None:
-                nonlocal status
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                elif message["type"] == "http.response.body" and len(body) < 1 << 16:
-                    body.extend(message.get("body", b""))
-                await send(message)
-
-            await self.app(scope, receive, capture)
-            if 200 <= status < 300:
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
-                    doc = json.loads(body)
-                    run = doc.get("run_id") or doc.get("id")
-                    if isinstance(run, str):
-                        st.runs.add(run)
+                raise Denied(429, f"key {key.name!r} has {len(st.runs)} training runs not "
+                             f"finished ({', '.join(sorted(st.runs))}); the limit is {limit}",
+                             retry_after=60)
+            yield st.runs.add
 
     async def _forget_finished(self, st: KeyState) -> None:
         if self.run_state is None:
@@ -378,6 +358,58 @@ class Guard:
                 continue
             if state is None or state in FINISHED:
                 st.runs.discard(run)
+
+
+class Guard:
+    """The ASGI middleware: the key and scope of every request (``RULES``), the rate of
+    its key and, for an SSE stream, its key's open streams (``Limits``, shared with the
+    job service)."""
+
+    def __init__(self, app: Any, keys: Keyring, limits: Limits) -> None:
+        self.app = app
+        self.keys = keys
+        self.limits = limits
+
+    @classmethod
+    def wrap(cls, app: Any, keys: Keyring, limits: Limits) -> Any:
+        """``app`` behind a Guard, or ``app`` itself when no keys are configured."""
+        if not keys:
+            _log.warning("auth.disabled", reason="TANDEM_API_KEYS is empty: the API is open")
+            return app
+        _log.info("auth.enabled", keys=len(keys.by_hash))
+        return cls(app, keys, limits)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        need = needs(method, path)
+        if need == PUBLIC:
+            await self.app(scope, receive, send)
+            return
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                caller = self.keys.check(_presented(scope), need, f"{method} {path}")
+                self.limits.admit(caller)
+                if method == "GET" and SSE.fullmatch(path):
+                    await held.enter_async_context(self.limits.stream(caller))
+            except Denied as exc:
+                await _refuse(send, path, exc)
+                return
+            AUTH.labels("ok").inc()
+            scope.setdefault("state", {})["caller"] = caller
+            await self.app(scope, receive, send)
+
+
+async def _refuse(send: Any, path: str, exc: Denied) -> None:
+    _log.info("auth.refused", status=exc.status, path=path, why=exc.message)
+    if exc.status == 401:
+        await _reply(send, 401, f"{exc.message}: send 'Authorization: Bearer <key>'",
+                     {"www-authenticate": 'Bearer realm="tandem"'})
+    else:
+        headers = {"retry-after": str(exc.retry_after)} if exc.retry_after else {}
+        await _reply(send, exc.status, exc.message, headers)
 
 
 def _presented(scope: dict[str, Any]) -> str:

@@ -17,11 +17,13 @@ models      ``{}``                                the model registry (as ``GET /
 It lives in the gateway because it is the gateway's other door: the same ``Gateway``
 (``accept``: ``jobs.check_request``, routing, the record, the publish) and the same
 training functions answer both, so a job is validated, recorded, owned and made
-idempotent exactly as over HTTP. Headers: ``Authorization: Bearer <key>`` where the
-gateway has keys (the same keys, scopes and ownership as HTTP), ``Idempotency-Key`` on
-``generate``. An error answers with the service API's headers (``Nats-Service-Error``,
-``Nats-Service-Error-Code``: the HTTP status) and the HTTP API's body
-(``{"detail": ...}``; a 422 names each bad field). ``$SRV.PING``, ``$SRV.INFO`` (each
+idempotent exactly as over HTTP, within the same per-key limits (``auth.Limits``: one
+request bucket and one count of unfinished runs per key across both doors). Headers:
+``Authorization: Bearer <key>`` where the gateway has keys (the same keys, scopes and
+ownership as HTTP), ``Idempotency-Key`` on ``generate``. An error answers with the
+service API's headers (``Nats-Service-Error``, ``Nats-Service-Error-Code``: the HTTP
+status; ``Retry-After`` on a 429) and the HTTP API's body (``{"detail": ...}``; a 422
+names each bad field). ``$SRV.PING``, ``$SRV.INFO`` (each
 endpoint with its subject and the JSON Schema of its request in ``metadata``) and
 ``$SRV.STATS`` answer as for any NATS service; every gateway joins one queue group.
 """
@@ -41,7 +43,7 @@ from pydantic import ValidationError
 from tandem.common import log, subjects
 from tandem.common.jobs import Caller, GenerationRequest, JobRefused, Problem, pydantic_problems
 from tandem.common.runs import RunConfig
-from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Scope, bearer
+from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Limits, Scope, bearer
 from tandem.gateway.generations import Gateway
 from tandem.gateway.training import cancel_training, run_view, submit_training, training_run
 
@@ -61,9 +63,10 @@ _WHICH = {"type": "object", "properties": {
 class JobService:
     """The endpoints, bound to a gateway; ``start`` on a connection, ``stop`` to leave."""
 
-    def __init__(self, gw: Gateway, keys: Keyring) -> None:
+    def __init__(self, gw: Gateway, keys: Keyring, limits: Limits) -> None:
         self.gw = gw
         self.keys = keys
+        self.limits = limits
         self.service: Service | None = None
 
     async def start(self, nc: Any) -> None:
@@ -97,8 +100,10 @@ class JobService:
             headers = req.headers or {}
 
             def auth(need: str) -> Caller:
-                return self.keys.check(bearer(headers.get("Authorization", "")), need,
-                                       subjects.jobs(name))
+                caller = self.keys.check(bearer(headers.get("Authorization", "")), need,
+                                         subjects.jobs(name))
+                self.limits.admit(caller)  # the key's one bucket, shared with HTTP
+                return caller
 
             try:
                 try:
@@ -107,7 +112,8 @@ class JobService:
                     raise JobRefused(400, f"the request body is not JSON: {exc}") from None
                 reply = await handler(body, headers, auth)
             except Denied as exc:
-                await self._refuse(req, name, JobRefused(exc.status, exc.message))
+                await self._refuse(req, name, JobRefused(exc.status, exc.message,
+                                                         retry_after=exc.retry_after))
             except JobRefused as exc:
                 await self._refuse(req, name, exc)
             else:
@@ -144,7 +150,8 @@ class JobService:
 
     async def train(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Submit a training run (a RunConfig); the run's record."""
-        return run_view(await submit_training(self.gw.bus, body, auth(Scope.train)))
+        return run_view(await submit_training(self.gw.bus, body, auth(Scope.train),
+                                              self.limits))
 
     async def cancel(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Cancel a generation ({"id"}) or a training run ({"run_id"}); its record."""

@@ -1,4 +1,4 @@
-"""The HTTP API's response models (pydantic): what clients get back.
+"""The HTTP API's response models (pydantic) and its refusals: what clients get back.
 
 What clients send, ``GenerationRequest``, and its checks live in ``tandem.common.jobs``:
 the job service and the worker validate with the same code.
@@ -9,9 +9,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from tandem.common.events import TaskRecord
+from tandem.common.jobs import JobRefused
+
+
+def refused(exc: JobRefused) -> JSONResponse:
+    """A refusal as HTTP: its status, ``{"detail": ...}`` (a 422's in FastAPI's own shape,
+    so every validation error reads the same), Retry-After when it has one."""
+    headers = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
+    return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
 
 
 class Accepted(BaseModel):

@@ -25,7 +25,7 @@ from tandem.common.streams import Spec, core_streams, gen_stream
 from tandem.common.tasks import SealSettings
 from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
-from tandem.gateway.auth import AuthSettings, Guard, Keyring, document, parse_keys
+from tandem.gateway.auth import AuthSettings, Guard, Keyring, Limits, document, parse_keys
 from tandem.gateway.generations import Gateway
 from tandem.gateway.jobs import JobService
 from tandem.gateway.observe import Observer
@@ -152,15 +152,17 @@ class GatewayService(Service):
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
                      router=self.router, limits=s.job_limits, seal_key=s.seal_key)
         await gw.start()
-        jobs = JobService(gw, Keyring(parse_keys(s.api_keys)))
+        keys = Keyring(parse_keys(s.api_keys))
+        limits = Limits(keys, s, run_state=self._run_state(ctx))  # both doors share them
+        jobs = JobService(gw, keys, limits)
         await jobs.start(ctx.bus.nc)
-        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes)
+        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
                             url_ttl=s.result_url_ttl)
         dashboard.install(app, observer)  # the live dashboard at /
         app.add_middleware(AdmissionTracing)  # a generation's trace starts here
-        asgi = Guard.wrap(asgi, s, run_state=self._run_state(ctx))
+        asgi = Guard.wrap(asgi, keys, limits)
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
         tls = (s.http_tls_cert, s.http_tls_key) if s.tls else (None, None)

@@ -11,12 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Path, Request, Response
-from fastapi.responses import JSONResponse
 
 from tandem.common import fleet, runs, subjects
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
 from tandem.common.events import RunRecord, RunState
 from tandem.common.jobs import Caller, JobRefused
+from tandem.gateway.auth import Denied, Limits
+from tandem.gateway.schemas import refused
 
 RUN_ID = Path(description="The run id returned by POST /v1/training-runs.", max_length=64)
 
@@ -31,11 +32,20 @@ def _view(rec: Any) -> dict[str, Any]:
     }
 
 
-async def submit_training(bus: Any, config: Any, caller: Caller) -> RunRecord:
+async def submit_training(bus: Any, config: Any, caller: Caller,
+                          limits: Limits | None = None) -> RunRecord:
     """A run from any door, validated and recorded for ``caller`` by the same code as
-    ``tandem train submit`` (``runs.submit_run``); ``JobRefused`` saying why not."""
+    ``tandem train submit`` (``runs.submit_run``), within the caller's limit of unfinished
+    runs (``limits``, shared by the doors); ``JobRefused`` saying why not."""
     try:
-        return await runs.submit_run(bus, config, owner=caller.key)
+        if limits is None:
+            return await runs.submit_run(bus, config, owner=caller.key)
+        async with limits.run_slot(caller) as taken:
+            rec = await runs.submit_run(bus, config, owner=caller.key)
+            taken(rec.run_id)
+            return rec
+    except Denied as exc:
+        raise JobRefused(exc.status, exc.message, retry_after=exc.retry_after) from None
     except InvalidRunConfig as exc:
         raise JobRefused(422, [{"type": "value_error", "loc": ["body", *k.split(".")],
                                 "msg": v} for k, v in exc.problems.items()]) from None
@@ -74,7 +84,8 @@ def run_view(rec: RunRecord) -> dict[str, Any]:
     return {**_view(rec), "status_subject": subjects.train(rec.run_id, "status")}
 
 
-def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Caller]) -> None:
+def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Caller],
+                        limits: Limits | None = None) -> None:
     @app.post("/v1/training-runs", status_code=202, responses={409: {}, 422: {}})
     async def submit_training_run(config: runs.RunConfig, request: Request,
                                   response: Response) -> Any:
@@ -82,9 +93,9 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         ranks, nodes or cluster, seed). 202 with the run id; the same config under the
         same ``run_id`` is idempotent, a different one (or another key's) is 409."""
         try:
-            rec = await submit_training(bus, config, caller(request))
+            rec = await submit_training(bus, config, caller(request), limits)
         except JobRefused as exc:
-            return JSONResponse(status_code=exc.status, content=exc.body())
+            return refused(exc)
         url = str(request.url_for("get_training_run", run_id=rec.run_id).path)
         response.headers["Location"] = url
         return {**run_view(rec), "status_url": url}
@@ -96,7 +107,7 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         try:
             return run_view(await training_run(bus, run_id, caller(request)))
         except JobRefused as exc:
-            return JSONResponse(status_code=exc.status, content=exc.body())
+            return refused(exc)
 
     @app.delete("/v1/training-runs/{run_id}", responses={404: {}, 409: {}})
     async def cancel_training_run(request: Request, run_id: str = RUN_ID) -> Any:
@@ -105,7 +116,7 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         try:
             return run_view(await cancel_training(bus, run_id, caller(request)))
         except JobRefused as exc:
-            return JSONResponse(status_code=exc.status, content=exc.body())
+            return refused(exc)
 
 
 def add_fleet_routes(app: FastAPI, bus: Any) -> None:

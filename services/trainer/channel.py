@@ -4,6 +4,7 @@ Every message is a msgspec Struct of the tagged union ``RankMessage``; ``kind`` 
 on the wire (``{"kind": "step", ...}``). The rank sends them in this order::
 
     hello                                   every rank, once connected
+    resumed                                 rank 0, when the nodes fetched a checkpoint
     step / checkpoint / checkpoint_failed   rank 0, while training
     anomaly                                 rank 0, instead of the step that ended in it
     done                                    rank 0, after the last step
@@ -60,6 +61,15 @@ class Hello(_Message, tag="hello"):
     world: int  # world size
 
 
+class Resumed(_Message, tag="resumed"):
+    """Rank 0, once every node has fetched the checkpoint this attempt resumes from out of
+    S3 (``LaunchSpec.resume_steps``, ``fetch.py``): which step, and the newer committed
+    ones skipped because a node found them corrupt (by step: each node's reason)."""
+
+    step: int  # 0: none of the committed steps verified on every node; from scratch
+    skipped: dict[int, str] = {}
+
+
 class StepReport(_Message, tag="step"):
     """Rank 0, after every optimizer step that was applied. The coordinator feeds the
     hang watch, goodput, stragglers and metrics, and publishes every
@@ -113,7 +123,8 @@ class Bye(_Message, tag="bye"):
     code: int  # the exit code the rank is about to return
 
 
-RankMessage = Hello | StepReport | CheckpointWritten | CheckpointWriteFailed | Anomaly | Done | Bye
+RankMessage = (Hello | Resumed | StepReport | CheckpointWritten | CheckpointWriteFailed
+               | Anomaly | Done | Bye)
 
 _decoder = msgspec.json.Decoder(RankMessage)
 

@@ -1,8 +1,13 @@
 """Starting, stopping and inspecting one attempt's ranks (no torch).
 
 Every node of the placement gets one torchrun agent (``python -m
-torch.distributed.run``) with a static rendezvous at the first node's address. Where it
-runs is the ``Launcher``'s, one interface (``start``/``poll``/``stop``) with two kinds:
+torch.distributed.run``), all meeting in a c10d rendezvous that the first node's agent
+hosts (``is_host``) at its address; the rendezvous id names the run and the attempt, so
+an agent of an earlier attempt can never join a later one. Which node rank each agent
+gets is the rendezvous's to decide, so a rank knows its node from its own environment
+(``TANDEM_NODE``, set per node here) and tells the coordinator (``Hello``), never from
+its rank. Where it runs is the ``Launcher``'s, one interface (``start``/``poll``/``stop``)
+with two kinds:
 
 - ``LocalLauncher``: every node's torchrun is a child process of the coordinator's own
   host (the single-box stack, most tests; ``TANDEM_LAUNCHER=local``, the default).
@@ -169,15 +174,23 @@ class LocalLauncher:
         self.master_addr = master_addr
         self.monitor_interval = monitor_interval
 
-    def command(self, placement: Placement, node_rank: int, port: int,
-                spec_path: Path) -> list[str]:
+    def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
+                rdzv_id: str = "tandem", local_addr: str | None = None) -> list[str]:
+        """Node ``node_rank``'s torchrun: a c10d rendezvous ``rdzv_id`` at
+        ``master_addr:port``, hosted by node rank 0's agent; ``local_addr``: the address
+        other nodes reach this one at (default ``master_addr``, all on one host). An
+        attempt's id is ``rendezvous_id``; the default serves one-off launches (a bench,
+        a test) whose port is theirs alone."""
         return [
             self.python, "-m", "torch.distributed.run",
-            f"--nnodes={len(placement.nodes)}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={placement.per_node}",
-            "--rdzv-backend=static", f"--master-addr={self.master_addr}",
-            f"--master-port={port}", "--max-restarts=0",
-            f"--monitor-interval={self.monitor_interval}",
+            f"--nnodes={len(placement.nodes)}", f"--nproc-per-node={placement.per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.master_addr}:{port}",
+            f"--rdzv-id={rdzv_id}",
+            # NOTE: said, not guessed: torchrun would take every agent whose hostname
+            # matches the endpoint for the host, and on one box that is all of them.
+            f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}",
+            f"--local-addr={local_addr or self.master_addr}",
+            "--max-restarts=0", f"--monitor-interval={self.monitor_interval}",
             "-m", "tandem.trainer.rank", str(spec_path),
         ]
 
@@ -187,8 +200,9 @@ class LocalLauncher:
         attempt = Attempt(run_id=spec.run_id, number=spec.attempt)
         for i, node in enumerate(placement.nodes):
             log_path = attempt_dir / f"agent-{i}-{node}.log"
-            proc = await spawn(self.command(placement, i, port, spec_path), log_path,
-                               rank_env(env, node))
+            command = self.command(placement, i, port, spec_path,
+                                   rendezvous_id(spec.run_id, spec.attempt))
+            proc = await spawn(command, log_path, rank_env(env, node))
             attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path, pid=proc.pid))
         return attempt
 
@@ -224,11 +238,16 @@ class LocalLauncher:
         return codes
 
 
+def rendezvous_id(run_id: str, attempt: int) -> str:
+    """The c10d rendezvous of one attempt of a run (torchrun's ``--rdzv-id``)."""
+    return f"{run_id}-a{attempt}"
+
+
 def rendezvous_port(host: str) -> int:
-    """A port for the attempt's static rendezvous, which every agent must be told before
-    any starts (torchrun's ``--master-port``); node 0's agent binds it. If another
-    process takes it in between, the attempt fails to rendezvous and is restarted like
-    any failed attempt, with a new port."""
+    """A port for the attempt's rendezvous, which every agent must be told before any
+    starts (torchrun's ``--rdzv-endpoint``); node 0's agent hosts the store there. If
+    another process takes it in between, the attempt fails to rendezvous and is
+    restarted like any failed attempt, with a new port."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -45,6 +45,7 @@ from tandem.trainer.launcher import (
     Placement,
     kill_agent,
     rank_env,
+    rendezvous_id,
     rendezvous_port,
     spawn,
 )
@@ -73,7 +74,8 @@ def node_command(settings: TrainerSettings, order: NodeLaunch, master_addr: str,
     if len(nodes) != order.nnodes:
         nodes = [f"node{i}" for i in range(order.nnodes)]
     return LocalLauncher(python=settings.python, master_addr=master_addr).command(
-        Placement(nodes=nodes, per_node=order.per_node), order.node_rank, port, spec_path)
+        Placement(nodes=nodes, per_node=order.per_node), order.node_rank, port, spec_path,
+        rendezvous_id(order.run_id, order.attempt), local_addr=settings.rendezvous_host)
 
 
 class NodeAgent(Service):

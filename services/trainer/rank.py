@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,6 +32,7 @@ from tandem.trainer.channel import (
     Done,
     EventChannel,
     Hello,
+    Resumed,
     StepReport,
 )
 from tandem.trainer.spec import LaunchSpec
@@ -67,7 +69,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    node = spec.rank_nodes[rank] if rank < len(spec.rank_nodes) else spec.node
+    # The node is the environment's (its launcher sets TANDEM_NODE per node): the c10d
+    # rendezvous, not the placement, decides which ranks land on which node.
+    node = os.environ.get("TANDEM_NODE") or (
+        spec.rank_nodes[rank] if rank < len(spec.rank_nodes) else spec.node)
     attempt_dir = Path(spec.attempt_dir)
     attempt_dir.mkdir(parents=True, exist_ok=True)
     stacks = open(attempt_dir / f"stacks-rank{rank}.txt", "w")  # open for the process's life
@@ -86,22 +91,33 @@ def main(argv: list[str] | None = None) -> NoReturn:
     torch.set_num_threads(threads(spec.threads))
     device, backend = pick_device(cfg, local_rank)
     distributed = world > 1 or cfg.parallelism == "fsdp"
+    rank_nodes = [node]
     if distributed:
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        rank_nodes = [""] * world
+        dist.all_gather_object(rank_nodes, node)  # every rank's node, for reports and hooks
     loop = TrainLoop(cfg, rank=rank, world=world, device=device, distributed=distributed,
                      skipped=spec.skipped)
     if spec.resume_path:
         loop.load(Path(spec.resume_path))
+    elif spec.resume_steps:  # nodes with disks of their own: each fetches it from S3
+        from tandem.trainer.fetch import fetch
+
+        path, step, skipped = fetch(spec, local_rank=local_rank, world=world, node=node)
+        if rank == 0:
+            channel.send(Resumed(step=step, skipped=skipped))
+        if path is not None:
+            loop.load(path)
 
     if cfg.parallelism == "fsdp":
         writer = checkpoint_writer(spec, channel, node, pin=device.type == "cuda",
-                                   rank=rank, local_rank=local_rank, world=world)
+                                   rank=rank, local_rank=local_rank, world=world,
+                                   rank_nodes=rank_nodes)
     else:
         writer = (checkpoint_writer(spec, channel, node, pin=device.type == "cuda")
                   if rank == 0 else None)
     faults = cfg.faults
     samples = cfg.batch_size * world
-    rank_nodes = list(spec.rank_nodes) or [node] * world
     code = 0
     while loop.step < cfg.steps:
         if faults.crash_at_step == loop.step + 1 and rank == faults.crash_rank:
@@ -149,7 +165,7 @@ def leave(code: int) -> NoReturn:
 
 def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
                       pin: bool = False, *, rank: int | None = None, local_rank: int = 0,
-                      world: int = 1) -> Any:
+                      world: int = 1, rank_nodes: list[str] | None = None) -> Any:
     """Rank 0's async checkpointer, announcing each written checkpoint to the coordinator;
     with ``rank`` (an FSDP run) this rank's sharded checkpointer, whose node's first rank
     announces the node's committed folder."""
@@ -167,9 +183,30 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
     if rank is not None:
         return ShardedCheckpointer(spec.checkpoint_root, spec.run_id, rank=rank,
                                    local_rank=local_rank, world=world, node=node, pin=pin,
-                                   on_written=written, on_error=failed)
+                                   on_written=written, on_error=failed,
+                                   before_commit=stall_hook(spec, node, rank_nodes or []))
     return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
                              on_error=failed)
+
+
+def stall_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
+    """The fault hook ``faults.stall_checkpoint_at_step`` for this node, or None: in the
+    first attempt, the node of ``stall_checkpoint_rank`` (``rank_nodes``: every rank's)
+    never commits its part of that step (its first rank waits here until the drill kills
+    it)."""
+    faults = RunConfig.model_validate(spec.config).faults
+    at, victim = faults.stall_checkpoint_at_step, faults.stall_checkpoint_rank
+    if at is None or spec.attempt != 1 or victim >= len(rank_nodes) \
+            or rank_nodes[victim] != node:
+        return None
+
+    def stall(step: int) -> None:
+        if step == at:
+            print(f"tandem node {node}: fault hook stall_checkpoint_at_step={at}",
+                  file=sys.stderr, flush=True)
+            threading.Event().wait()  # until killed: the drill's whole point
+
+    return stall
 
 
 def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: int,

@@ -56,7 +56,9 @@ class TrainerSettings(Settings):
         2.0, gt=0, description="How often progress and goodput go to KV runs.")
     restore_from_s3: bool = Field(
         True, description="Resume from S3 (the checkpointer's commits) when no local "
-        "checkpoint is valid; needs TANDEM_S3_* settings.")
+        "checkpoint is valid, with the TANDEM_S3_* settings (no endpoint: AWS's own); "
+        "false where there is no S3. With launcher=nodes each node fetches the checkpoint "
+        "onto its own disk.")
     data_root: str = Field(
         "", description="Directory every image_folder data set must be under (relative "
         "data.path values start there); empty: any path this host can read.")
@@ -66,7 +68,8 @@ class TrainerSettings(Settings):
         "it (node_agent.py). Same image, same settings.")
     rendezvous_host: str = Field(
         "127.0.0.1", description="Node agent: the address of this node that the other "
-        "nodes' torchrun reach its static rendezvous on (node rank 0); on Kubernetes the "
+        "nodes reach it at: the c10d rendezvous its torchrun hosts as node rank 0, and "
+        "torchrun's --local-addr (where rank 0's store is, on its node); on Kubernetes the "
         "pod's IP.")
     orphan_after_s: float = Field(
         10.0, gt=0, le=600, description="Node agent: with no answer from the coordinator "
@@ -113,7 +116,12 @@ class Trainer(Service):
             work_root=Path(self.s.work_root).resolve(), cluster=self.s.cluster,
             node=self.s.node, relay_host=self.s.relay_host,
             threads_per_rank=self.s.threads_per_rank, status_every_s=self.s.status_every_s,
-            restore=self._restore if self.s.restore_from_s3 and self.s.s3_endpoint else None)
+            # NOTE: S3 is AWS's own when no endpoint is set (the Kubernetes default), so
+            # whether to restore is this setting alone, not whether an endpoint is named.
+            restore=self._restore if self.s.restore_from_s3 else None,
+            # Node agents run on nodes with disks of their own: each fetches for itself.
+            s3_steps=self._committed if self.s.restore_from_s3 and self.s.launcher == "nodes"
+            else None)
 
     async def run(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -230,6 +238,14 @@ class Trainer(Service):
                           "drained by operator" if drained else "undrained")
 
     # --------------------------------------------------------------------------- restore
+
+    async def _committed(self, run_id: str) -> list[int]:
+        """The run's committed steps in S3, oldest first (listed, not downloaded)."""
+        def listing() -> list[int]:
+            return checkpoints.committed_steps(storage.s3_client(self.settings),
+                                               self.settings.s3_bucket, run_id)
+
+        return await asyncio.to_thread(listing)
 
     async def _restore(self, run_id: str, dest: Path) -> checkpoints.Resume | None:
         """Seam to the checkpointer: the newest committed checkpoint in S3, verified."""

@@ -122,8 +122,10 @@ class ShardedCheckpointer:
     def __init__(self, root: str | Path, run_id: str, *, rank: int, local_rank: int,
                  world: int, node: str = "", pin: bool = False,
                  on_written: Callable[[Written], None] | None = None,
-                 on_error: Callable[[int, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[int, BaseException], None] | None = None,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
+        self.before_commit = before_commit  # a fault hook (drills): called with the step
         self.run_id = run_id
         self.rank, self.local_rank, self.world, self.node = rank, local_rank, world, node
         self.on_written = on_written
@@ -174,6 +176,8 @@ class ShardedCheckpointer:
             future.result()
             if self.local_rank != 0:
                 return
+            if self.before_commit is not None:
+                self.before_commit(step)
             path, manifest = ck.commit(self.run_id, step, tmp, world_size=self.world,
                                        node=self.node)
             written = Written(run_id=self.run_id, step=step, path=path, manifest=manifest,

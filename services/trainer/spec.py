@@ -14,8 +14,13 @@ class LaunchSpec(msgspec.Struct, kw_only=True):
     checkpoint_root: str
     attempt_dir: str  # stack dumps and logs of this attempt
     events: str = ""  # host:port of the coordinator's relay; empty sends nothing
-    rank_nodes: list[str] = []  # node of each global rank
+    # The node each global rank is placed on. A guess once several nodes meet in the
+    # c10d rendezvous (it assigns node ranks): a rank takes its node from TANDEM_NODE.
+    rank_nodes: list[str] = []
     resume_path: str = ""  # checkpoint directory to resume from; empty starts fresh
+    # With no resume_path: committed steps in S3, newest first; every node fetches the
+    # newest one that all nodes verify onto its own disk (``fetch.py``), else starts fresh.
+    resume_steps: list[int] = []
     skipped: list[list[int]] = []  # data windows to skip
     threads: int = 0  # torch intra-op threads per rank; 0: the node's cores / its ranks
     node: str = ""

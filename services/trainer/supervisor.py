@@ -65,6 +65,11 @@ class SupervisorConfig:
     status_every_s: float = 2.0
     record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
     restore: Any = None  # async (run_id, dest) -> ck.Resume | None (S3 restore)
+    # async (run_id) -> committed steps in S3, oldest first. Set when the nodes have disks
+    # of their own (launcher nodes): with no valid checkpoint here, the ranks are told the
+    # committed steps and every node fetches the newest that all of them verify
+    # (``fetch.py``), instead of this host restoring one onto its own disk.
+    s3_steps: Any = None
 
 
 class RunSupervisor(AttemptWatch):
@@ -94,12 +99,14 @@ class RunSupervisor(AttemptWatch):
         self.placement: Placement | None = None
         self.relay_address = ""  # host:port ranks send to, once run() listens
         self.pids: dict[int, int] = {}
+        self.rank_node: dict[int, str] = {}  # each rank's node, as its hello says
         self._byes: set[int] = set()
         self._kv: TypedKV[RunRecord] | None = None
         self._last_kv = 0.0
         self.stragglers = StragglerDetector(config.straggler.ratio, config.straggler.window)
         self.cancelled = asyncio.Event()  # a client asked to stop the run (cancel_reason)
         self.cancel_reason = ""
+        self.suspect = ""  # the node named by the last incident
 
     def request_cancel(self, reason: str) -> None:
         """A client cancelled the run (``runs.cancel_run``): the attempt in flight stops
@@ -286,10 +293,16 @@ class RunSupervisor(AttemptWatch):
         # resumes (unless it fails verification, which is reported then).
         on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id)
         resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
+        if not on_disk and self.cfg.s3_steps is not None:
+            with contextlib.suppress(Exception):  # only what goodput counts as redone
+                committed = await self.cfg.s3_steps(self.run_id)
+                resume_from = committed[-1] if committed else 0
         self.goodput.failed(resume_from)
         incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
                     "step": self.latest_step, "resume_from": resume_from,
                     **outcome.detail}
+        if incident.get("node"):  # placed last next time, behind any spare node
+            self.suspect = str(incident["node"])
         if outcome.kind == "loss_anomaly":
             pos = int(outcome.detail["data_pos"])
             window = [max(0, pos - self.config.loss_health.skip_batches + 1), pos]
@@ -316,12 +329,23 @@ class RunSupervisor(AttemptWatch):
     async def _attempt(self, stopping: asyncio.Event) -> Outcome:
         self.attempt_no += 1
         healthy, why = await self.healthy_nodes()
+        # NOTE: the node of the last incident (its agent lost, a rank dead on it) goes
+        # last, so a spare node takes its place when the run names one; without a spare
+        # it is placed as before. Nothing else about it is held against it.
+        healthy.sort(key=lambda n: n == self.suspect)
         placement = place(self.config.ranks, healthy)
         if placement is None:
             return Outcome("no_healthy_nodes", {"excluded": why})
         resume = await self._resume_point()
+        fetch: list[int] = []
+        if resume is None and self.cfg.s3_steps is not None:
+            try:
+                fetch = list(reversed(await self.cfg.s3_steps(self.run_id)))
+            except Exception as exc:  # never start afresh over committed checkpoints
+                return Outcome("restore_failed", {
+                    "reason": repr(exc), "detector": "listing committed checkpoints in S3"})
         ck.remove_incomplete(self.cfg.checkpoint_root, self.run_id)
-        self.last_ckpt_step = resume.step if resume else 0
+        self.last_ckpt_step = resume.step if resume else fetch[0] if fetch else 0
         self.latest_step = self.last_ckpt_step
         attempt_dir = self.cfg.work_root / self.run_id / f"attempt-{self.attempt_no}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
@@ -330,17 +354,21 @@ class RunSupervisor(AttemptWatch):
             config=self.config.model_dump(mode="json"),
             checkpoint_root=str(self.cfg.checkpoint_root), attempt_dir=str(attempt_dir),
             events=self.relay_address, rank_nodes=placement.rank_nodes,
-            resume_path=str(resume.path) if resume else "", skipped=self.skipped,
+            resume_path=str(resume.path) if resume else "", resume_steps=fetch,
+            skipped=self.skipped,
             threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster)
         spec_path = attempt_dir / "launch.json"
         spec_path.write_bytes(msgspec.json.encode(spec))
         self.placement = placement
-        self.pids, self._byes = {}, set()
+        self.pids, self.rank_node, self._byes = {}, {}, set()
         self.stragglers.reset()
         await self._status(RunState.starting,
                            f"attempt {self.attempt_no} on {','.join(placement.nodes)} "
                            f"({placement.per_node} ranks each), "
-                           + (f"resuming from step {resume.step}" if resume else "from scratch"),
+                           + (f"resuming from step {resume.step}" if resume else
+                              f"each node fetching from S3 the newest of committed steps "
+                              f"{', '.join(map(str, fetch))} that every node verifies"
+                              if fetch else "from scratch"),
                            nodes=placement.nodes)
         with tracing.tracer().start_as_current_span("launch", attributes={
                 "tandem.nodes": placement.nodes, "tandem.ranks": self.config.ranks}):
@@ -367,21 +395,26 @@ class RunSupervisor(AttemptWatch):
         with tracing.tracer().start_as_current_span("restore") as span:
             resume, rejected = ck.newest_valid(self.cfg.checkpoint_root, self.run_id)
             if rejected:
-                corrupt = [{"step": r.step, "path": r.path, "reason": r.reason,
-                            "at": time.time()} for r in rejected]
-                rec = await self._current()
-                before = rec.corrupt_checkpoints if rec else []
-                await self._status(RunState.restarting if self.restarts else RunState.starting,
-                                   "corrupt checkpoint(s) skipped: " + "; ".join(
-                                       f"step {c['step']}: {c['reason']}" for c in corrupt),
-                                   {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
-                                   corrupt_checkpoints=[*before, *corrupt])
-            if resume is None and self.cfg.restore is not None:
+                await self.report_corrupt(
+                    RunState.restarting if self.restarts else RunState.starting,
+                    [{"step": r.step, "path": r.path, "reason": r.reason} for r in rejected])
+            if resume is None and self.cfg.restore is not None and self.cfg.s3_steps is None:
                 resume = await self.cfg.restore(self.run_id,
                                                 ck.run_dir(self.cfg.checkpoint_root, self.run_id))
             span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
                                  "tandem.corrupt_skipped": [r.step for r in rejected]})
             return resume
+
+    async def report_corrupt(self, state: RunState, corrupt: list[dict[str, Any]]) -> None:
+        """Checkpoints a resume skipped because they failed verification: a status event
+        and KV ``corrupt_checkpoints``."""
+        corrupt = [{**c, "at": time.time()} for c in corrupt]
+        rec = await self._current()
+        before = rec.corrupt_checkpoints if rec else []
+        await self._status(state, "corrupt checkpoint(s) skipped: " + "; ".join(
+                               f"step {c['step']}: {c['reason']}" for c in corrupt),
+                           {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
+                           corrupt_checkpoints=[*before, *corrupt])
 
 
 def _primitive(values: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from tandem.trainer.channel import (
     Done,
     Hello,
     RankMessage,
+    Resumed,
     StepReport,
 )
 from tandem.trainer.health import Goodput, HangWatch, StragglerDetector
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 @dataclass
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
-    #            no_healthy_nodes, launch_failed, stopping, cancelled
+    #            no_healthy_nodes, launch_failed, restore_failed, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,6 +81,7 @@ class AttemptWatch:
     attempt_no: int
     placement: Placement | None
     pids: dict[int, int]
+    rank_node: dict[int, str]
     _byes: set[int]
     latest_step: int
     last_ckpt_step: int
@@ -97,6 +99,8 @@ class AttemptWatch:
         async def _publish(self, subject: str, event: Any, msg_id: str,
                            retry_for: float = 10.0) -> None: ...
         async def _telemetry(self, node: str) -> dict[str, Any]: ...
+        async def report_corrupt(self, state: RunState,
+                                 corrupt: list[dict[str, Any]]) -> None: ...
 
     async def handle_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
@@ -211,6 +215,8 @@ class AttemptWatch:
                     match message:
                         case Hello():
                             await self._on_hello(message)
+                        case Resumed():
+                            await self._on_resumed(message)
                         case Bye():
                             self._byes.add(message.rank)
                         case Done():
@@ -245,6 +251,10 @@ class AttemptWatch:
             await asyncio.gather(stop_task, *waiters, return_exceptions=True)
 
     def _node_of(self, rank: int) -> str:
+        """The node ``rank`` said it runs on (the rendezvous placed it); before its hello,
+        the placement's guess."""
+        if rank in self.rank_node:
+            return self.rank_node[rank]
         nodes = self.placement.rank_nodes if self.placement else []
         return nodes[rank] if 0 <= rank < len(nodes) else ""
 
@@ -272,10 +282,24 @@ class AttemptWatch:
 
     async def _on_hello(self, hello: Hello) -> None:
         self.pids[hello.rank] = hello.pid
+        self.rank_node[hello.rank] = hello.node
         if len(self.pids) == self.config.ranks:
             await self._record(ranks=[
                 {"rank": r, "pid": p, "node": self._node_of(r), "attempt": self.attempt_no}
                 for r, p in sorted(self.pids.items())])
+
+    async def _on_resumed(self, resumed: Resumed) -> None:
+        """The nodes fetched the resume checkpoint from S3: that step is where this
+        attempt starts; the ones they skipped as corrupt are reported and recorded."""
+        self.last_ckpt_step = self.latest_step = resumed.step
+        if resumed.skipped:
+            await self.report_corrupt(RunState.starting, [
+                {"step": step, "path": "s3", "reason": reason}
+                for step, reason in sorted(resumed.skipped.items(), reverse=True)])
+        await self._status(RunState.starting, f"attempt {self.attempt_no} resumed from step "
+                           f"{resumed.step}, fetched from S3 by every node" if resumed.step
+                           else f"attempt {self.attempt_no}: no committed checkpoint verified "
+                           "on every node; from scratch")
 
     async def _on_step(self, report: StepReport) -> None:
         step = report.step
@@ -309,15 +333,21 @@ class AttemptWatch:
     async def _on_checkpoint(self, written: CheckpointWritten) -> None:
         step = written.step
         self.last_ckpt_step = max(self.last_ckpt_step, step)
-        # The run and cluster are the coordinator's to say; ``at`` is when it relays,
-        # as it always was (the checkpointer measures written -> committed from it).
+        # The run, cluster and attempt are the coordinator's to say; ``at`` is when it
+        # relays, as it always was (the checkpointer measures written -> committed from it).
         event = msgspec.structs.replace(written, run_id=self.run_id, cluster=self.cluster,
-                                        at=time.time())
+                                        node=written.node or self.cfg.node,
+                                        attempt=self.attempt_no, at=time.time())
         self.metrics.checkpoint(event.blocked_s)
         # A step rewritten after a resume is announced again (the checkpointer's mirror
-        # is idempotent), since the first copy may have been lost with the node.
+        # is idempotent), since the first copy may have been lost with the node. Each
+        # node writes its own part of a sharded checkpoint: one event per node.
+        key = f"{self.run_id}-{step}-a{self.attempt_no}-{event.node}"
         await self._publish(subjects.train(self.run_id, "checkpoint"), event,
-                           f"{self.run_id}-ckpt-{step}-a{self.attempt_no}", retry_for=30.0)
+                            f"ckpt-{key}", retry_for=30.0)
+        # The files are on that node's disk only: its own checkpointer mirrors them.
+        await self._publish(subjects.mirror(event.cluster, event.node), event,
+                            f"mirror-{key}", retry_for=30.0)
 
 
 def _finite(x: float | None) -> float:

@@ -143,8 +143,9 @@ async def _written_to_committed(s3_url: str, nats_url: str, bucket: str, directo
             for f in (directory / "source").iterdir():
                 os.link(f, step_dir / f.name)
             manifest = ck.scan(step_dir, run, step)
-            ev = CheckpointWritten(run_id=run, step=step, path=str(step_dir), manifest=manifest)
-            await bus.publish(subjects.train(run, "checkpoint"), ev)
+            ev = CheckpointWritten(run_id=run, step=step, path=str(step_dir), manifest=manifest,
+                                   cluster="bench", node="node-0")
+            await bus.publish(subjects.mirror(ev.cluster, ev.node), ev)
             at, mirrored = await asyncio.wait_for(got.get(), 600)
             assert mirrored.step == step, mirrored
             out.append(at - ev.at)

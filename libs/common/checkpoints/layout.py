@@ -36,6 +36,15 @@ that says it is whole and is not is invalid everywhere, so such a checkpoint is 
 restorable. A node that holds only some ranks commits its share locally with ``part``
 set to its name; a part is never a commit (``decode_manifest`` refuses it), and
 ``merge_parts`` builds the one commit manifest from every node's part.
+
+In S3, each node's checkpointer records its part once every file of it is stored and
+verified, beside the files::
+
+    runs/<run>/checkpoints/step-<N>/parts/a<attempt>/<node>.json   the node's part manifest
+
+The checkpoint is committed (``manifest.json``, the merge of the parts of one attempt)
+only when those records together make it whole. ``parts/`` is reserved: no checkpoint
+file is named under it.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ FULL = "full"
 SHARDED = "sharded"
 SHARD_DIR = "shards"
 DCP_METADATA = f"{SHARD_DIR}/.metadata"
+PARTS = "parts"  # S3 only: step-<N>/parts/a<attempt>/<node>.json, each node's part
 # What rank 0 writes beside the shards of a sharded checkpoint.
 SHARDED_STATE = ("scheduler.pt", "rng.pt", "trainer.pt", "model_config.json")
 _SHARD = re.compile(rf"{SHARD_DIR}/__(0|[1-9][0-9]{{0,5}})_(0|[1-9][0-9]{{0,5}})\.distcp")
@@ -97,6 +107,9 @@ def check_name(name: str) -> str:
                 "letters, digits, '_', '.', '+', '=', '-' and not '.' or '..'")
     if name == MANIFEST:
         raise ValueError(f"invalid checkpoint file name {name!r}: reserved for the manifest")
+    if parts[0] == PARTS:
+        raise ValueError(f"invalid checkpoint file name {name!r}: {PARTS}/ is reserved for "
+                         "the records of nodes' parts")
     return name
 
 
@@ -117,6 +130,18 @@ def object_key(run_id: str, step: int, name: str) -> str:
 
 def manifest_key(run_id: str, step: int) -> str:
     return step_prefix(run_id, step) + MANIFEST
+
+
+def parts_prefix(run_id: str, step: int, attempt: int) -> str:
+    """Where the records of the parts of ``step`` written by ``attempt`` are."""
+    if not isinstance(attempt, int) or attempt < 0:
+        raise ValueError(f"attempt must be an integer >= 0, got {attempt!r}")
+    return f"{step_prefix(run_id, step)}{PARTS}/a{attempt}/"
+
+
+def part_key(run_id: str, step: int, attempt: int, node: str) -> str:
+    """The record of ``node``'s part of ``step`` (written by ``attempt``) in S3."""
+    return f"{parts_prefix(run_id, step, attempt)}{token(node, 'node')}.json"
 
 
 def checkpoint_uri(bucket: str, run_id: str, step: int) -> str:
@@ -247,6 +272,16 @@ def sharded(manifest: CheckpointManifest, world_size: int, node: str) -> Checkpo
 def merge_parts(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
     """The one commit manifest of a sharded checkpoint from every node's part (or whole
     manifests); ValueError when they disagree or together still lack a shard."""
+    return validate_manifest(_union(parts))
+
+
+def lacking(parts: Iterable[CheckpointManifest]) -> list[str]:
+    """What the union of ``parts`` still lacks to be a whole checkpoint (``missing``);
+    ValueError when the parts disagree."""
+    return missing(_union(parts))
+
+
+def _union(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
     parts = list(parts)
     if not parts:
         raise ValueError("no parts to merge")
@@ -261,9 +296,9 @@ def merge_parts(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
             seen = files.setdefault(f.name, f)
             if (seen.size, seen.sha256) != (f.size, f.sha256):
                 raise ValueError(f"{f.name} differs between parts")
-    return validate_manifest(CheckpointManifest(
+    return CheckpointManifest(
         run_id=first.run_id, step=first.step, files=sorted(files.values(), key=lambda f: f.name),
-        kind=SHARDED, world_size=first.world_size))
+        kind=SHARDED, world_size=first.world_size)
 
 
 def encode_manifest(manifest: CheckpointManifest) -> bytes:
@@ -299,6 +334,14 @@ def check_commit(manifest: CheckpointManifest) -> CheckpointManifest:
         raise ValueError(f"node {manifest.part}'s part of a sharded checkpoint is not a "
                          "commit")
     return manifest
+
+
+def covers(whole: CheckpointManifest, part: CheckpointManifest) -> bool:
+    """Whether ``whole`` lists every file of ``part`` with the same size and sha256 (a
+    node's part of a checkpoint already committed with these bytes)."""
+    listed = {f.name: (f.size, f.sha256) for f in whole.files}
+    return (whole.run_id, whole.step) == (part.run_id, part.step) and all(
+        listed.get(f.name) == (f.size, f.sha256) for f in part.files)
 
 
 def same_files(a: CheckpointManifest, b: CheckpointManifest) -> bool:
