@@ -221,6 +221,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         # Failover discovers the clusters' queues by the names of the streams on gen.*.*
         # (STREAM.NAMES, granted by follows()), then STREAM.INFO of each queue it may pull.
         .listens(subjects.ckpt_kind_filter("mirrored"))  # hot-swap wake-ups
+        .listens(subjects.kv_changes(streams.KV_RUNS))  # a run's rollback (its forks)
     )
     for c in clusters:  # every cluster's queue: healthy clusters drain a dead one's backlog
         worker.stream(subjects.gen_stream_name(c), GEN)

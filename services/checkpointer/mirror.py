@@ -145,44 +145,44 @@ class Mirror:
 
     def mirror(self, directory: Path, manifest: CheckpointManifest) -> MirrorResult:
         started = time.perf_counter()
-        run, step = manifest.run_id, manifest.step
-        existing = self._stored_manifest(run, step)
+        run, step, lineage = manifest.run_id, manifest.step, manifest.lineage
+        existing = self._stored_manifest(run, step, lineage)
         if existing is not None:
             if not ck.same_files(existing, manifest):
                 raise CommitConflict(ck.MANIFEST, "step already committed with other files")
             return MirrorResult(committed=False, seconds=time.perf_counter() - started)
         result = MirrorResult(committed=True)
-        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step))
-        stored = self._stored_sizes(ck.step_prefix(run, step))
+        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step, lineage))
+        stored = self._stored_sizes(ck.step_prefix(run, step, lineage))
         todo: list[FileEntry] = []
         for entry in manifest.files:
-            if stored.get(ck.object_key(run, step, entry.name)) == entry.size and \
-                    self._stored_whole(directory, run, step, entry):
+            if stored.get(ck.object_key(run, step, entry.name, lineage)) == entry.size and \
+                    self._stored_whole(directory, run, step, entry, lineage):
                 result.skipped.append(entry.name)
             else:
                 todo.append(entry)
-        result.bytes_uploaded = self._upload(directory, run, step, todo)
+        result.bytes_uploaded = self._upload(directory, run, step, todo, lineage)
         result.uploaded = [e.name for e in todo]
         result.committed = self._commit(manifest)
         result.seconds = time.perf_counter() - started
         return result
 
-    def _stored_manifest(self, run: str, step: int) -> CheckpointManifest | None:
+    def _stored_manifest(self, run: str, step: int, lineage: int) -> CheckpointManifest | None:
         try:
             data = self.s3.get_object(Bucket=self.cfg.bucket,
-                                      Key=ck.manifest_key(run, step))["Body"].read()
+                                      Key=ck.manifest_key(run, step, lineage))["Body"].read()
         except ClientError as exc:
             if _missing(exc) or _code(exc) == "NoSuchBucket":
                 return None
             raise
-        return ck.decode_manifest(data, run, step)
+        return ck.decode_manifest(data, run, step, lineage)
 
     def _commit(self, manifest: CheckpointManifest) -> bool:
         """Put the manifest if absent. True if this call committed it."""
         ck.check_commit(manifest)  # a node's part of a sharded checkpoint never commits
-        run, step = manifest.run_id, manifest.step
+        run, step, lineage = manifest.run_id, manifest.step, manifest.lineage
         body = ck.encode_manifest(manifest)
-        key = ck.manifest_key(run, step)
+        key = ck.manifest_key(run, step, lineage)
         try:
             self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=body, IfNoneMatch="*",
                                ChecksumSHA256=_b64(hashlib.sha256(body).digest()),
@@ -191,7 +191,7 @@ class Mirror:
             if _code(exc) not in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise
             # Someone (a previous delivery of this event) committed first.
-            existing = self._stored_manifest(run, step)
+            existing = self._stored_manifest(run, step, lineage)
             if existing is None or not ck.same_files(existing, manifest):
                 raise CommitConflict(
                     ck.MANIFEST, "step already committed with other files") from None
@@ -228,9 +228,10 @@ class Mirror:
                 raise
         return out
 
-    def _stored_whole(self, directory: Path, run: str, step: int, entry: FileEntry) -> bool:
+    def _stored_whole(self, directory: Path, run: str, step: int, entry: FileEntry,
+                      lineage: int = 0) -> bool:
         """Whether ``entry`` is already stored whole and verified (a redelivery)."""
-        key = ck.object_key(run, step, entry.name)
+        key = ck.object_key(run, step, entry.name, lineage)
         head = self._head(key)
         if head is None or head.get("ContentLength") != entry.size:
             return False
@@ -319,7 +320,8 @@ class Mirror:
             kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
             kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
-    def _upload(self, directory: Path, run: str, step: int, todo: list[FileEntry]) -> int:
+    def _upload(self, directory: Path, run: str, step: int, todo: list[FileEntry],
+                lineage: int = 0) -> int:
         """Upload ``todo``, parts and small files in parallel; verify each. Returns bytes."""
         if not todo:
             return 0
@@ -330,7 +332,7 @@ class Mirror:
         try:
             # Largest first keeps the pool busy while the small files fill the gaps.
             for entry in sorted(todo, key=lambda e: -e.size):
-                key = ck.object_key(run, step, entry.name)
+                key = ck.object_key(run, step, entry.name, lineage)
                 if entry.size > self.cfg.multipart_threshold:
                     mp = _Multipart(self, key, entry, paths[entry.name])
                     large.append(mp)

@@ -231,12 +231,14 @@ class Trainer(Service):
 
     # --------------------------------------------------------------------------- restore
 
-    async def _restore(self, run_id: str, dest: Path) -> checkpoints.Resume | None:
-        """Seam to the checkpointer: the newest committed checkpoint in S3, verified."""
+    async def _restore(self, run_id: str, dest: Path,
+                       line: checkpoints.Lineage) -> checkpoints.Resume | None:
+        """Seam to the checkpointer: the newest committed checkpoint of ``line``'s
+        history in S3, verified."""
 
         def fetch() -> Any:
             s3 = storage.s3_client(self.settings)
-            return checkpoints.restore(s3, self.settings.s3_bucket, run_id, dest)
+            return checkpoints.restore(s3, self.settings.s3_bucket, run_id, dest, line=line)
 
         try:
             restored = await asyncio.to_thread(fetch)

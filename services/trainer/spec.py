@@ -17,6 +17,9 @@ class LaunchSpec(msgspec.Struct, kw_only=True):
     rank_nodes: list[str] = []  # node of each global rank
     resume_path: str = ""  # checkpoint directory to resume from; empty starts fresh
     skipped: list[list[int]] = []  # data windows to skip
+    # The run's record's forks (``checkpoints.Lineage``): each checkpoint is written in
+    # the lineage that owns its step, so a rollback never reuses a checkpoint's name.
+    forks: list[int] = []
     threads: int = 0  # torch intra-op threads per rank; 0: the node's cores / its ranks
     node: str = ""
     cluster: str = ""

@@ -1,7 +1,7 @@
 """What the inference worker loads from a trainer checkpoint, verified, as a model.
 
 ``load_serving`` goes through ``store.restore`` (every byte checked, fallback to the
-previous committed checkpoint); the architecture is the checkpoint's own
+previous committed checkpoint of the run's current history); the architecture is the checkpoint's own
 ``model_config.json``. torch is imported inside ``load_serving`` only, so importing
 this module (the checkpointer does, through the package) needs no torch.
 """
@@ -17,6 +17,7 @@ from tandem.common.errors import CheckpointCorrupt
 from tandem.common.events import CheckpointManifest
 
 from .layout import step_name
+from .lineage import Lineage
 from .store import restore
 
 MODEL_WEIGHTS = "model.safetensors"
@@ -43,10 +44,11 @@ class ServingModel:
     run_id: str
     step: int
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newer ones passed over
+    lineage: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.run_id}/{step_name(self.step)}"
+        return f"{self.run_id}/{step_name(self.step, self.lineage)}"
 
 
 def _plain(value: Any) -> Any:
@@ -68,8 +70,9 @@ def config_mismatch(declared: dict[str, Any], stored: dict[str, Any],
 
 def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any = None,
                  bucket: str | None = None, step: int | None = None,
-                 fallback: bool = True) -> ServingModel:
-    """The newest committed checkpoint of ``run_id`` (or ``step``), verified, as a model.
+                 fallback: bool = True, line: Lineage | None = None) -> ServingModel:
+    """The newest committed checkpoint of ``run_id`` (or ``step``) in ``line``'s history
+    (without it: lineage 0's), verified, as a model.
 
     The architecture comes from the checkpoint's ``model_config.json`` (else ``config``);
     an architecture field that ``config`` declares differently is a ``CheckpointError``
@@ -99,7 +102,7 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
     declared = dict(config or {})
     with tempfile.TemporaryDirectory(prefix="tandem-serving-") as tmp:
         r = restore(s3, bucket, run_id, Path(tmp), step=step, fallback=fallback,
-                    files=serving_files)
+                    files=serving_files, line=line)
         cfg_path = r.path / MODEL_CONFIG
         try:
             mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
@@ -127,7 +130,7 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
             raise CheckpointError(run_id, r.step, f"EMA weights for unknown parameters: "
                                   f"{sorted(unexpected)[:5]}")
     return ServingModel(unet=unet.eval(), scheduler=build_scheduler(cfg), config=stored,
-                        run_id=run_id, step=r.step, skipped=r.skipped)
+                        run_id=run_id, step=r.step, skipped=r.skipped, lineage=r.lineage)
 
 
 def load_serving_model(run_id: str, config: dict[str, Any] | None = None, *,
