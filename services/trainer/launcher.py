@@ -170,7 +170,9 @@ class LocalLauncher:
         self.monitor_interval = monitor_interval
 
     def command(self, placement: Placement, node_rank: int, port: int,
-                spec_path: Path) -> list[str]:
+                spec_path: Path, module: str = "tandem.trainer.rank") -> list[str]:
+        """Node ``node_rank``'s torchrun, running ``module`` (the rank entry point; a
+        bench passes its own) with ``spec_path`` on each of its ranks."""
         return [
             self.python, "-m", "torch.distributed.run",
             f"--nnodes={len(placement.nodes)}", f"--node-rank={node_rank}",
@@ -178,7 +180,7 @@ class LocalLauncher:
             "--rdzv-backend=static", f"--master-addr={self.master_addr}",
             f"--master-port={port}", "--max-restarts=0",
             f"--monitor-interval={self.monitor_interval}",
-            "-m", "tandem.trainer.rank", str(spec_path),
+            "-m", module, str(spec_path),
         ]
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
