@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -178,13 +179,15 @@ def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: i
                rank_nodes: list[str]) -> float:
     """What Tandem adds to a step: a checkpoint every ``checkpoint_every`` steps (and at the
     last one; a collective, so every rank calls this) and, on rank 0, the step report.
-    Returns the seconds this rank was blocked by the checkpoint (0 without one)."""
+    Returns the seconds this rank was blocked by the checkpoint (0 without one): the whole
+    call, the gathering of every rank's RNG states and the state's own collection
+    included, not only the writer's copy."""
     cfg = loop.cfg
     blocked = 0.0
     if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
-        snap = loop.checkpoint(writer)
-        blocked = (snap if isinstance(snap, float) else
-                   snap.blocked_s if snap is not None else 0.0)
+        t0 = time.perf_counter()
+        loop.checkpoint(writer)
+        blocked = time.perf_counter() - t0
     if loop.rank == 0:
         channel.send(StepReport(
             step=r.step, data_pos=r.data_pos, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
