@@ -64,7 +64,7 @@ DEFAULTS = {"steps": 8, "every": 4, "batch_size": 4, "threads": 0}
 # --model: the preset by default, smaller DiTs to try the bench on a small machine.
 MODELS: dict[str, Any] = {
     "dit-b": "dit-b",  # DiT-B/2 (runs.MODEL_PRESETS): 147.4M parameters, 2.36 GB of state
-    # DiT-S/2 on the same latents: 12 blocks of width 384, about 33M parameters
+    # DiT-S/2 on the same latents: 12 blocks of width 384, 39.8M parameters
     "dit-s": {"kind": "dit", "sample_size": 32, "in_channels": 4, "num_classes": 1000,
               "num_layers": 12, "num_attention_heads": 6, "attention_head_dim": 64,
               "patch_size": 2},
