@@ -1,10 +1,11 @@
 """``tandem bench train --sharded``: FSDP2 over simulated nodes, Tandem against a plain loop.
 
 The shape (one machine, as ``tests/test_train_nodes`` simulates nodes): ``--nodes`` nodes
-(2) of ``--ranks-per-node`` ranks (2), one torchrun per node (``--nnodes N --node-rank
-i``, static rendezvous on loopback, the command line the coordinator's ``LocalLauncher``
-gives a node), each node with a checkpoint folder of its own; gloo on CPU (``--device
-cuda``: NCCL, one GPU per rank). This process plays what runs beside the ranks: the
+(2) of ``--ranks-per-node`` ranks (2), one torchrun per node (``--nnodes N``, a c10d
+rendezvous on loopback hosted by the first node's, the command line the coordinator's
+``LocalLauncher`` gives a node; each rank takes its node from ``TANDEM_NODE``), each
+node with a checkpoint folder of its own; gloo on CPU (``--device cuda``: NCCL, one GPU
+per rank). This process plays what runs beside the ranks: the
 coordinator's relay (every step report and checkpoint event published to NATS, as in
 ``tandem bench train``) and one checkpointer per node (a ``Mirror`` of its own, with its
 own S3 client and thread, mirroring that node's checkpoints one after the other to S3, a
