@@ -40,13 +40,14 @@ MiB = 1 << 20
 SIZES = {"optimizer.bin": 11 * MiB, "rng.bin": 3000, "data_position.json": 40}
 
 
-def write_checkpoint(root: Path, run_id: str, step: int,
-                     sizes: dict[str, int] | None = None) -> tuple[Path, CheckpointManifest]:
-    """Write ``root/step-<step>/`` with random files and a safetensors file; its manifest."""
+def write_checkpoint(root: Path, run_id: str, step: int, sizes: dict[str, int] | None = None,
+                     lineage: int = 0) -> tuple[Path, CheckpointManifest]:
+    """Write ``root/step-<step>/`` (of ``lineage``) with random files and a safetensors
+    file; its manifest."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    directory = root / ck.step_name(step)
+    directory = root / ck.step_name(step, lineage)
     directory.mkdir(parents=True)
     for name, size in (SIZES if sizes is None else sizes).items():
         (directory / name).write_bytes(os.urandom(size))
@@ -54,7 +55,7 @@ def write_checkpoint(root: Path, run_id: str, step: int,
     save_file({"w": rng.standard_normal((16, 16)).astype(np.float32),
                "b": np.full((16,), step, dtype=np.float32)},
               str(directory / "model.safetensors"))
-    return directory, ck.scan(directory, run_id, step)
+    return directory, ck.scan(directory, run_id, step, lineage)
 
 
 def written(directory: Path, manifest: CheckpointManifest, cluster: str = "local",

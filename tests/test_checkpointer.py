@@ -101,8 +101,8 @@ class Case:
                     **{"checkpoint_root": str(self.root.parent), **extra})
 
     def checkpoint(self, step: int, sizes: dict[str, int] | None = None,
-                   ) -> tuple[Path, CheckpointManifest]:
-        return write_checkpoint(self.root, self.run, step, sizes)
+                   lineage: int = 0) -> tuple[Path, CheckpointManifest]:
+        return write_checkpoint(self.root, self.run, step, sizes, lineage)
 
     async def publish(self, directory: Path, manifest: CheckpointManifest) -> Any:
         ev = written(directory, manifest)
@@ -343,6 +343,42 @@ async def test_retention_keeps_last_n_and_every_kth_and_deletes_local_copies_aft
     assert sorted(p.name for p in root.iterdir()) == ["step-10", "step-3"]
 
 
+async def test_a_rollbacks_checkpoint_of_a_step_gets_keys_events_and_record_of_its_own(
+        bus: Bus, case: Case, s3: Any, s3_server: S3Server) -> None:
+    """Lineage 1 forks at step 2 while lineage 0 has committed step 4: its own step 4 is
+    committed beside it (not a conflict, not deduplicated), becomes the latest, and the
+    abandoned step 4 is pruned; a late checkpoint of lineage 0 is never mirrored."""
+    run, bucket, events = case.run, case.bucket, case.events
+    small = {"rng.bin": 100}
+    async with running(bus, **case.config(s3_server.url, keep_last=5)):
+        runs = await bus.typed(KV_RUNS, RunRecord)
+        await runs.create(run, RunRecord(run_id=run))
+        for step in (2, 4):
+            ack = await case.publish(*case.checkpoint(step, small))
+            assert (await events.next(CheckpointMirrored)).step == step
+            await settled(bus, ack.seq)  # its retention is done too
+        # The coordinator rolls back to step 2 (KV runs forks); the old lineage's write
+        # of step 6 was still queued.
+        await runs.update(run, lambda r: msgspec.structs.replace(r, forks=[2]))
+        late = await case.publish(*case.checkpoint(6, small))
+        await settled(bus, late.seq)
+        await case.publish(*case.checkpoint(4, small, lineage=1))
+        mirrored = await events.next(CheckpointMirrored)
+        pruned = await events.next(CheckpointPruned)
+
+    assert (mirrored.step, mirrored.lineage) == (4, 1)
+    assert mirrored.uri == f"s3://{bucket}/runs/{run}/checkpoints/step-4-l1/"
+    assert pruned.names == ["step-4"] and "abandoned by a rollback" in pruned.reason
+    assert [(e.step, e.lineage) for e in events.seen if isinstance(e, CheckpointMirrored)] \
+        == [(2, 0), (4, 0), (4, 1)]  # no step 6: abandoned before it was mirrored
+    rec = (await runs.get(run))[0]  # type: ignore[index]
+    assert (rec.latest_checkpoint_step, rec.latest_checkpoint_lineage) == (4, 1)
+    assert ck.list_checkpoints(s3, bucket, run) == {(2, 0): True, (4, 1): True}
+    line = ck.Lineage.of(rec.forks)
+    assert ck.committed_steps(s3, bucket, run, line) == [2, 4]
+    assert sorted(p.name for p in case.root.iterdir()) == ["step-2", "step-4-l1"]
+
+
 async def test_invalid_checkpoint_event_goes_to_the_dlq_and_the_next_one_commits(
         bus: Bus, case: Case, s3: Any, s3_server: S3Server) -> None:
     run, bucket, events = case.run, case.bucket, case.events
@@ -374,6 +410,17 @@ def test_local_copies_beyond_local_keep_go_only_once_committed(tmp_path: Path) -
     (tmp_path / "step-5.incomplete").mkdir()  # still being written: never touched
     lg = log.get("test")
     assert delete_local(tmp_path, {1, 2, 3, 4}, 10, lg) == []
-    assert delete_local(tmp_path, {2, 3}, 1, lg) == [2, 3]  # 1 never committed: kept
+    assert delete_local(tmp_path, {2, 3}, 1, lg) == [(2, 0), (3, 0)]  # 1 never committed: kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-4", "step-5.incomplete"]
-    assert delete_local(tmp_path, {1, 4}, 0, lg) == [1, 4]
+    assert delete_local(tmp_path, {1, 4}, 0, lg) == [(1, 0), (4, 0)]
+
+
+def test_local_copies_a_rollback_abandoned_go_committed_or_not(tmp_path: Path) -> None:
+    for name in ("step-2", "step-4", "step-6", "step-4-l1", "step-6-l2"):
+        (tmp_path / name).mkdir()
+    lg = log.get("test")
+    # Lineage 1 forked at 2 (abandoning 4 and 6 of lineage 0); lineage 2 is newer than
+    # this record knows, so nothing is decided about it.
+    line = ck.Lineage((2,))
+    assert delete_local(tmp_path, set(), 5, lg, line) == [(6, 0), (4, 0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4-l1", "step-6-l2"]

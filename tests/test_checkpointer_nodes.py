@@ -29,12 +29,14 @@ from tandem.common.events import (
     CheckpointManifest,
     CheckpointMirrored,
     CheckpointPartMirrored,
+    CheckpointPruned,
     CheckpointWritten,
     DeadLetter,
+    RunRecord,
     decode,
 )
 from tandem.common.settings import Settings, load
-from tandem.common.streams import MIRROR, checkpointer_consumer
+from tandem.common.streams import KV_RUNS, MIRROR, checkpointer_consumer
 from tests.checkpoint_support import FaultProxy, MiB, written
 from tests.conftest import PYTHON, ROOT, service_env
 from tests.test_checkpointer import (
@@ -51,10 +53,11 @@ RANKS = {"na": [0, 1], "nb": [2, 3]}
 STEP = 40
 
 
-def write_part(root: Path, run: str, node: str, big: int = 0) -> tuple[Path, CheckpointManifest]:
-    """``node``'s part of a 4-rank sharded checkpoint, committed locally as the node's
-    first rank commits it; ``big``: the size of its first shard."""
-    tmp = ck.prepare_incomplete(root, run, STEP)
+def write_part(root: Path, run: str, node: str, big: int = 0,
+               lineage: int = 0) -> tuple[Path, CheckpointManifest]:
+    """``node``'s part of a 4-rank sharded checkpoint (of ``lineage``), committed locally
+    as the node's first rank commits it; ``big``: the size of its first shard."""
+    tmp = ck.prepare_incomplete(root, run, STEP, lineage)
     (tmp / ck.SHARD_DIR).mkdir()
     for i, rank in enumerate(RANKS[node]):
         size = big if big and i == 0 else 4096
@@ -62,7 +65,7 @@ def write_part(root: Path, run: str, node: str, big: int = 0) -> tuple[Path, Che
     if 0 in RANKS[node]:
         for name in (ck.DCP_METADATA, *ck.SHARDED_STATE):
             (tmp / name).write_bytes(os.urandom(200))
-    return ck.commit(run, STEP, tmp, world_size=4, node=node)
+    return ck.commit(run, STEP, tmp, world_size=4, node=node, lineage=lineage)
 
 
 class Nodes:
@@ -88,8 +91,21 @@ class Nodes:
     def event(self, node: str) -> CheckpointWritten:
         return written(*self.parts[node], cluster=self.cluster, node=node)
 
-    async def publish(self, node: str) -> None:
-        await self.bus.publish(subjects.mirror(self.cluster, node), self.event(node))
+    async def publish(self, node: str, event: CheckpointWritten | None = None) -> int:
+        """Hand ``node``'s checkpointer its part (or ``event``); the MIRROR sequence."""
+        ack = await self.bus.publish(subjects.mirror(self.cluster, node),
+                                     event or self.event(node))
+        return ack.seq
+
+    async def settled(self, node: str, seq: int) -> None:
+        """Until ``node``'s checkpointer has acked MIRROR message ``seq``."""
+        durable = checkpointer_consumer(cluster=self.cluster, node=node).durable
+
+        async def done() -> bool:
+            info = await self.bus.js.consumer_info(MIRROR, durable)
+            return info.ack_floor.stream_seq >= seq
+
+        await until(done, what=f"{node}'s MIRROR seq {seq} settled")
 
 
 @pytest.fixture
@@ -202,6 +218,60 @@ async def test_a_nodes_checkpointer_killed_mid_upload_resumes_and_its_part_commi
     assert [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == []
     restored = ck.restore(s3, bucket, run, tmp_path / "restored")
     assert (restored.step, len(restored.manifest.files)) == (STEP, 9)
+
+
+async def test_a_rollbacks_sharded_step_commits_from_its_own_lineages_parts_beside_the_old(
+        bus: Bus, nodes: Nodes, s3: Any, tmp_path: Path) -> None:
+    """Step 40 of lineage 0 is committed from both nodes' parts (attempt 1); the run rolls
+    back (KV runs forks: lineage 1 from step 39) and attempt 2 writes step 40 again, other
+    bytes, DCP's ``.metadata`` included. Its parts are recorded and committed under
+    ``step-40-l1``: no conflict with the old commit, never merged with the old parts, and
+    the abandoned step 40 is pruned, in S3 and on both nodes' disks."""
+    run, bucket = nodes.run, nodes.bucket
+    events = await ckpt_events(bus, run)
+    async with running(bus, **nodes.config("na")), running(bus, **nodes.config("nb")):
+        runs = await bus.typed(KV_RUNS, RunRecord)
+        await runs.create(run, RunRecord(run_id=run))
+        acks = {n: await nodes.publish(n) for n in RANKS}
+        old = await events.next(CheckpointMirrored)
+        for n, seq in acks.items():
+            await nodes.settled(n, seq)
+        await runs.update(run, lambda r: msgspec.structs.replace(r, forks=[STEP - 1]))
+        new_parts = {n: write_part(nodes.roots[n], run, n, lineage=1) for n in RANKS}
+        acks = {n: await nodes.publish(n, written(*new_parts[n], cluster=nodes.cluster,
+                                                   node=n, attempt=2))
+                for n in ("nb", "na")}
+        new = await events.next(CheckpointMirrored)
+        pruned = await events.next(CheckpointPruned)
+        for n, seq in acks.items():
+            await nodes.settled(n, seq)
+
+    assert (old.step, old.lineage, new.step, new.lineage) == (STEP, 0, STEP, 1)
+    assert new.uri == f"s3://{bucket}/runs/{run}/checkpoints/step-{STEP}-l1/"
+    parts = [(p.node, p.attempt, p.lineage) for p in events.seen
+             if isinstance(p, CheckpointPartMirrored)]
+    assert sorted(parts[:2]) == [("na", 1, 0), ("nb", 1, 0)]
+    assert sorted(parts[2:]) == [("na", 2, 1), ("nb", 2, 1)]
+    # The commit is the merge of lineage 1's parts only: every shard as rewritten.
+    committed = ck.read_manifest(s3, bucket, run, STEP, 1)
+    want = {f.name: f.sha256 for _, m in new_parts.values() for f in m.files}
+    assert {f.name: f.sha256 for f in committed.files} == want
+    assert (committed.lineage, committed.world_size, ck.missing(committed)) == (1, 4, [])
+    old_meta = next(f for _, m in nodes.parts.values() for f in m.files
+                    if f.name == ck.DCP_METADATA)
+    assert old_meta.sha256 != want[ck.DCP_METADATA]
+    recorded = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(
+        Bucket=bucket, Prefix=ck.parts_prefix(run, STEP, 2, lineage=1))["Contents"]}
+    assert recorded == {"na.json", "nb.json"}
+    # The abandoned lineage's step 40 is gone, its parts with it; on disk too.
+    assert pruned.names == [f"step-{STEP}"] and "abandoned by a rollback" in pruned.reason
+    assert ck.list_checkpoints(s3, bucket, run) == {(STEP, 1): True}
+    for n in RANKS:
+        assert [p.name for p in nodes.roots[n].joinpath(run).iterdir()] == [f"step-{STEP}-l1"]
+    rec = (await runs.get(run))[0]  # type: ignore[index]
+    assert (rec.latest_checkpoint_step, rec.latest_checkpoint_lineage) == (STEP, 1)
+    restored = ck.restore(s3, bucket, run, tmp_path / "restored", line=ck.Lineage.of(rec.forks))
+    assert (restored.step, restored.lineage) == (STEP, 1)
 
 
 async def test_a_fleet_checkpointer_beside_per_node_ones_is_refused_by_the_server(

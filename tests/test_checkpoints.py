@@ -34,8 +34,8 @@ def bucket(s3: Any, uid: str) -> str:
 
 
 def commit(s3: Any, bucket: str, root: Path, run: str, step: int,
-           sizes: dict[str, int] | None = None) -> None:
-    directory, manifest = write_checkpoint(root, run, step, sizes)
+           sizes: dict[str, int] | None = None, lineage: int = 0) -> None:
+    directory, manifest = write_checkpoint(root, run, step, sizes, lineage)
     mirror = Mirror(s3, MirrorConfig(bucket=bucket, multipart_threshold=5 * MiB,
                                      part_size=5 * MiB))
     try:
@@ -82,6 +82,45 @@ def test_layout_names_local_and_s3_sides_alike(tmp_path: Path) -> None:
     assert ck.local_retention([1, 2], committed={1, 2}, keep=0) == [1, 2]
 
 
+def test_a_lineage_owns_the_steps_after_its_fork_and_abandons_its_parents_later_ones() -> None:
+    root = ck.Lineage()
+    assert (root.current, root.owner(7), root.holds(7, 0), root.holds(7, 1)) == (0, 0, True, False)
+    # Lineage 1 forked at step 10; lineage 2 forked from lineage 1's history at step 4.
+    line = root.fork(10).fork(4)
+    assert line.json() == [10, 4] and line.current == 2
+    assert [line.owner(s) for s in (2, 4, 5, 10, 11)] == [0, 0, 2, 2, 2]
+    assert line.holds(4, 0) and not line.holds(6, 0) and not line.holds(12, 1)
+    assert line.abandoned(6, 0) and line.abandoned(12, 1) and not line.abandoned(4, 0)
+    assert not line.abandoned(20, 3) and not line.holds(20, 3)  # newer than the record
+    assert root.fork(-2).forks == (0,)  # a rollback before the first step: from scratch
+    with pytest.raises(ValueError, match="fork of lineage 2 must be a step >= 0"):
+        ck.Lineage.of([3, -1])
+
+
+def test_a_checkpoints_name_key_and_listing_carry_its_lineage(tmp_path: Path) -> None:
+    assert ck.step_name(4, 1) == "step-4-l1" and ck.step_name(4) == "step-4"
+    assert ck.parse_checkpoint("step-4-l1") == (4, 1) == ck.CheckpointId(4, 1)
+    assert ck.parse_checkpoint("step-4-l0") is None  # lineage 0 has one name only
+    assert ck.parse_checkpoint("step-4-l1.incomplete") is None
+    assert ck.object_key("r", 4, "a.bin", 1) == "runs/r/checkpoints/step-4-l1/a.bin"
+    keys = [ck.manifest_key("r", s, lin) for s, lin in ((2, 0), (4, 0), (4, 1), (6, 2))]
+    assert ck.checkpoints_in_listing(keys, "r") == {(2, 0): True, (4, 0): True,
+                                                    (4, 1): True, (6, 2): True}
+    assert ck.steps_in_listing(keys, "r") == {2: True, 4: True}  # lineage 0's history
+    line = ck.Lineage((2,))
+    assert ck.steps_in_listing(keys, "r", line) == {2: True, 4: True}  # 4 of lineage 1
+    for step, lineage in ((2, 0), (4, 0), (4, 1)):
+        tmp = ck.prepare_incomplete(tmp_path, "r", step, lineage)
+        (tmp / "a.bin").write_bytes(b"x" * step)
+        path, manifest = ck.commit("r", step, tmp, lineage=lineage)
+        assert path.name == ck.step_name(step, lineage) and manifest.lineage == lineage
+    resume, _ = ck.newest_valid(tmp_path, "r", line=line)
+    assert resume is not None and resume.path.name == "step-4-l1"
+    assert resume.manifest.lineage == 1
+    resume, _ = ck.newest_valid(tmp_path, "r", line=line.fork(3))  # lineage 2 at 3
+    assert resume is not None and resume.path.name == "step-2"  # never the abandoned 4
+
+
 def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
         s3: Any, bucket: str, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
@@ -113,6 +152,21 @@ def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
         ck.restore(s3, bucket, run, tmp_path / "out", step=300, fallback=False)
     with pytest.raises(CheckpointNotFound, match=r"committed steps: \[100, 200, 300\]"):
         ck.restore(s3, bucket, run, tmp_path / "out", step=400)
+
+
+def test_restore_takes_only_checkpoints_of_the_runs_current_lineage(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    run = "run-l"
+    for step, lineage in ((100, 0), (200, 0), (300, 0), (200, 1)):
+        commit(s3, bucket, tmp_path / "local", run, step, lineage=lineage)
+    line = ck.Lineage((100,))  # lineage 1 forked at 100: 200 and 300 of lineage 0 abandoned
+    assert ck.committed_steps(s3, bucket, run, line) == [100, 200]
+    restored = ck.restore(s3, bucket, run, tmp_path / "out", line=line)
+    assert (restored.step, restored.lineage, restored.path.name) == (200, 1, "step-200-l1")
+    flip_byte(s3, bucket, ck.object_key(run, 200, "model.safetensors", 1))
+    restored = ck.restore(s3, bucket, run, tmp_path / "out", line=line)
+    assert (restored.step, restored.lineage) == (100, 0)  # falls back along its history
+    assert ck.restore(s3, bucket, run, tmp_path / "out").step == 300  # lineage 0's own
 
 
 def test_a_worker_downloads_only_the_weights_of_the_newest_committed_checkpoint(
@@ -166,7 +220,7 @@ def test_cli_lists_committed_checkpoints_and_restores_with_fallback(
     out = tmp_path / "restored"
     assert _cli(["checkpoints", "restore", run, "-o", str(out)]) == 0
     text = capsys.readouterr()
-    assert "restored step 5" in text.out
+    assert "restored step-5 " in text.out
     assert "skipped step 10" in text.err and "model.safetensors: sha256" in text.err
     assert (out / "step-5" / "rng.bin").stat().st_size == 1000
 
@@ -175,6 +229,16 @@ def test_cli_lists_committed_checkpoints_and_restores_with_fallback(
     assert "no committed checkpoint verifies" in capsys.readouterr().err
     assert _cli(["checkpoints", "list", "no-such-run"]) == 0
     assert "no committed checkpoints" in capsys.readouterr().out
+
+    # A rollback forked lineage 1 at step 5: its step 10 is listed beside lineage 0's
+    # and restored from the history the run's forks name.
+    commit(s3, bucket, tmp_path / "local", run, 10, sizes={"rng.bin": 7}, lineage=1)
+    assert _cli(["checkpoints", "list", run, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["step"], c["lineage"]) for c in listed] == [(5, 0), (10, 0), (10, 1)]
+    assert _cli(["checkpoints", "restore", run, "--forks", "5", "-o", str(out)]) == 0
+    assert "restored step-10-l1 " in capsys.readouterr().out
+    assert (out / "step-10-l1" / "rng.bin").stat().st_size == 7
 
 
 def test_a_worker_loads_the_newest_verified_checkpoint_with_ema_weights(

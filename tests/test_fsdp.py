@@ -71,7 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> dict[
     spawn(4, [Job("ref4", str(root / "ref4")),
               Job("up", str(root / "up"), resume=str(restored.path))], out)
     spawn(2, [Job("down", str(root / "down"), resume=str(root / "ref4/ref4/step-2"))], out)
-    return {"root": root, "restored": restored,
+    return {"root": root, "restored": restored, "s3": s3, "bucket": bucket,
             **{n: _load(out, n) for n in ("ref2", "same", "ref4", "up", "down")}}
 
 
@@ -112,6 +112,19 @@ def test_a_checkpoint_missing_a_shard_in_s3_is_skipped_for_the_previous_one(
     assert restored.step == 2
     assert restored.skipped == [(4, "shards/__1_0.distcp: missing from S3")]
     assert ck.verify(restored.path).world_size == 2
+
+
+def test_a_sharded_checkpoint_is_served_whole_from_its_shards_never_one_missing_a_shard(
+        runs: dict[str, Any]) -> None:
+    """The inference worker's loader consolidates every rank's shards into one model
+    (EMA laid over the weights), bitwise what the ranks held; step 4, a shard short in
+    S3, is passed over."""
+    served = ck.load_serving("ref2", s3=runs["s3"], bucket=runs["bucket"])
+    assert (served.step, served.label) == (2, "ref2/step-2")
+    assert served.skipped == [(4, "shards/__1_0.distcp: missing from S3")]
+    full = runs["ref2"]["full"][2]
+    assert_bitwise(dict(served.unet.state_dict()), {**full["model"], **full["ema"]},
+                   "served")
 
 
 @pytest.mark.parametrize(("run", "source"), [("down", "ref4"), ("up", "ref2")])
@@ -179,8 +192,8 @@ def test_dcp_metadata_is_read_without_unpickling_anything_but_dcp_metadata(
 
     import torch.distributed.checkpoint as dcp
 
+    from tandem.common.checkpoints.dcp import check_shards, read_metadata
     from tandem.common.events import CheckpointManifest
-    from tandem.trainer.sharded_ckpt import check_shards, read_metadata
 
     shards = tmp_path / ck.SHARD_DIR
     with pytest.warns(UserWarning, match="single process"):  # no process group here
@@ -207,7 +220,7 @@ def test_non_tensor_state_values_are_loaded_with_weights_only(tmp_path: Path) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tandem.trainer.sharded_ckpt import SafePlanner, _Reader
+    from tandem.common.checkpoints.dcp import SafePlanner, SafeReader
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:
@@ -220,10 +233,10 @@ def test_non_tensor_state_values_are_loaded_with_weights_only(tmp_path: Path) ->
         dcp.save({"w": torch.ones(2), "hp": Evil()}, checkpoint_id=str(bad), no_dist=True)
     state: dict[str, Any] = {"w": torch.zeros(2), "hp": {"lr": 0.0, "betas": (0.0, 0.0)}}
     with pytest.warns(UserWarning, match="single process"):
-        dcp.load(state, storage_reader=_Reader(good), planner=SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(good), planner=SafePlanner(), no_dist=True)
     assert state["hp"] == {"lr": 0.5, "betas": (0.9, 0.99)}
     assert torch.equal(state["w"], torch.ones(2))
     with (pytest.warns(UserWarning, match="single process"),
           pytest.raises(CheckpointException, match=r"unsupported GLOBAL (posix|os)\.system")):
-        dcp.load({"w": torch.zeros(2), "hp": 0}, storage_reader=_Reader(bad),
+        dcp.load({"w": torch.zeros(2), "hp": 0}, storage_reader=SafeReader(bad),
                  planner=SafePlanner(), no_dist=True)

@@ -46,7 +46,7 @@ def test_a_token_that_passes_can_never_widen_a_subject_or_escape_a_key(value: st
     assert not set(value) & set(". *>/\\\t\n\r\x00") and value.isascii()
 
 
-VALID = {"lane_": "batch", "kind": "status", "step": 3, "bucket": "b"}
+VALID = {"lane_": "batch", "kind": "status", "step": 3, "bucket": "b", "lineage": 1}
 
 
 def _builders() -> list[tuple[str, Any]]:

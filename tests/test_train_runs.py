@@ -120,7 +120,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     asyncio.run(_submit_all(nats.url, [
         tiny(bg["reference"], cluster=st.cluster),
         tiny(bg["nan"], cluster=st.cluster, ranks=1, steps=10, checkpoint_every=2,
-             faults={"nan_at_data_pos": [5]}, loss_health={"min_history": 5, "skip_batches": 2}),
+             faults={"nan_at_data_pos": [5]}, loss_health={"min_history": 5, "skip_batches": 3}),
         tiny(bg["crash"], cluster=st.cluster, steps=10,
              faults={"crash_at_step": 3, "crash_rank": 1},
              watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
@@ -483,27 +483,48 @@ async def test_a_rank_that_hangs_on_exit_after_its_goodbye_is_stopped_and_the_ru
     assert "run.exit_hung_after_goodbye" in stack.log.read_text()
 
 
-async def test_nan_loss_rolls_back_and_skips_the_data_window(stack: Stack, tbus: Bus) -> None:
+async def test_nan_loss_rolls_back_past_a_newer_checkpoint_into_a_lineage_of_its_own(
+        stack: Stack, tbus: Bus) -> None:
     run = stack.background["nan"]
     rec = await finished(tbus, run)
     assert rec.state == RunState.succeeded, render_status(rec)
     inc = [i for i in rec.incidents if i["kind"] == "loss_anomaly"]
     assert len(inc) == 1
     inc0 = inc[0]
-    # Data position 5 is the 6th batch: the update of step 6 was never applied; the run
-    # went back to the checkpoint at step 4 and skipped positions 4..5.
+    # Data position 5 is the 6th batch: the update of step 6 was never applied. The
+    # window to skip is positions 3..5, and the checkpoint at step 4 holds 3, so the run
+    # went back past it, to step 2, in lineage 1 forked at step 3.
     assert inc0["anomaly"] == "nonfinite" and inc0["data_pos"] == 5 and inc0["at_step"] == 6
     assert inc0["evidence"]["loss_finite"] is False
-    assert inc0["resume_from"] == 4 and inc0["skip_window"] == [4, 5]
-    assert rec.skipped == [[4, 5]]
+    assert inc0["resume_from"] == 2 and inc0["skip_window"] == [3, 5]
+    assert (inc0["lineage"], inc0["forked_at"], rec.forks) == (1, 3, [3])
+    assert rec.skipped == [[3, 5]]
     event = await until_event(tbus, run, lambda e: isinstance(e, TrainStatus)
                               and e.incident is not None
                               and e.incident.get("kind") == "loss_anomaly")
     assert event.state == RunState.restarting
     import torch
 
-    trainer = torch.load(stack.ckpt_root / run / "step-10" / "trainer.pt", weights_only=True)
-    assert trainer["data_pos"] == 12 and trainer["skipped"] == [[4, 5]]
+    # Step 4 exists twice, under names of its own: the abandoned lineage's and the new.
+    d = stack.ckpt_root / run
+    old, new = (torch.load(d / name / "trainer.pt", weights_only=True)
+                for name in ("step-4", "step-4-l1"))
+    assert (old["data_pos"], new["data_pos"]) == (4, 7)
+    trainer = torch.load(d / "step-10-l1" / "trainer.pt", weights_only=True)
+    assert trainer["data_pos"] == 13 and trainer["skipped"] == [[3, 5]]
+    assert not (d / "step-10").exists()
+    # On the bus every step and checkpoint says its lineage, and none is deduplicated:
+    # step 3 (before the fork) is trained again bitwise as it was; 4 and 5 are others.
+    evs = await events_of(tbus, run)
+    steps = [(e.step, e.lineage, e.attempt, e.loss) for e in evs if isinstance(e, TrainStep)]
+    assert [(s, li, a) for s, li, a, _ in steps if 3 <= s <= 5] == [
+        (3, 0, 1), (4, 0, 1), (5, 0, 1), (3, 0, 2), (4, 1, 2), (5, 1, 2)]
+    loss = {(s, a): x for s, _, a, x in steps}
+    assert loss[3, 1] == loss[3, 2] and loss[4, 1] != loss[4, 2]
+    written = [(e.step, e.manifest.lineage, Path(e.path).name) for e in evs
+               if isinstance(e, CheckpointWritten)]
+    assert written == [(2, 0, "step-2"), (4, 0, "step-4"), (4, 1, "step-4-l1"),
+                       (6, 1, "step-6-l1"), (8, 1, "step-8-l1"), (10, 1, "step-10-l1")]
 
 
 async def test_an_fsdp_run_rolls_back_through_its_sharded_checkpoint_and_succeeds(
@@ -516,11 +537,12 @@ async def test_an_fsdp_run_rolls_back_through_its_sharded_checkpoint_and_succeed
     rec = await finished(tbus, run)
     assert rec.state == RunState.succeeded, render_status(rec)
     (inc,) = rec.incidents
-    assert inc["kind"] == "loss_anomaly" and inc["resume_from"] == 4
+    assert inc["kind"] == "loss_anomaly" and inc["resume_from"] == 4 and rec.forks == [4]
     written = await until_event(tbus, run, lambda e: isinstance(e, CheckpointWritten)
                                 and e.step == 8)
     assert (written.manifest.kind, written.manifest.world_size) == (ck.SHARDED, 2)
-    final = stack.ckpt_root / run / "step-8"
+    assert written.manifest.lineage == 1
+    final = stack.ckpt_root / run / "step-8-l1"
     assert ck.verify(final).files == written.manifest.files
     trainer = torch.load(final / "trainer.pt", weights_only=True)
     assert trainer["data_pos"] == 10 and trainer["skipped"] == [[4, 5]]

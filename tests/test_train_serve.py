@@ -1,5 +1,6 @@
 """Train -> serve end to end: checkpoints written by the trainer's own code, committed by
-the real checkpointer, served by a real inference worker that hot-swaps between batches.
+the real checkpointer, served by a real inference worker that hot-swaps between batches;
+one of them a sharded (FSDP, DCP) checkpoint, consolidated by the worker on load.
 
 The worker polls only every 600 s here, so every swap in these tests comes from the
 ``ckpt.<run>.mirrored`` event (the poll has its own test in test_train_serve_loading).
@@ -33,21 +34,22 @@ from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import DLQ, KV_TASKS
 from tandem.inference_worker.pipelines import Item, Params
 from tests.serving_stack import Child, Progress, count_on, terminal, worker
-from tests.train_serve_support import TinyTrainer, mirror, rot
+from tests.train_serve_support import TinyTrainer, mirror, rot, sharded_checkpoint
 
 CLUSTER = "trainserve"
 
 
-def model(name: str, run_id: str) -> dict[str, Any]:
+def model(name: str, run_id: str, num_classes: int = 10) -> dict[str, Any]:
     return {"name": name, "source": f"run:{run_id}", "conditioning": "class_label",
-            "num_classes": 10, "sizes": [8], "default_width": 8, "default_height": 8,
-            "max_steps": 1000}
+            "num_classes": num_classes, "sizes": [8], "default_width": 8,
+            "default_height": 8, "max_steps": 1000}
 
 
 class Stack:
-    """NATS, the session's S3, the checkpointer and one worker serving two runs' models:
-    ``hot`` (run ``hot-*``, step 1 committed before the worker starts) and ``rot``
-    (run ``rot-*``, nothing committed when the worker starts)."""
+    """NATS, the session's S3, the checkpointer and one worker serving three runs' models:
+    ``hot`` (run ``hot-*``, step 1 committed before the worker starts), ``rot``
+    (run ``rot-*``, nothing committed when the worker starts) and ``shard`` (run
+    ``shard-*``, an FSDP run's DiT of 4 classes, nothing committed at start)."""
 
     def __init__(self, root: Path, s3: S3Server) -> None:
         uid = uuid.uuid4().hex[:8]
@@ -58,6 +60,9 @@ class Stack:
         self.bucket = f"trainserve-{uid}"
         self.hot = TinyTrainer(root / "ckpt", f"hot-{uid}", seed=1)
         self.rot = TinyTrainer(root / "ckpt", f"rot-{uid}", seed=2)
+        self.runs = {"hot": self.hot.run_id, "rot": self.rot.run_id, "shard": f"shard-{uid}"}
+        self.models = [model("hot", self.hot.run_id), model("rot", self.rot.run_id),
+                       model("shard", self.runs["shard"], num_classes=4)]
         self.children: list[Child] = []
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -77,9 +82,9 @@ class Stack:
                      module="tandem.checkpointer",
                      env=self.env(node="ckpt", checkpoint_root=str(self.root / "ckpt")))
         self.children.append(ckpt.start())
-        models = json.dumps([model("hot", self.hot.run_id), model("rot", self.rot.run_id)])
         self.worker = worker(self.root, "w-trainserve", **self.env(
-            node="w-trainserve", models=models, serve="hot,rot", max_batch="4",
+            node="w-trainserve", models=json.dumps(self.models), serve="hot,rot,shard",
+            max_batch="4",
             checkpoint_poll="600"))
         self.children.append(self.worker.start())
         ckpt.wait_healthy()
@@ -153,8 +158,7 @@ def made_by(stack: Stack, name: str, step: int, rec: TaskRecord) -> bytes:
     from tandem.common.models import ModelSpec
     from tandem.inference_worker.pipelines import load_run_pipeline
 
-    run_id = stack.hot.run_id if name == "hot" else stack.rot.run_id
-    spec = ModelSpec.model_validate(model(name, run_id))
+    spec = ModelSpec.model_validate(next(m for m in stack.models if m["name"] == name))
     pipe = load_run_pipeline(spec, "cpu", torch.float32, step=step,
                              s3=s3_client(stack.settings()), bucket=stack.bucket)
     t = rec.task
@@ -238,3 +242,18 @@ async def test_corrupt_newest_checkpoint_is_skipped_and_the_worker_keeps_serving
     await stack.served("rot", lambda m: m["step"] == 4)
     rec = await succeeded(bus, await submit(bus, "rot", steps=3, seed=5, label=6))
     assert rec.checkpoint_step == 4
+
+
+async def test_an_fsdp_runs_sharded_checkpoint_is_committed_and_served_consolidated(
+        stack: Stack, bus: Bus) -> None:
+    run = stack.runs["shard"]
+    ev = await asyncio.to_thread(sharded_checkpoint, stack.root / "ckpt", run,
+                                 stack.root / "fsdp-out")
+    assert (ev.manifest.kind, ev.manifest.world_size) == (ck.SHARDED, 2)
+    await commit(bus, ev)
+    assert (await stack.served("shard", lambda m: m["step"] == 2))["skipped"] == {}
+    rec = await succeeded(bus, await submit(bus, "shard", steps=4, seed=3, label=1))
+    assert (rec.checkpoint, rec.checkpoint_step) == (f"{run}/step-2", 2)
+    # What the worker made is what the checkpoint makes (whose weights test_fsdp shows
+    # are bitwise the ranks' gathered state).
+    assert image(stack, rec) == await asyncio.to_thread(made_by, stack, "shard", 2, rec)

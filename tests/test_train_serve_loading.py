@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from tandem.cli.devstack import S3Server
@@ -177,7 +178,7 @@ async def test_hot_swapper_finds_new_checkpoints_by_polling_when_no_event_comes(
         await asyncio.to_thread(mirror, s3, f"ts-{uid}", trainer.checkpoint(1))
         await until(lambda: pipelines["trained"].checkpoint_step == 2, "the swap to step 2")
         assert hs.swaps == 1 and hs.status()["trained"] == {
-            "run": trainer.run_id, "step": 2, "skipped": {}}
+            "run": trainer.run_id, "step": 2, "lineage": 0, "skipped": {}}
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -208,12 +209,16 @@ async def test_newer_checkpoints_that_fail_are_skipped_and_the_served_one_stays(
     assert pipelines["trained"].checkpoint == f"{trainer.run_id}/step-4"
 
 
-async def announced(s3: Any, bucket: str, trainer: TinyTrainer, bus: Bus) -> int:
-    """Commit the trainer's next checkpoint and announce it as the checkpointer does."""
-    ev = trainer.checkpoint(1)
+async def announced(s3: Any, bucket: str, trainer: TinyTrainer, bus: Bus,
+                    steps: int = 1) -> int:
+    """Commit the trainer's checkpoint ``steps`` on and announce it as the checkpointer
+    does."""
+    ev = trainer.checkpoint(steps)
+    lineage = ev.manifest.lineage
     await asyncio.to_thread(mirror, s3, bucket, ev)
     await bus.nc.publish(subjects.ckpt(ev.run_id, "mirrored"), encode(CheckpointMirrored(
-        run_id=ev.run_id, step=ev.step, uri=ck.checkpoint_uri(bucket, ev.run_id, ev.step),
+        run_id=ev.run_id, step=ev.step, lineage=lineage,
+        uri=ck.checkpoint_uri(bucket, ev.run_id, ev.step, lineage),
         seconds=0.0, bytes=sum(f.size for f in ev.manifest.files))))
     return ev.step
 
@@ -265,3 +270,52 @@ async def test_kv_runs_names_the_newest_on_start_and_a_failed_step_is_verified_b
     assert await hs.check("trained", 4) == 3  # listed to find the newest that verifies
     assert lists.n == 1 and "sha256" in hs.status()["trained"]["skipped"]["4"]
     assert await hs.check("trained", 4) == 3 and lists.n == 1  # a known failure: no listing
+
+
+class Placed(dict[str, Pipeline]):
+    """The worker's pipelines, remembering every checkpoint ever put in service."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[str] = []
+
+    def __setitem__(self, model: str, pipe: Pipeline) -> None:
+        self.history.append(pipe.checkpoint)
+        super().__setitem__(model, pipe)
+
+
+async def test_after_a_rollback_only_checkpoints_of_the_runs_current_lineage_are_served(
+        trainer: TinyTrainer, s3: Any, uid: str, bus: Bus, tmp_path: Path) -> None:
+    """Step 2 of lineage 0 is served when the run rolls back to step 1 (lineage 1): the
+    worker goes back to step 1, never loads lineage 0's late step 3, serves lineage 1's
+    step 2, and serves nothing once a rollback to scratch leaves no checkpoint."""
+    bucket, run = f"ts-{uid}", trainer.run_id
+    await bus.provision(core_streams())
+    runs = await bus.typed(KV_RUNS, RunRecord)
+    await runs.put(run, RunRecord(run_id=run))
+    pipelines = Placed()
+    hs = swapper(spec_for(run), s3, uid, pipelines, poll=0)  # events and records only
+    await hs.attach(bus)
+    task = asyncio.create_task(hs.run(bus.nc))
+    rolled = TinyTrainer(tmp_path / "ckpt", run, seed=9)  # the new lineage's own weights
+    rolled.writer.line = ck.Lineage((1,))
+    try:
+        for _ in range(2):
+            await announced(s3, bucket, trainer, bus)
+        await until(lambda: served(pipelines, 2), "step 2 served")
+        await runs.update(run, lambda r: msgspec.structs.replace(r, forks=[1]))
+        await until(lambda: served(pipelines, 1), "back to step 1 after the rollback")
+        await announced(s3, bucket, trainer, bus)  # lineage 0's step 3, written late
+        await announced(s3, bucket, rolled, bus, steps=2)  # lineage 1's step 2
+        await until(lambda: pipelines["trained"].checkpoint_lineage == 1, "lineage 1")
+        assert pipelines.history == [f"{run}/step-1", f"{run}/step-2", f"{run}/step-1",
+                                     f"{run}/step-2-l1"]
+        assert hs.status()["trained"] == {"run": run, "step": 2, "lineage": 1,
+                                          "skipped": {}}
+        await runs.update(run, lambda r: msgspec.structs.replace(r, forks=[1, 0]))
+        await until(lambda: "trained" not in pipelines, "nothing served")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        rolled.close()

@@ -272,7 +272,7 @@ async def test_a_node_killed_mid_checkpoint_leaves_it_uncommitted_and_the_run_re
     assert set(launch_specs(d, "node-2")) == {(str(d.root("node-2")), (4, 2))}
     deleted = [r for r in log_lines(d, "checkpointer-2")
                if r.get("event") == "checkpoint.local_deleted"]
-    assert any(2 in r["steps"] and r["dir"] == str(ck.run_dir(d.root("node-2"), RUN))
+    assert any("step-2" in r["checkpoints"] and r["dir"] == str(ck.run_dir(d.root("node-2"), RUN))
                for r in deleted), deleted
     # Step 6 was committed later, by the run's later attempt, from its own parts only.
     committed = ck.read_manifest(d.s3, d.bucket, RUN, 6)

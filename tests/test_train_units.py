@@ -365,3 +365,39 @@ def test_a_node_fetches_a_committed_checkpoint_verified_and_tells_corrupt_from_u
                           s3_secret_key="tandem", s3_max_attempts=1))
     kind, why = fetch_step(dead, bucket, root, run, 5)
     assert kind == "error" and "EndpointConnectionError" in why, why
+
+
+def test_a_resume_from_s3_fetches_only_checkpoints_of_the_runs_current_lineage(
+        s3_server: Any, uid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fetch.fetch`` (one rank, no process group): with the run forked at step 4 (its
+    lineage 1 owns steps after 4), step 5 is ``step-5-l1``, never lineage 0's abandoned
+    ``step-5``, even when the new one is corrupt: then the fetch falls back to step 3."""
+    from tandem.common.settings import Settings, load
+    from tandem.common.storage import ensure_bucket, s3_client
+    from tandem.trainer.fetch import fetch
+    from tandem.trainer.spec import LaunchSpec
+    from tests.test_checkpoints import commit, flip_byte
+
+    for name, value in (("S3_ENDPOINT", s3_server.url), ("S3_ACCESS_KEY", "tandem"),
+                        ("S3_SECRET_KEY", "tandem"), ("S3_BUCKET", f"lineage-{uid}")):
+        monkeypatch.setenv(f"TANDEM_{name}", value)
+    s3 = s3_client(load(Settings))
+    bucket, run = f"lineage-{uid}", f"r{uid}"
+    ensure_bucket(s3, bucket)
+    for step, lineage in ((3, 0), (5, 0), (5, 1)):
+        commit(s3, bucket, tmp_path / "writer", run, step, {"rng.bin": 3000}, lineage)
+    root = tmp_path / "node"
+    spec = LaunchSpec(run_id=run, attempt=2, config={}, checkpoint_root=str(root),
+                      attempt_dir=str(tmp_path / "work"), resume_steps=[5, 3], forks=[4])
+
+    path, step, skipped = fetch(spec, local_rank=0, world=1, node="n0")
+    assert (path, step, skipped) == (ck.step_dir(root, run, 5, 1), 5, {})
+    assert ck.verify(path).lineage == 1
+    assert not ck.step_dir(root, run, 5).exists()
+
+    shutil.rmtree(path)
+    flip_byte(s3, bucket, ck.object_key(run, 5, "rng.bin", 1))
+    path, step, skipped = fetch(spec, local_rank=0, world=1, node="n0")
+    assert (path, step) == (ck.step_dir(root, run, 3), 3)
+    assert list(skipped) == [5] and "rng.bin: sha256 " in skipped[5]
+    assert not ck.step_dir(root, run, 5).exists()

@@ -3,7 +3,8 @@
 ``TinyTrainer`` runs the trainer's own one-rank ``TrainLoop`` on synthetic data and
 writes checkpoints with its own ``AsyncCheckpointer`` (model + EMA safetensors,
 optimizer/scheduler/RNG/trainer state, ``model_config.json``, manifest), so what the
-worker loads is exactly what a training run leaves behind.
+worker loads is exactly what a training run leaves behind. ``sharded_checkpoint`` does
+the same for an FSDP run: two gloo ranks, each saving its own DCP shards.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ class TinyTrainer:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def sharded_checkpoint(root: Path, run_id: str, out: Path) -> CheckpointWritten:
+    """Train ``tests.fsdp_support.TINY_DIT`` (4 classes) 2 steps with FSDP2 on 2 spawned
+    gloo ranks (the trainer's ``TrainLoop`` and ``ShardedCheckpointer``) and return the
+    event for its committed ``step-2`` under ``root``."""
+    from tests.fsdp_support import Job, spawn
+
+    spawn(2, [Job(run_id, str(root), steps=2, checkpoint_every=2)], out)
+    path = ck.step_dir(root, run_id, 2)
+    return CheckpointWritten(run_id=run_id, step=2, path=str(path), manifest=ck.verify(path),
+                             cluster="local", node="node-0")
 
 
 def mirror(s3: Any, bucket: str, ev: CheckpointWritten) -> None:

@@ -116,6 +116,9 @@ FILTERS: dict[str, str] = {
     "gen_cluster_filter(cluster)": "every lane of one cluster (the `GEN_<CLUSTER>` stream)",
     "train_kind_filter(kind)": "one kind of training event, every run",
     "ckpt_kind_filter(kind)": "one kind of checkpoint event, every run",
+    "kv_changes(bucket, key)": "`$KV.<bucket>.<key>`: every put of one KV key (no key: "
+    "every key): a core subscription hears each change of a record (the worker hears a "
+    "run's rollback, `forks` in KV `runs`)",
 }
 
 # KV buckets: the key of an entry and the ``WIRE_TYPES`` name of its value.

@@ -1,7 +1,10 @@
 """``tandem checkpoints``: list a run's committed checkpoints in S3, restore one verified.
 
 S3 settings come from the environment (``TANDEM_S3_ENDPOINT``, ``TANDEM_S3_BUCKET``,
-credentials), as for the services; ``--bucket`` overrides the bucket.
+credentials), as for the services; ``--bucket`` overrides the bucket. A run that rolled
+back has checkpoints of several lineages (``step-<N>-l<L>``): ``list`` shows every one
+with its lineage, ``restore`` takes the history ``--forks`` names (the run record's
+``forks``; ``tandem train status`` shows them), lineage 0's without it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--bucket", help="S3 bucket (default: TANDEM_S3_BUCKET)")
     rs.add_argument("--no-fallback", action="store_true",
                     help="fail instead of falling back to an older checkpoint")
+    rs.add_argument("--forks", type=_forks, default=(), metavar="STEPS",
+                    help="the run's forks (its record's, comma-separated): restore from "
+                    "the current lineage's history (default: lineage 0's)")
     rs.set_defaults(func=_restore)
+
+
+def _forks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--forks takes comma-separated steps, not "
+                                         f"{text!r}") from None
 
 
 def _client(args: argparse.Namespace) -> tuple[object, str]:
@@ -55,16 +69,17 @@ def _list(args: argparse.Namespace) -> int:
 
     s3, bucket = _client(args)
     rows = []
-    for step, committed in ck.list_steps(s3, bucket, args.run).items():
+    for (step, lineage), committed in ck.list_checkpoints(s3, bucket, args.run).items():
+        uri = ck.checkpoint_uri(bucket, args.run, step, lineage)
         if not committed:
             if args.all:
-                rows.append({"step": step, "committed": False,
-                             "uri": ck.checkpoint_uri(bucket, args.run, step)})
+                rows.append({"step": step, "lineage": lineage, "committed": False,
+                             "uri": uri})
             continue
-        row: dict[str, object] = {"step": step, "committed": True,
-                                  "uri": ck.checkpoint_uri(bucket, args.run, step)}
+        row: dict[str, object] = {"step": step, "lineage": lineage, "committed": True,
+                                  "uri": uri}
         try:
-            m = ck.read_manifest(s3, bucket, args.run, step)
+            m = ck.read_manifest(s3, bucket, args.run, step, lineage)
             row.update(files=len(m.files), bytes=sum(f.size for f in m.files),
                        created_at=m.created_at)
         except CheckpointError as exc:
@@ -76,14 +91,14 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{args.run}: no committed checkpoints in s3://{bucket}/")
         return 0
-    print(f"{'STEP':>10}  {'FILES':>5}  {'SIZE':>10}  {'CREATED (UTC)':<19}  URI")
+    print(f"{'STEP':>10}  {'LINEAGE':>7}  {'FILES':>5}  {'SIZE':>10}  {'CREATED (UTC)':<19}  URI")
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(r["created_at"]))) \
             if "created_at" in r else ("not committed" if not r["committed"] else "?")
         size = f"{int(r['bytes']) / 2**20:.1f} MiB" if "bytes" in r else "-"
         note = f"  ({r['error']})" if "error" in r else ""
-        print(f"{r['step']:>10}  {r.get('files', '-'):>5}  {size:>10}  {created:<19}  "
-              f"{r['uri']}{note}")
+        print(f"{r['step']:>10}  {r['lineage']:>7}  {r.get('files', '-'):>5}  {size:>10}  "
+              f"{created:<19}  {r['uri']}{note}")
     return 0
 
 
@@ -99,11 +114,13 @@ def _restore(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     try:
         r = ck.restore(s3, bucket, args.run, Path(args.output), step=args.step,
-                       fallback=not args.no_fallback, on_skip=skipped)
+                       fallback=not args.no_fallback, on_skip=skipped,
+                       line=ck.Lineage.of(args.forks))
     except CheckpointNotFound as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 1
     dt = time.perf_counter() - t
-    print(f"restored step {r.step} of {args.run}: {len(r.manifest.files)} files, "
+    print(f"restored {ck.step_name(r.step, r.lineage)} of {args.run}: "
+          f"{len(r.manifest.files)} files, "
           f"{r.bytes / 2**20:.1f} MiB verified in {dt:.2f}s -> {r.path}")
     return 0

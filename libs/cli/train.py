@@ -202,7 +202,7 @@ async def _watch_cmd(args: argparse.Namespace) -> int:
 def _fmt_incident(inc: dict[str, Any]) -> str:
     bits = [f"#{inc.get('attempt', '?')} {inc.get('kind')}"]
     for k in ("rank", "node", "exit_code", "anomaly", "data_pos", "skip_window",
-              "stopped_ranks", "resume_from", "detector"):
+              "stopped_ranks", "resume_from", "lineage", "forked_at", "detector"):
         if inc.get(k) not in (None, "", []):
             bits.append(f"{k}={inc[k]}")
     return " ".join(str(b) for b in bits)
@@ -216,6 +216,10 @@ def render_status(rec: RunRecord) -> str:
         f"  coordinator {rec.coordinator or '-'}  nodes {', '.join(rec.nodes) or '-'}  "
         f"restarts {rec.restarts}/{rec.config.get('watchdog', {}).get('max_restarts', '?')}",
     ]
+    if rec.forks:
+        lines.append(f"  lineage {len(rec.forks)}: rolled back {len(rec.forks)} time(s), "
+                     f"forked at step(s) {', '.join(map(str, rec.forks))} (--forks "
+                     f"{','.join(map(str, rec.forks))})")
     if rec.latest_checkpoint_step is not None:
         lines.append(f"  latest committed checkpoint: step {rec.latest_checkpoint_step} "
                      f"{rec.latest_checkpoint_uri}")

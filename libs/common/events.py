@@ -355,6 +355,9 @@ class TrainStep(Event, kw_only=True, tag="step", tag_field="kind"):
     rank_step_times: list[float] = []  # seconds, index = rank
     rank_nodes: list[str] = []  # node of each rank
     attempt: int = 0  # restart cycle the step belongs to
+    # the lineage whose history the step is in: a rollback trains the same step numbers
+    # again in a new lineage (tandem.common.checkpoints.lineage)
+    lineage: int = 0
     at: float = msgspec.field(default_factory=now)
 
 
@@ -375,6 +378,7 @@ class CheckpointManifest(msgspec.Struct, kw_only=True):
     kind: str = "full"  # "full": one writer; "sharded": DCP shards of world_size ranks
     world_size: int = 0  # sharded: how many ranks wrote it (a restore may use others)
     part: str = ""  # sharded: the node this is one share of; "" for a whole checkpoint
+    lineage: int = 0  # the history it belongs to; > 0 is named step-<N>-l<lineage>
 
 
 class CheckpointWritten(Event, kw_only=True, tag="checkpoint", tag_field="kind"):
@@ -405,9 +409,10 @@ class CheckpointMirrored(Event, kw_only=True, tag="mirrored", tag_field="kind"):
 
     run_id: str
     step: int
-    uri: str  # s3://bucket/runs/<run>/checkpoints/step-<N>/
+    uri: str  # s3://bucket/runs/<run>/checkpoints/step-<N>[-l<lineage>]/
     bytes: int = 0
     seconds: float = 0.0  # written -> committed
+    lineage: int = 0  # with ``step``, which checkpoint (a rollback reuses step numbers)
     at: float = msgspec.field(default_factory=now)
 
 
@@ -416,6 +421,7 @@ class CheckpointFailed(Event, kw_only=True, tag="failed", tag_field="kind"):
     step: int
     reason: str
     attempts: int = 0
+    lineage: int = 0
     at: float = msgspec.field(default_factory=now)
 
 
@@ -423,6 +429,7 @@ class CheckpointPruned(Event, kw_only=True, tag="pruned", tag_field="kind"):
     run_id: str
     steps: list[int]
     reason: str = ""
+    names: list[str] = []  # the checkpoints' names (step-<N>[-l<lineage>]), as ``steps``
     at: float = msgspec.field(default_factory=now)
 
 
@@ -439,6 +446,7 @@ class CheckpointPartMirrored(Event, kw_only=True, tag="part", tag_field="kind"):
     files: int = 0
     bytes: int = 0
     lacks: list[str] = []
+    lineage: int = 0  # with ``step``, which checkpoint (a rollback reuses step numbers)
     at: float = msgspec.field(default_factory=now)
 
 
@@ -453,8 +461,9 @@ class RunRecord(Event, kw_only=True):
     state: RunState = RunState.pending
     restarts: int = 0
     latest_step: int = 0
-    latest_checkpoint_step: int | None = None  # newest committed in S3
+    latest_checkpoint_step: int | None = None  # newest committed in S3 of the current lineage
     latest_checkpoint_uri: str = ""
+    latest_checkpoint_lineage: int = 0  # with latest_checkpoint_step, which checkpoint
     incidents: list[dict[str, Any]] = []
     goodput: dict[str, float] = {}
     nodes: list[str] = []
@@ -469,6 +478,9 @@ class RunRecord(Event, kw_only=True):
     # A client asked to stop the run, and why: its coordinator stops the ranks and ends
     # the run ``cancelled`` (a run not yet claimed is cancelled at once).
     cancel: str = ""
+    # One step per rollback: lineage i+1 forked from lineage i's history at forks[i]
+    # (``tandem.common.checkpoints.Lineage``); the current lineage is len(forks).
+    forks: list[int] = []
 
 
 # --------------------------------------------------------------- trainer coordinator <-> nodes

@@ -222,6 +222,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         # Failover discovers the clusters' queues by the names of the streams on gen.*.*
         # (STREAM.NAMES, granted by follows()), then STREAM.INFO of each queue it may pull.
         .listens(subjects.ckpt_kind_filter("mirrored"))  # hot-swap wake-ups
+        .listens(subjects.kv_changes(streams.KV_RUNS))  # a run's rollback (its forks)
     )
     for c in clusters:  # every cluster's queue: healthy clusters drain a dead one's backlog
         worker.stream(subjects.gen_stream_name(c), GEN)
@@ -240,8 +241,9 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
         .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
         .publishes(subjects.MIRROR.wildcard, streams.MIRROR)  # each node's checkpointer's
+        # KV runs: a run's record changed (a client's cancel)
         .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>",
-                 f"$KV.{streams.KV_RUNS}.*")  # a run's record changed: a client's cancel
+                 subjects.kv_changes(streams.KV_RUNS))
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         # The coordinator and its node agents share the role: orders to the agents and
         # their reports, each a request the other side answers (nodes.py).

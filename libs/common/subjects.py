@@ -187,6 +187,13 @@ def dlq(stream: str) -> str:
     return f"dlq.{token(stream, 'stream')}"
 
 
+def kv_changes(bucket: str, key: str | None = None) -> str:
+    """``$KV.<bucket>.<key>``: where a KV bucket publishes each put of ``key`` (None:
+    every single-token key, ``*``), so a core subscription hears every change without a
+    watch's consumer."""
+    return f"$KV.{token(bucket, 'bucket')}.{'*' if key is None else token(key, 'key')}"
+
+
 def node_key(cluster: str, node: str) -> str:
     """Key of a node in KV ``nodes``: ``<cluster>.<node>``."""
     return f"{token(cluster, 'cluster')}.{token(node, 'node')}"

@@ -25,14 +25,14 @@ committed checkpoint is recognised (same files) and nothing is written; leftover
 multipart uploads of the step are aborted before an attempt.
 
 ``Mirror.mirror_part(directory, part, attempt)`` does the same for one node's part of a
-sharded checkpoint, then records the part (``parts/a<attempt>/<node>.json``, verified
-like a file) and lists the parts recorded for that attempt: when together they make the
-checkpoint whole (``checkpoints.merge_parts``) and every file they list is stored with
-its size, it commits their merge, ``If-None-Match: *`` as above. Each node's
-checkpointer records its part before it lists, so whichever records last sees every part
-and commits; two that finish together both find it whole, and the conditional put lets
-exactly one write it. A part never aborts another node's uploads: only the multipart
-uploads of its own files.
+sharded checkpoint, then records the part (``parts/a<attempt>/<node>.json`` under the
+checkpoint's own prefix, which names its step and lineage; verified like a file) and
+lists the parts recorded for that attempt: when together they make the checkpoint whole
+(``checkpoints.merge_parts``) and every file they list is stored with its size, it
+commits their merge, ``If-None-Match: *`` as above. Each node's checkpointer records its
+part before it lists, so whichever records last sees every part and commits; two that
+finish together both find it whole, and the conditional put lets exactly one write it.
+A part never aborts another node's uploads: only the multipart uploads of its own files.
 
 One module, over the usual size, because both paths (a whole checkpoint, a node's part)
 are built from the same upload, verification and commit steps and keep one invariant
@@ -166,11 +166,11 @@ class Mirror:
         """Mirror a whole checkpoint and commit it (see the module docstring)."""
         ck.check_commit(manifest)  # a node's part of a sharded checkpoint: ``mirror_part``
         started = time.perf_counter()
-        run, step = manifest.run_id, manifest.step
+        run, step, lineage = manifest.run_id, manifest.step, manifest.lineage
         if done := self._already_committed(manifest, ck.same_files, started):
             return done
         result = MirrorResult(committed=True, manifest=manifest)
-        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step))
+        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step, lineage))
         self._send(directory, manifest, result)
         result.committed = self._commit(manifest)
         result.seconds = time.perf_counter() - started
@@ -181,20 +181,23 @@ class Mirror:
         """Mirror one node's part of a sharded checkpoint written by ``attempt``, record
         it, and commit the checkpoint if every node's part is now recorded (module
         docstring). ``committed`` is True only if this call stored the manifest; ``lacks``
-        names what the checkpoint still needs when it is not whole yet."""
+        names what the checkpoint still needs when it is not whole yet. Parts, their
+        records and the commit are all under the checkpoint's own prefix (its step *and*
+        lineage), so a rollback's step N never merges with an abandoned lineage's."""
         if not part.part:
             raise ValueError("mirror_part takes a node's part (its manifest names the node)")
         started = time.perf_counter()
-        run, step = part.run_id, part.step
+        run, step, lineage = part.run_id, part.step, part.lineage
         if done := self._already_committed(part, ck.covers, started):
             return done
         result = MirrorResult(committed=False)
-        mine = {ck.object_key(run, step, f.name) for f in part.files}
-        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step), keys=mine)
+        mine = {ck.object_key(run, step, f.name, lineage) for f in part.files}
+        result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step, lineage),
+                                                    keys=mine)
         self._send(directory, part, result)
-        self._put_verified(ck.part_key(run, step, attempt, part.part),
+        self._put_verified(ck.part_key(run, step, attempt, part.part, lineage),
                            ck.encode_manifest(part))
-        parts = self._recorded_parts(run, step, attempt)
+        parts = self._recorded_parts(run, step, attempt, lineage)
         try:
             result.lacks = ck.lacking(parts)
             whole = None if result.lacks else ck.merge_parts(parts)
@@ -212,9 +215,9 @@ class Mirror:
             self, manifest: CheckpointManifest,
             agrees: Callable[[CheckpointManifest, CheckpointManifest], bool],
             started: float) -> MirrorResult | None:
-        """None while the step is not committed; the result of a redelivery when its
+        """None while the checkpoint is not committed; the result of a redelivery when its
         commit ``agrees`` with ``manifest`` (nothing to send); ``CommitConflict`` else."""
-        existing = self._stored_manifest(manifest.run_id, manifest.step)
+        existing = self._stored_manifest(manifest.run_id, manifest.step, manifest.lineage)
         if existing is None:
             return None
         if not agrees(existing, manifest):
@@ -225,25 +228,27 @@ class Mirror:
     def _send(self, directory: Path, manifest: CheckpointManifest,
               result: MirrorResult) -> None:
         """Upload the files of ``manifest`` not already stored whole and verified."""
-        run, step = manifest.run_id, manifest.step
-        stored = self._stored_sizes(ck.step_prefix(run, step))
+        run, step, lineage = manifest.run_id, manifest.step, manifest.lineage
+        stored = self._stored_sizes(ck.step_prefix(run, step, lineage))
         todo: list[FileEntry] = []
         for entry in manifest.files:
-            if stored.get(ck.object_key(run, step, entry.name)) == entry.size and \
-                    self._stored_whole(directory, run, step, entry):
+            if stored.get(ck.object_key(run, step, entry.name, lineage)) == entry.size and \
+                    self._stored_whole(directory, run, step, entry, lineage):
                 result.skipped.append(entry.name)
             else:
                 todo.append(entry)
-        result.bytes_uploaded = self._upload(directory, run, step, todo)
+        result.bytes_uploaded = self._upload(directory, run, step, todo, lineage)
         result.uploaded = [e.name for e in todo]
 
-    def _recorded_parts(self, run: str, step: int, attempt: int) -> list[CheckpointManifest]:
-        """Every node's part of ``step`` recorded for ``attempt`` (this one's included)."""
+    def _recorded_parts(self, run: str, step: int, attempt: int,
+                        lineage: int) -> list[CheckpointManifest]:
+        """Every node's part of ``step`` of ``lineage`` recorded for ``attempt`` (this
+        one's included); a record of another step or lineage is unreadable here."""
         out = []
-        for key in sorted(self._stored_sizes(ck.parts_prefix(run, step, attempt))):
+        for key in sorted(self._stored_sizes(ck.parts_prefix(run, step, attempt, lineage))):
             data = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
             try:
-                out.append(ck.parse_manifest(data, run, step))
+                out.append(ck.parse_manifest(data, run, step, lineage))
             except ValueError as exc:
                 raise VerifyError(key.rsplit("/", 1)[-1], f"unreadable part record: {exc}") \
                     from None
@@ -252,10 +257,10 @@ class Mirror:
     def _check_stored(self, whole: CheckpointManifest) -> None:
         """Every file ``whole`` lists is stored with its size (each node verified its own
         bytes before recording its part; this catches a file gone since)."""
-        run, step = whole.run_id, whole.step
-        stored = self._stored_sizes(ck.step_prefix(run, step))
+        run, step, lineage = whole.run_id, whole.step, whole.lineage
+        stored = self._stored_sizes(ck.step_prefix(run, step, lineage))
         for entry in whole.files:
-            size = stored.get(ck.object_key(run, step, entry.name))
+            size = stored.get(ck.object_key(run, step, entry.name, lineage))
             if size != entry.size:
                 raise VerifyError(entry.name, f"a recorded part lists it with {entry.size} "
                                   f"bytes, S3 holds {'none' if size is None else size}")
@@ -276,22 +281,22 @@ class Mirror:
             self.s3.delete_object(Bucket=self.cfg.bucket, Key=key)
             raise VerifyError(key.rsplit("/", 1)[-1], "stored object differs from the one sent")
 
-    def _stored_manifest(self, run: str, step: int) -> CheckpointManifest | None:
+    def _stored_manifest(self, run: str, step: int, lineage: int) -> CheckpointManifest | None:
         try:
             data = self.s3.get_object(Bucket=self.cfg.bucket,
-                                      Key=ck.manifest_key(run, step))["Body"].read()
+                                      Key=ck.manifest_key(run, step, lineage))["Body"].read()
         except ClientError as exc:
             if _missing(exc) or _code(exc) == "NoSuchBucket":
                 return None
             raise
-        return ck.decode_manifest(data, run, step)
+        return ck.decode_manifest(data, run, step, lineage)
 
     def _commit(self, manifest: CheckpointManifest) -> bool:
         """Put the manifest if absent. True if this call committed it."""
         ck.check_commit(manifest)  # a node's part of a sharded checkpoint never commits
-        run, step = manifest.run_id, manifest.step
+        run, step, lineage = manifest.run_id, manifest.step, manifest.lineage
         body = ck.encode_manifest(manifest)
-        key = ck.manifest_key(run, step)
+        key = ck.manifest_key(run, step, lineage)
         try:
             self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=body, IfNoneMatch="*",
                                ChecksumSHA256=_b64(hashlib.sha256(body).digest()),
@@ -300,7 +305,7 @@ class Mirror:
             if _code(exc) not in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise
             # Someone (a previous delivery of this event) committed first.
-            existing = self._stored_manifest(run, step)
+            existing = self._stored_manifest(run, step, lineage)
             if existing is None or not ck.same_files(existing, manifest):
                 raise CommitConflict(
                     ck.MANIFEST, "step already committed with other files") from None
@@ -334,9 +339,10 @@ class Mirror:
                 raise
         return out
 
-    def _stored_whole(self, directory: Path, run: str, step: int, entry: FileEntry) -> bool:
+    def _stored_whole(self, directory: Path, run: str, step: int, entry: FileEntry,
+                      lineage: int = 0) -> bool:
         """Whether ``entry`` is already stored whole and verified (a redelivery)."""
-        key = ck.object_key(run, step, entry.name)
+        key = ck.object_key(run, step, entry.name, lineage)
         head = self._head(key)
         if head is None or head.get("ContentLength") != entry.size:
             return False
@@ -429,7 +435,8 @@ class Mirror:
             kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
             kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
-    def _upload(self, directory: Path, run: str, step: int, todo: list[FileEntry]) -> int:
+    def _upload(self, directory: Path, run: str, step: int, todo: list[FileEntry],
+                lineage: int = 0) -> int:
         """Upload ``todo``, parts and small files in parallel; verify each. Returns bytes."""
         if not todo:
             return 0
@@ -440,7 +447,7 @@ class Mirror:
         try:
             # Largest first keeps the pool busy while the small files fill the gaps.
             for entry in sorted(todo, key=lambda e: -e.size):
-                key = ck.object_key(run, step, entry.name)
+                key = ck.object_key(run, step, entry.name, lineage)
                 if entry.size > self.cfg.multipart_threshold:
                     mp = _Multipart(self, key, entry, paths[entry.name])
                     large.append(mp)

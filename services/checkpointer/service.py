@@ -23,6 +23,15 @@ node's folder):
 A redelivered event (a crash between commit and ack) finds the manifest, uploads
 nothing, and finishes steps 3 (the event ids make the publishes idempotent); a crash
 mid-upload is redelivered and resumes (files stored whole are not sent again).
+
+Lineages (``checkpoints.Lineage``, from the run's record in KV ``runs``): a checkpoint
+is named by its step and lineage in S3 and in every event, so a rollback's checkpoint of
+a step never meets the abandoned one of the same step (a node's part and its record
+too: they live under the checkpoint's own prefix). A checkpoint, or a node's part of
+one, that the run's history has abandoned is not mirrored (its event is acked, logged,
+and its local copy removed); the latest committed checkpoint in KV moves only along the
+current history; retention keeps the newest of that history and deletes every abandoned
+checkpoint, in S3 and on local disk, since nothing will ever load one again.
 """
 
 from __future__ import annotations
@@ -172,7 +181,14 @@ class Checkpointer(Service):
     async def handle(self, d: Delivery[CheckpointWritten]) -> None:
         ev = d.event
         directory = self._validate(d)
-        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step, node=ev.node)
+        lineage = ev.manifest.lineage
+        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step, lineage=lineage, node=ev.node)
+        line = await self._lineage(ev.run_id)
+        if line.abandoned(ev.step, lineage):
+            # A rollback left it behind while it waited: nothing will ever load it.
+            lg.info("checkpoint.abandoned", forks=line.json())
+            await asyncio.to_thread(delete_local, directory.parent, set(), 0, lg, line)
+            return
         async with d.keepalive():
             result, error, attempts = await self._mirror(ev, directory, lg)
         if result is not None and ev.manifest.part:
@@ -186,8 +202,9 @@ class Checkpointer(Service):
             await self.ctx.bus.publish(
                 subjects.ckpt(ev.run_id, "failed"),
                 CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=error,
-                                 attempts=attempts),
-                msg_id=f"ckpt-{ev.run_id}-{ev.step}-failed-{d.num_delivered}", retry_for=30.0)
+                                 attempts=attempts, lineage=lineage),
+                msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, lineage)}-failed-"
+                f"{d.num_delivered}", retry_for=30.0)
             return
         await self._committed(ev, directory, result, lg)
 
@@ -200,8 +217,9 @@ class Checkpointer(Service):
                                  f"{d.subject!r}")
             ck.validate_manifest(ev.manifest, ev.run_id, ev.step)
             directory = Path(ev.path)
-            if not directory.is_absolute() or ck.parse_step(directory.name) != ev.step:
-                raise ValueError(f"path {ev.path!r} is not an absolute .../step-{ev.step}")
+            name = ck.step_name(ev.step, ev.manifest.lineage)
+            if not directory.is_absolute() or directory.name != name:
+                raise ValueError(f"path {ev.path!r} is not an absolute .../{name}")
             root = Path(self.settings.checkpoint_root).resolve()
             if not directory.resolve().is_relative_to(root):
                 raise ValueError(f"path {ev.path!r} is outside the checkpoint root {root}")
@@ -245,6 +263,7 @@ class Checkpointer(Service):
                              result: MirrorResult, lg: Any) -> None:
         """A node's part is in S3 and recorded: say so; if the checkpoint still lacks other
         nodes' parts, this node's committed older copies may still go."""
+        lineage = ev.manifest.lineage
         lg.info("checkpoint.part_mirrored", dir=str(directory), attempt=ev.attempt,
                 lacks=result.lacks, uploaded=len(result.uploaded), skipped=len(result.skipped),
                 bytes=result.bytes_uploaded, mirror_s=round(result.seconds, 3))
@@ -253,19 +272,27 @@ class Checkpointer(Service):
             CheckpointPartMirrored(run_id=ev.run_id, step=ev.step, node=ev.node,
                                    attempt=ev.attempt, files=len(ev.manifest.files),
                                    bytes=sum(f.size for f in ev.manifest.files),
-                                   lacks=result.lacks),
-            msg_id=f"ckpt-{ev.run_id}-{ev.step}-part-a{ev.attempt}-{ev.node}", retry_for=30.0)
+                                   lacks=result.lacks, lineage=lineage),
+            msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, lineage)}-part-a{ev.attempt}-"
+            f"{ev.node}", retry_for=30.0)
         if result.lacks:
+            line = await self._lineage(ev.run_id)
             committed = await asyncio.to_thread(ck.committed_steps, self.s3,
-                                                self.settings.s3_bucket, ev.run_id)
+                                                self.settings.s3_bucket, ev.run_id, line)
             await asyncio.to_thread(delete_local, directory.parent, set(committed),
-                                    self.settings.local_keep, lg)
+                                    self.settings.local_keep, lg, line)
+
+    async def _lineage(self, run: str) -> ck.Lineage:
+        """The run's current history, from its record (lineage 0 without one)."""
+        got = await self.runs.get(run)
+        return ck.Lineage.of(got[0].forks) if got is not None else ck.Lineage()
 
     async def _committed(self, ev: CheckpointWritten, directory: Path, result: MirrorResult,
                          lg: Any) -> None:
         s = self.settings
-        bucket, run = s.s3_bucket, ev.run_id
-        uri = ck.checkpoint_uri(bucket, run, ev.step)
+        bucket, run, lineage = s.s3_bucket, ev.run_id, ev.manifest.lineage
+        name = ck.step_name(ev.step, lineage)
+        uri = ck.checkpoint_uri(bucket, run, ev.step, lineage)
         seconds = max(0.0, now() - ev.at)
         if result.committed:
             self.committed += 1
@@ -278,44 +305,75 @@ class Checkpointer(Service):
         await self.ctx.bus.publish(
             subjects.ckpt(run, "mirrored"),
             CheckpointMirrored(run_id=run, step=ev.step, uri=uri, seconds=seconds,
-                               bytes=sum(f.size for f in (result.manifest or ev.manifest).files)),
-            msg_id=f"ckpt-{run}-{ev.step}-mirrored", retry_for=30.0)
-        await self.runs.update(run, lambda rec: _record_latest(rec, run, ev.step, uri))
-        committed = await asyncio.to_thread(ck.committed_steps, self.s3, bucket, run)
-        await self._prune(run, committed, lg)
-        await asyncio.to_thread(delete_local, directory.parent, set(committed), s.local_keep,
-                                lg)
+                               bytes=sum(f.size for f in (result.manifest or ev.manifest).files),
+                               lineage=lineage),
+            msg_id=f"ckpt-{run}-{name}-mirrored", retry_for=30.0)
+        rec = await self.runs.update(
+            run, lambda rec: _record_latest(rec, run, ev.step, lineage, uri))
+        line = ck.Lineage.of(rec.forks) if rec is not None else ck.Lineage()
+        listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, bucket, run)
+        await self._prune(run, listed, line, lg)
+        await asyncio.to_thread(delete_local, directory.parent, _history(listed, line),
+                                s.local_keep, lg, line)
 
-    async def _prune(self, run: str, committed: list[int], lg: Any) -> None:
+    async def _prune(self, run: str, listed: dict[ck.CheckpointId, bool], line: ck.Lineage,
+                     lg: Any) -> None:
+        """Retention over the committed checkpoints of the run's history, and every
+        checkpoint (committed or not) a rollback abandoned."""
         s = self.settings
-        drop = ck.retention(committed, s.keep_last, s.keep_every)
-        if not drop:
+        history = sorted(_history(listed, line))
+        drop = [ck.CheckpointId(step, line.owner(step))
+                for step in ck.retention(history, s.keep_last, s.keep_every)]
+        abandoned = [c for c in listed if line.abandoned(*c)]
+        if not drop and not abandoned:
             return
-        for step in drop:
-            await asyncio.to_thread(ck.delete, self.s3, s.s3_bucket, run, step)
-        reason = f"retention: keep the newest {s.keep_last}" + (
-            f" and every multiple of {s.keep_every}" if s.keep_every else "")
-        digest = hashlib.sha256(",".join(map(str, drop)).encode()).hexdigest()[:16]
+        for c in drop + abandoned:
+            await asyncio.to_thread(ck.delete, self.s3, s.s3_bucket, run, c.step, c.lineage)
+        reason = (f"retention: keep the newest {s.keep_last}" + (
+            f" and every multiple of {s.keep_every}" if s.keep_every else "")) if drop else ""
+        if abandoned:
+            reason += ("; " if reason else "") + "abandoned by a rollback"
+        gone = sorted(drop + abandoned)
+        names = [c.name for c in gone]
+        digest = hashlib.sha256(",".join(names).encode()).hexdigest()[:16]
         await self.ctx.bus.publish(subjects.ckpt(run, "pruned"),
-                                   CheckpointPruned(run_id=run, steps=drop, reason=reason),
+                                   CheckpointPruned(run_id=run, steps=[c.step for c in gone],
+                                                    names=names, reason=reason),
                                    msg_id=f"ckpt-{run}-pruned-{digest}", retry_for=30.0)
-        lg.info("checkpoint.pruned", steps=drop)
+        lg.info("checkpoint.pruned", checkpoints=names, reason=reason)
 
 
-def _record_latest(rec: RunRecord | None, run: str, step: int, uri: str) -> RunRecord | None:
-    """Move the run's latest committed checkpoint forward; touch no other field."""
+def _history(listed: dict[ck.CheckpointId, bool], line: ck.Lineage) -> set[int]:
+    """The steps of ``line``'s history committed in S3 (``listed``: ``list_checkpoints``)."""
+    return {c.step for c, done in listed.items() if done and line.holds(*c)}
+
+
+def _record_latest(rec: RunRecord | None, run: str, step: int, lineage: int,
+                   uri: str) -> RunRecord | None:
+    """Move the run's latest committed checkpoint forward along its current history;
+    touch no other field. A checkpoint the history does not hold (abandoned by a
+    rollback) is never the latest; one the record names that the history has abandoned
+    is replaced whatever its step."""
+    latest = {"latest_checkpoint_step": step, "latest_checkpoint_uri": uri,
+              "latest_checkpoint_lineage": lineage}
     if rec is None:
-        return RunRecord(run_id=run, latest_checkpoint_step=step, latest_checkpoint_uri=uri)
-    if rec.latest_checkpoint_step is not None and rec.latest_checkpoint_step >= step:
+        return RunRecord(run_id=run, **latest) if lineage == 0 else None
+    line = ck.Lineage.of(rec.forks)
+    if not line.holds(step, lineage):
         return None
-    return struct_replace(rec, latest_checkpoint_step=step, latest_checkpoint_uri=uri,
-                          updated_at=now())
+    have = rec.latest_checkpoint_step
+    if have is not None and have >= step and line.holds(have, rec.latest_checkpoint_lineage):
+        return None
+    return struct_replace(rec, **latest, updated_at=now())
 
 
-def delete_local(parent: Path, committed: set[int], keep: int, lg: Any) -> list[int]:
-    """Delete ``parent/step-N`` directories beyond the newest ``keep`` — only those whose
-    commit this checkpointer has seen (``committed`` was listed before pruning, so a
-    pruned step counts). A checkpoint that failed to mirror is never deleted here.
+def delete_local(parent: Path, committed: set[int], keep: int, lg: Any,
+                 line: ck.Lineage | None = None) -> list[ck.CheckpointId]:
+    """Delete the checkpoint folders in ``parent`` of ``line``'s history (default:
+    lineage 0's) beyond the newest ``keep`` — only those whose commit this checkpointer
+    has seen (``committed``, steps of that history, was listed before pruning, so a
+    pruned step counts) — and every one a rollback abandoned. A checkpoint of the
+    history that failed to mirror is never deleted here.
 
     NOTE: this is the one place that decides a whole local checkpoint may go (the rule
     is ``checkpoints.local_retention``). It is the checkpointer's because only the
@@ -324,8 +382,13 @@ def delete_local(parent: Path, committed: set[int], keep: int, lg: Any) -> list[
     deleted on a guess is a checkpoint lost. The trainer removes only its own
     unfinished ``.incomplete`` writes (``checkpoints.local``).
     """
-    local = [s for s, _ in ck.local_steps(parent)]
-    gone = ck.remove_steps(parent, ck.local_retention(local, committed, keep))
+    line = line or ck.Lineage()
+    local = ck.local_checkpoints(parent)
+    history = [c.step for c, _ in local if line.holds(*c)]
+    old = [ck.CheckpointId(s, line.owner(s))
+           for s in ck.local_retention(history, committed, keep)]
+    gone = ck.remove_steps(parent, old + [c for c, _ in local if line.abandoned(*c)])
     if gone:
-        lg.info("checkpoint.local_deleted", steps=gone, dir=str(parent))
+        lg.info("checkpoint.local_deleted", checkpoints=[c.name for c in gone],
+                dir=str(parent))
     return gone

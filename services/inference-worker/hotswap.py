@@ -23,6 +23,14 @@ in S3 (``tandem.common.checkpoints``):
   output) is logged (``worker.checkpoint_skipped``), remembered so it is not downloaded
   again, and the worker keeps serving what it has. A failure to reach S3 is not a
   verdict on the checkpoint: it is retried at the next event or poll.
+- **lineage**: only checkpoints of the run's current history are served
+  (``checkpoints.Lineage``, from the run's record in KV ``runs``, read at every check).
+  A ``mirrored`` event names its checkpoint's lineage; one of an abandoned lineage is
+  not loaded. The worker hears of a rollback from the record itself (a core
+  subscription on the run's KV subject): if what it serves was abandoned, it swaps to the
+  newest committed checkpoint of the new history, older though it is, and with none it
+  stops serving the model (its next task loads one when there is one): a rolled-back
+  lineage's weights are never served after the worker has learnt of the rollback.
 """
 
 from __future__ import annotations
@@ -63,12 +71,25 @@ SKIPPED = metrics.Counter("tandem_worker_checkpoint_skipped",
 class _Watched:
     spec: ModelSpec
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    skipped: dict[int, str] = field(default_factory=dict)  # step -> why it was passed over
-    told: int | None = None  # newest committed step a mirrored event said, not yet checked
+    # checkpoint -> why it was passed over
+    skipped: dict[ck.CheckpointId, str] = field(default_factory=dict)
+    told: ck.CheckpointId | None = None  # newest a mirrored event said, not yet checked
+    line: ck.Lineage = field(default_factory=ck.Lineage)  # the run's history, last read
 
     @property
     def run_id(self) -> str:
         return self.spec.source_arg
+
+
+def _label(c: ck.CheckpointId) -> str:
+    """A checkpoint in /healthz and logs: its step, with its lineage after a rollback."""
+    return f"{c.step}-l{c.lineage}" if c.lineage else str(c.step)
+
+
+def _loaded(pipe: Pipeline | None) -> ck.CheckpointId | None:
+    if pipe is None or pipe.checkpoint_step is None:
+        return None
+    return ck.CheckpointId(pipe.checkpoint_step, pipe.checkpoint_lineage)
 
 
 class HotSwapper:
@@ -113,7 +134,8 @@ class HotSwapper:
             pipe = self.pipelines.get(name)
             out[name] = {"run": w.run_id,
                          "step": pipe.checkpoint_step if pipe is not None else None,
-                         "skipped": {str(s): r for s, r in w.skipped.items()}}
+                         "lineage": pipe.checkpoint_lineage if pipe is not None else None,
+                         "skipped": {_label(c): r for c, r in w.skipped.items()}}
         return out
 
     async def attach(self, bus: Bus) -> None:
@@ -126,19 +148,38 @@ class HotSwapper:
         except Exception as exc:
             _log.warning("worker.run_records_unavailable", error=repr(exc))
 
-    async def recorded(self, model: str) -> int | None:
-        """The newest committed step KV ``runs`` records for ``model``'s run; None without
-        ``runs``, without a record, or when the bus cannot answer (S3 is listed then)."""
+    async def recorded(self, model: str) -> ck.CheckpointId | None:
+        """The newest committed checkpoint KV ``runs`` records for ``model``'s run (and
+        the run's history, kept for the checks); None without ``runs``, without a
+        record, or when the bus cannot answer (S3 is listed then)."""
+        w = self.watched[model]
+        rec = await self._record(w)
+        if rec is None or rec.latest_checkpoint_step is None:
+            return None
+        latest = ck.CheckpointId(rec.latest_checkpoint_step, rec.latest_checkpoint_lineage)
+        return latest if w.line.holds(*latest) else None
+
+    async def lineage(self, model: str) -> ck.Lineage:
+        """``model``'s run's current history, read now (the last one read when the bus
+        cannot answer): what a first load of the model must load from."""
+        w = self.watched[model]
+        await self._record(w)
+        return w.line
+
+    async def _record(self, w: _Watched) -> RunRecord | None:
+        """The run's record; keeps its history in ``w.line``."""
         if self.runs is None:
             return None
-        run_id = self.watched[model].run_id
         try:
-            got = await self.runs.get(run_id)
+            got = await self.runs.get(w.run_id)
         except Exception as exc:
-            _log.warning("worker.run_record_unavailable", model=model, run=run_id,
+            _log.warning("worker.run_record_unavailable", model=w.spec.name, run=w.run_id,
                          error=repr(exc))
             return None
-        return got[0].latest_checkpoint_step if got is not None else None
+        if got is None:
+            return None
+        w.line = ck.Lineage.of(got[0].forks)
+        return got[0]
 
     async def run(self, nc: Any) -> None:
         """Watch every run model until cancelled."""
@@ -149,6 +190,8 @@ class HotSwapper:
             for w in self.watched.values():
                 subs.append(await nc.subscribe(subjects.ckpt(w.run_id, "mirrored"),
                                                cb=self._on_mirrored(w)))
+                subs.append(await nc.subscribe(subjects.kv_changes(KV_RUNS, w.run_id),
+                                               cb=self._on_record(w)))
             async with asyncio.TaskGroup() as tg:
                 for w in self.watched.values():
                     tg.create_task(self._watch(w))
@@ -167,9 +210,24 @@ class HotSwapper:
                 _log.warning("worker.checkpoint_event_invalid", run=w.run_id, error=repr(exc))
             else:
                 _log.info("worker.checkpoint_mirrored", model=w.spec.name, run=ev.run_id,
-                          step=ev.step)
-                w.told = ev.step if w.told is None else max(w.told, ev.step)
+                          step=ev.step, lineage=ev.lineage)
+                told = ck.CheckpointId(ev.step, ev.lineage)
+                # The newest wins: of a newer lineage (a rollback's), whatever the step.
+                w.told = told if w.told is None else max(
+                    w.told, told, key=lambda c: (c.lineage, c.step))
             w.wake.set()
+
+        return cb
+
+    def _on_record(self, w: _Watched) -> Any:
+        """The run's record changed: a rollback if its forks moved, else nothing to do."""
+        async def cb(msg: Any) -> None:
+            try:
+                forks = tuple(decode(msg.data, RunRecord).forks)
+            except Exception:  # a delete marker or a value that does not decode
+                return
+            if forks != w.line.forks:
+                w.wake.set()
 
         return cb
 
@@ -187,70 +245,102 @@ class HotSwapper:
             # An event names the newest step; a poll or an undecodable event lists S3.
             told, w.told = w.told, None
 
-    async def check(self, model: str, told: int | None = None) -> int | None:
-        """Swap ``model`` to its newest committed checkpoint newer than the loaded one
-        that loads and verifies; return the step it serves afterwards (None: none).
+    async def check(self, model: str,
+                    told: int | ck.CheckpointId | None = None) -> int | None:
+        """Swap ``model`` to its newest committed checkpoint of the run's current history
+        newer than the loaded one that loads and verifies; return the step it serves
+        afterwards (None: none).
 
-        ``told`` is the newest committed step as a ``mirrored`` event or KV ``runs`` said
-        it: loaded without listing S3. Without it, or when that step fails to load as a
-        checkpoint, the committed steps are listed and tried newest first.
+        ``told`` is the newest committed checkpoint as a ``mirrored`` event or KV
+        ``runs`` said it (a bare step: the current history's checkpoint of that step):
+        loaded without listing S3. Without it, or when it fails to load, the committed
+        steps of the history are listed and tried newest first. A loaded checkpoint the
+        history has abandoned (a rollback) is replaced by the newest of the history,
+        whatever its step, or dropped when the history has none that loads.
         """
         w = self.watched[model]
         async with self.locks.setdefault(model, asyncio.Lock()):
+            await self._record(w)  # the history may have moved on: a rollback
+            line = w.line
             current = self.pipelines.get(model)
-            have = current.checkpoint_step if current is not None else None
+            have = _loaded(current)
             if current is None and not self.load_missing:
                 return None
-            if told is not None:
-                if (have is not None and told <= have) or told in w.skipped:
-                    return have
+            stale = have is not None and not line.holds(*have)
+            if stale:
+                _log.warning("worker.checkpoint_abandoned", model=model, run=w.run_id,
+                             serving=_label(have), forks=line.json())  # type: ignore[arg-type]
+            floor = None if have is None or stale else have.step  # serve only newer ones
+            if isinstance(told, int):
+                told = ck.CheckpointId(told, line.owner(told))
+            if told is not None and not stale and (
+                    not line.holds(*told) or told in w.skipped
+                    or (floor is not None and told.step <= floor)):
+                return floor  # nothing newer of the history: no listing
+            if told is not None and line.holds(*told) and told not in w.skipped:
                 pipe = await self._load(w, told, have)
                 if pipe is not None:
                     self.pipelines[model] = pipe
-                    return told
+                    return told.step
                 if told not in w.skipped:  # S3 unreachable: the next event or poll retries
-                    return have
+                    return have.step if have is not None else None
             try:
                 steps = await asyncio.to_thread(ck.committed_steps, self.s3, self.bucket,
-                                                w.run_id)
+                                                w.run_id, line)
             except Exception as exc:
                 _log.warning("worker.checkpoint_list_failed", model=model, run=w.run_id,
                              error=repr(exc))
-                return have
+                return have.step if have is not None else None
             for step in reversed(steps):
-                if have is not None and step <= have:
+                if floor is not None and step <= floor:
                     break
-                if step in w.skipped:
+                c = ck.CheckpointId(step, line.owner(step))
+                if c in w.skipped:
                     continue
-                pipe = await self._load(w, step, have)
+                pipe = await self._load(w, c, have)
                 if pipe is not None:
                     self.pipelines[model] = pipe
                     return step
-            return have
+            return self._drop(model, have) if stale else floor
 
-    async def _load(self, w: _Watched, step: int, have: int | None) -> Pipeline | None:
+    def _drop(self, model: str, have: ck.CheckpointId | None) -> None:
+        """Stop serving an abandoned checkpoint the history has nothing to replace with
+        (the model's next task loads one once there is one)."""
+        if have is not None and model in self.pipelines:
+            del self.pipelines[model]
+            _log.error("worker.serving_nothing", model=model, dropped=_label(have),
+                       reason="its lineage was abandoned and the run's history has no "
+                       "committed checkpoint that loads")
+        return None
+
+    async def _load(self, w: _Watched, c: ck.CheckpointId,
+                    have: ck.CheckpointId | None) -> Pipeline | None:
         model = w.spec.name
         t0 = time.monotonic()
         try:
             dev = resolve_device(self.device)
             pipe = await asyncio.to_thread(load_run_pipeline, w.spec, dev,
-                                           resolve_dtype(self.dtype, dev), step=step,
-                                           s3=self.s3, bucket=self.bucket)
+                                           resolve_dtype(self.dtype, dev), step=c.step,
+                                           s3=self.s3, bucket=self.bucket, line=w.line)
         except CheckpointError as exc:
-            w.skipped[step] = exc.reason
+            w.skipped[c] = exc.reason
             SKIPPED.labels(model).inc()
-            _log.error("worker.checkpoint_skipped", model=model, run=w.run_id, step=step,
-                       reason=exc.reason, serving=have)
+            _log.error("worker.checkpoint_skipped", model=model, run=w.run_id, step=c.step,
+                       lineage=c.lineage, reason=exc.reason,
+                       serving=have.step if have is not None else None)
             return None
         except Exception as exc:  # S3 unreachable and the like: try again next round
             _log.warning("worker.checkpoint_load_failed", model=model, run=w.run_id,
-                         step=step, error=repr(exc), serving=have)
+                         step=c.step, lineage=c.lineage, error=repr(exc),
+                         serving=have.step if have is not None else None)
             return None
         if have is not None:
             self.swaps += 1
             SWAPS.labels(model).inc()
         _log.info("worker.checkpoint_swapped" if have is not None else "worker.model_loaded",
-                  model=model, run=w.run_id, step=step, previous=have,
+                  model=model, run=w.run_id, step=c.step, lineage=c.lineage,
+                  previous=have.step if have is not None else None,
+                  previous_lineage=have.lineage if have is not None else None,
                   seconds=round(time.monotonic() - t0, 3))
         return pipe
 

@@ -73,6 +73,7 @@ class Pipeline:
     trivial = False  # no compute to amortise: no linger, no thread
     checkpoint = ""
     checkpoint_step: int | None = None
+    checkpoint_lineage = 0  # with checkpoint_step, which checkpoint (after a rollback)
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -287,23 +288,26 @@ def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
 
 
 def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | None = None,
-                      s3: Any = None, bucket: str | None = None) -> ClassUnetPipeline:
-    """The run's committed checkpoint ``step`` (default: the newest that verifies, falling
-    back), loaded and verified as a pipeline that records its step. Blocking. With
-    ``step`` nothing is listed in S3 (``checkpoints.restore``): the hot-swapper knows it.
+                      s3: Any = None, bucket: str | None = None,
+                      line: ck.Lineage | None = None) -> ClassUnetPipeline:
+    """The run's committed checkpoint ``step`` of ``line``'s history (default: the newest
+    that verifies, falling back; ``line``: the run's current lineage, lineage 0 without
+    it), loaded and verified as a pipeline that records its step and lineage. Blocking.
+    With ``step`` nothing is listed in S3 (``checkpoints.restore``): the hot-swapper
+    knows it.
 
     Raises ``CheckpointError`` (naming run, step and what is wrong) when it cannot be
     served; anything else (S3 unreachable) is not about the checkpoint.
     """
     run_id = spec.source_arg
     m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
-                        fallback=step is None)
+                        fallback=step is None, line=line)
     from tandem.common.diffusion import architecture
 
     cfg = architecture(m.config)  # load_serving built the model from this same config
     _check_conditioning(spec, run_id, m.step, cfg)
     pipe = ClassUnetPipeline(spec, device, dtype, unet=m.unet, scheduler=m.scheduler, cfg=cfg)
-    pipe.checkpoint, pipe.checkpoint_step = m.label, m.step
+    pipe.checkpoint, pipe.checkpoint_step, pipe.checkpoint_lineage = m.label, m.step, m.lineage
     verify(pipe, run_id, m.step)
     LOADED_STEP.labels(spec.name).set(m.step)
     for s, reason in m.skipped:
@@ -312,20 +316,23 @@ def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | N
     return pipe
 
 
-def load_run_checkpoint(spec: ModelSpec, device: str, dtype: Any) -> Pipeline:
-    """``run:<run_id>``: the run's newest committed checkpoint that verifies.
+def load_run_checkpoint(spec: ModelSpec, device: str, dtype: Any,
+                        line: ck.Lineage | None = None) -> Pipeline:
+    """``run:<run_id>``: the run's newest committed checkpoint of ``line``'s history (its
+    current lineage) that verifies.
 
     Hot-swapping to newer checkpoints lives in ``hotswap``.
     """
     try:
-        return load_run_pipeline(spec, device, dtype)
+        return load_run_pipeline(spec, device, dtype, line=line)
     except CheckpointError as exc:
         raise ModelLoadError(spec.name, str(exc)) from None
 
 
 def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
-          fault_injection: bool = False) -> Pipeline:
-    """Build or load the pipeline ``spec`` declares; ``ModelLoadError`` says why not."""
+          fault_injection: bool = False, line: ck.Lineage | None = None) -> Pipeline:
+    """Build or load the pipeline ``spec`` declares (a ``run:`` model from ``line``'s
+    history, the run's current lineage); ``ModelLoadError`` says why not."""
     kind = spec.source_kind
     if kind == "noop":
         return NoopPipeline(spec)
@@ -354,7 +361,7 @@ def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
                                                      use_safetensors=True)
             return DiffusersPipeline(spec, pipe.to(dev), dev)
         if kind == "run":
-            return load_run_checkpoint(spec, dev, dt)
+            return load_run_checkpoint(spec, dev, dt, line)
     except ModelLoadError:
         raise
     except Exception as exc:

@@ -211,8 +211,11 @@ class InferenceWorker(Service):
                 if spec is None:
                     raise ModelLoadError(model, "not in the registry")
                 t0 = time.monotonic()
+                # A run's model loads from the run's current history (its lineage).
+                line = (await self.hotswap.lineage(model) if self.hotswap.serves(model)
+                        else None)
                 pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
-                                               self.s.fault_injection)
+                                               self.s.fault_injection, line)
                 self.pipelines[model] = pipe
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))

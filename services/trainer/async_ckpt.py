@@ -82,9 +82,11 @@ class AsyncCheckpointer:
 
     def __init__(self, root: str | Path, run_id: str, *, pin: bool = False,
                  on_written: Callable[[Written], None] | None = None,
-                 on_error: Callable[[int, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[int, BaseException], None] | None = None,
+                 line: ck.Lineage | None = None) -> None:
         self.root = Path(root)
         self.run_id = run_id
+        self.line = line or ck.Lineage()  # each step is written in the lineage owning it
         self.on_written = on_written
         self.on_error = on_error
         self._bufs = [_Buffers(pin), _Buffers(pin)]  # double-buffered: copy while writing
@@ -149,14 +151,15 @@ class AsyncCheckpointer:
     def write(self, snap: Snapshot) -> Written:
         """Write ``snap`` to ``step-<N>.incomplete/`` and commit it (any thread)."""
         t0 = time.perf_counter()
-        tmp = ck.prepare_incomplete(self.root, snap.run_id, snap.step)
+        lineage = self.line.owner(snap.step)
+        tmp = ck.prepare_incomplete(self.root, snap.run_id, snap.step, lineage)
         for stem, tensors in snap.tensors.items():
             save_file(tensors, str(tmp / f"{stem}.safetensors"))
         for stem, obj in snap.objects.items():
             torch.save(obj, tmp / f"{stem}.pt")
         for name, obj in snap.jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
-        path, manifest = ck.commit(snap.run_id, snap.step, tmp)
+        path, manifest = ck.commit(snap.run_id, snap.step, tmp, lineage=lineage)
         return Written(run_id=snap.run_id, step=snap.step, path=path, manifest=manifest,
                        blocked_s=snap.blocked_s, write_s=time.perf_counter() - t0)
 

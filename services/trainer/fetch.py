@@ -7,7 +7,9 @@ them in the launch spec (``LaunchSpec.resume_steps``, newest first); ``fetch`` i
 collective (every rank calls it, before training):
 
 - for each step in turn, the node's first rank (``LOCAL_RANK`` 0) makes
-  ``<checkpoint_root>/<run>/step-<N>`` the committed checkpoint, on this node's disk: a
+  ``<checkpoint_root>/<run>/step-<N>[-l<L>]`` the committed checkpoint of the run's
+  current history (``LaunchSpec.forks`` say which lineage owns each step, so a
+  checkpoint a rollback abandoned is never fetched), on this node's disk: a
   copy already there is kept if it verifies against the committed manifest, else the
   step is downloaded and every byte checked against the manifest's sha256
   (``checkpoints.download``: renamed into place only when whole);
@@ -51,13 +53,14 @@ class FetchFailed(RuntimeError):
         self.errors = errors
 
 
-def fetch_step(s3: Any, bucket: str, root: Path, run_id: str, step: int) -> tuple[str, str]:
-    """Make ``root/<run>/step-<N>`` this node's verified copy of committed ``step``:
-    ``("ok", how)``, ``("corrupt", reason)`` (corrupt or missing in S3: skip it) or
-    ``("error", what)`` (anything else)."""
+def fetch_step(s3: Any, bucket: str, root: Path, run_id: str, step: int,
+               lineage: int = 0) -> tuple[str, str]:
+    """Make ``root/<run>/step-<N>[-l<L>]`` this node's verified copy of committed
+    ``step`` of ``lineage``: ``("ok", how)``, ``("corrupt", reason)`` (corrupt or missing
+    in S3: skip it) or ``("error", what)`` (anything else)."""
     try:
-        manifest = ck.read_manifest(s3, bucket, run_id, step)
-        here = ck.step_dir(root, run_id, step)
+        manifest = ck.read_manifest(s3, bucket, run_id, step, lineage)
+        here = ck.step_dir(root, run_id, step, lineage)
         if here.is_dir():
             try:
                 if ck.same_files(ck.verify(here), manifest):
@@ -86,10 +89,12 @@ def fetch(spec: LaunchSpec, *, local_rank: int, world: int,
     s3 = storage.s3_client(settings) if local_rank == 0 else None
     bucket = settings.s3_bucket
     root = Path(spec.checkpoint_root)
+    line = ck.Lineage.of(spec.forks)
     skipped: dict[int, str] = {}
     for step in spec.resume_steps:
-        mine = (node, *fetch_step(s3, bucket, root, spec.run_id, step)) if s3 is not None \
-            else (node, "ok", "its node's first rank fetches")
+        lineage = line.owner(step)
+        mine = (node, *fetch_step(s3, bucket, root, spec.run_id, step, lineage)) \
+            if s3 is not None else (node, "ok", "its node's first rank fetches")
         outcomes: list[Any] = [mine]
         if group is not None:
             outcomes = [None] * world
@@ -99,6 +104,6 @@ def fetch(spec: LaunchSpec, *, local_rank: int, world: int,
             raise FetchFailed(step, errors)
         bad = {n: why for n, kind, why in outcomes if kind == "corrupt"}
         if not bad:
-            return ck.step_dir(root, spec.run_id, step), step, skipped
+            return ck.step_dir(root, spec.run_id, step, lineage), step, skipped
         skipped[step] = "; ".join(f"{n}: {why}" for n, why in sorted(bad.items()))
     return None, 0, skipped

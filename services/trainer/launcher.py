@@ -175,12 +175,14 @@ class LocalLauncher:
         self.monitor_interval = monitor_interval
 
     def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
-                rdzv_id: str = "tandem", local_addr: str | None = None) -> list[str]:
-        """Node ``node_rank``'s torchrun: a c10d rendezvous ``rdzv_id`` at
-        ``master_addr:port``, hosted by node rank 0's agent; ``local_addr``: the address
-        other nodes reach this one at (default ``master_addr``, all on one host). An
-        attempt's id is ``rendezvous_id``; the default serves one-off launches (a bench,
-        a test) whose port is theirs alone."""
+                rdzv_id: str = "tandem", local_addr: str | None = None,
+                module: str = "tandem.trainer.rank") -> list[str]:
+        """Node ``node_rank``'s torchrun, running ``module`` (the rank entry point; a
+        bench passes its own) with ``spec_path`` on each of its ranks: a c10d rendezvous
+        ``rdzv_id`` at ``master_addr:port``, hosted by node rank 0's agent;
+        ``local_addr``: the address other nodes reach this one at (default
+        ``master_addr``, all on one host). An attempt's id is ``rendezvous_id``; the
+        default serves one-off launches (a bench, a test) whose port is theirs alone."""
         return [
             self.python, "-m", "torch.distributed.run",
             f"--nnodes={len(placement.nodes)}", f"--nproc-per-node={placement.per_node}",
@@ -191,7 +193,7 @@ class LocalLauncher:
             f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}",
             f"--local-addr={local_addr or self.master_addr}",
             "--max-restarts=0", f"--monitor-interval={self.monitor_interval}",
-            "-m", "tandem.trainer.rank", str(spec_path),
+            "-m", module, str(spec_path),
         ]
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,

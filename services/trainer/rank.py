@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -169,6 +170,7 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
     """Rank 0's async checkpointer, announcing each written checkpoint to the coordinator;
     with ``rank`` (an FSDP run) this rank's sharded checkpointer, whose node's first rank
     announces the node's committed folder."""
+    from tandem.common.checkpoints import Lineage
     from tandem.trainer.async_ckpt import AsyncCheckpointer, Written
     from tandem.trainer.sharded_ckpt import ShardedCheckpointer
 
@@ -180,13 +182,14 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
     def failed(step: int, exc: BaseException) -> None:
         channel.send(CheckpointWriteFailed(step=step, error=repr(exc)))
 
+    line = Lineage.of(spec.forks)
     if rank is not None:
         return ShardedCheckpointer(spec.checkpoint_root, spec.run_id, rank=rank,
                                    local_rank=local_rank, world=world, node=node, pin=pin,
-                                   on_written=written, on_error=failed,
+                                   on_written=written, on_error=failed, line=line,
                                    before_commit=stall_hook(spec, node, rank_nodes or []))
     return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
-                             on_error=failed)
+                             on_error=failed, line=line)
 
 
 def stall_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
@@ -210,21 +213,25 @@ def stall_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
 
 
 def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: int,
-               rank_nodes: list[str]) -> None:
+               rank_nodes: list[str]) -> float:
     """What Tandem adds to a step: a checkpoint every ``checkpoint_every`` steps (and at the
-    last one; a collective, so every rank calls this) and, on rank 0, the step report."""
+    last one; a collective, so every rank calls this) and, on rank 0, the step report.
+    Returns the seconds this rank was blocked by the checkpoint (0 without one): the whole
+    call, the gathering of every rank's RNG states and the state's own collection
+    included, not only the writer's copy."""
     cfg = loop.cfg
     blocked = 0.0
     if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
-        snap = loop.checkpoint(writer)
-        blocked = (snap if isinstance(snap, float) else
-                   snap.blocked_s if snap is not None else 0.0)
+        t0 = time.perf_counter()
+        loop.checkpoint(writer)
+        blocked = time.perf_counter() - t0
     if loop.rank == 0:
         channel.send(StepReport(
             step=r.step, data_pos=r.data_pos, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
             step_time=r.wall_s,
             samples_per_s=samples / r.wall_s if r.wall_s > 0 else 0.0,
             rank_step_times=r.rank_times, rank_nodes=rank_nodes, blocked_s=blocked))
+    return blocked
 
 
 def _num(x: float) -> float | str:

@@ -134,7 +134,7 @@ class Trainer(Service):
         subs = [
             await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),
             await ctx.bus.nc.subscribe(f"$KV.drains.{self.s.cluster}.*", cb=self._on_drain),
-            await ctx.bus.nc.subscribe(f"$KV.{KV_RUNS}.*", cb=self._on_run_record),
+            await ctx.bus.nc.subscribe(subjects.kv_changes(KV_RUNS), cb=self._on_run_record),
         ]
         async with asyncio.TaskGroup() as tg:
             self.tg = tg
@@ -239,20 +239,23 @@ class Trainer(Service):
 
     # --------------------------------------------------------------------------- restore
 
-    async def _committed(self, run_id: str) -> list[int]:
-        """The run's committed steps in S3, oldest first (listed, not downloaded)."""
+    async def _committed(self, run_id: str, line: checkpoints.Lineage) -> list[int]:
+        """The committed steps of ``line``'s history in S3, oldest first (listed, not
+        downloaded)."""
         def listing() -> list[int]:
             return checkpoints.committed_steps(storage.s3_client(self.settings),
-                                               self.settings.s3_bucket, run_id)
+                                               self.settings.s3_bucket, run_id, line)
 
         return await asyncio.to_thread(listing)
 
-    async def _restore(self, run_id: str, dest: Path) -> checkpoints.Resume | None:
-        """Seam to the checkpointer: the newest committed checkpoint in S3, verified."""
+    async def _restore(self, run_id: str, dest: Path,
+                       line: checkpoints.Lineage) -> checkpoints.Resume | None:
+        """Seam to the checkpointer: the newest committed checkpoint of ``line``'s
+        history in S3, verified."""
 
         def fetch() -> Any:
             s3 = storage.s3_client(self.settings)
-            return checkpoints.restore(s3, self.settings.s3_bucket, run_id, dest)
+            return checkpoints.restore(s3, self.settings.s3_bucket, run_id, dest, line=line)
 
         try:
             restored = await asyncio.to_thread(fetch)

@@ -19,18 +19,16 @@ Save (``ShardedCheckpointer.save``, collective: every rank calls it at the same 
    writes), so the node's first rank commits the folder (``ck.commit`` with
    ``world_size``): a whole checkpoint, or this node's part of one.
 
-Load (``load``) checks, before DCP reads anything, that the DCP metadata names only
-shard files the verified manifest lists; the metadata (a pickle, DCP's format) is read
-with an unpickler that admits only DCP's metadata classes, and the non-tensor values of
-the state (DCP stores them as ``torch.save`` bytes, and its own planner loads them with
-``weights_only=False``) are loaded with ``weights_only=True``.
+Load (``load``) goes through ``tandem.common.checkpoints.dcp``: before DCP reads
+anything, the DCP metadata must name only shard files the verified manifest lists; the
+metadata (a pickle, DCP's format) is read with an unpickler that admits only DCP's
+metadata classes, and the non-tensor values of the state (``torch.save`` bytes, which
+DCP's own planner loads with ``weights_only=False``) with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -41,75 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tandem.common import checkpoints as ck
+from tandem.common.checkpoints import dcp as safe_dcp
 from tandem.common.events import CheckpointManifest
 from tandem.trainer.async_ckpt import Written, load_objects
-
-_ALLOWED = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
-_ALLOWED_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                  ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module in _ALLOWED and not name.startswith("__")) or (module, name) in _ALLOWED_NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a "
-                                     "checkpoint's metadata never holds")
-
-
-class _Reader(FileSystemReader):
-    """DCP's file reader with the metadata read by ``_MetadataUnpickler``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_metadata(Path(self.path))
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's load planner with the non-tensor values of a state (optimizer step counts,
-    hyper-parameters) loaded by ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                        loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def read_metadata(shards: Path) -> Metadata:
-    """The DCP metadata in ``shards/`` (only DCP's own classes are unpickled)."""
-    md = _MetadataUnpickler(io.BytesIO((shards / ".metadata").read_bytes())).load()
-    if not isinstance(md, Metadata):
-        raise pickle.UnpicklingError("DCP metadata is not a Metadata object")
-    if getattr(md, "storage_meta", None) is None:
-        md.storage_meta = StorageMeta()
-    return md
-
-
-def check_shards(path: Path, manifest: CheckpointManifest) -> None:
-    """``ck.CorruptCheckpoint`` unless every shard file DCP's metadata points at is listed
-    in ``manifest`` (whose checksums the caller has verified)."""
-    listed = {f.name for f in manifest.files}
-    try:
-        md = read_metadata(path / ck.SHARD_DIR)
-    except Exception as exc:
-        raise ck.CorruptCheckpoint(path, f"{ck.DCP_METADATA} unreadable: {exc}") from None
-    wanted = {f"{ck.SHARD_DIR}/{info.relative_path}" for info in md.storage_data.values()}
-    if lack := sorted(wanted - listed):
-        raise ck.CorruptCheckpoint(path, f"DCP metadata needs {', '.join(lack)}, which the "
-                                         "manifest does not list")
 
 
 class ShardedCheckpointer:
@@ -123,10 +60,12 @@ class ShardedCheckpointer:
                  world: int, node: str = "", pin: bool = False,
                  on_written: Callable[[Written], None] | None = None,
                  on_error: Callable[[int, BaseException], None] | None = None,
+                 line: ck.Lineage | None = None,
                  before_commit: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.before_commit = before_commit  # a fault hook (drills): called with the step
         self.run_id = run_id
+        self.line = line or ck.Lineage()  # each step is written in the lineage owning it
         self.rank, self.local_rank, self.world, self.node = rank, local_rank, world, node
         self.on_written = on_written
         self.on_error = on_error
@@ -152,7 +91,7 @@ class ShardedCheckpointer:
         and ``jsons``. Returns the seconds the caller was blocked."""
         t0 = time.perf_counter()
         self.wait()
-        tmp = ck.incomplete_dir(self.root, self.run_id, step)
+        tmp = ck.incomplete_dir(self.root, self.run_id, step, self.line.owner(step))
         (tmp / ck.SHARD_DIR).mkdir(parents=True, exist_ok=True)
         writer = FileSystemWriter(tmp / ck.SHARD_DIR, single_file_per_rank=True,
                                   thread_count=1, sync_files=True)
@@ -179,7 +118,7 @@ class ShardedCheckpointer:
             if self.before_commit is not None:
                 self.before_commit(step)
             path, manifest = ck.commit(self.run_id, step, tmp, world_size=self.world,
-                                       node=self.node)
+                                       node=self.node, lineage=self.line.owner(step))
             written = Written(run_id=self.run_id, step=step, path=path, manifest=manifest,
                               blocked_s=blocked, write_s=time.perf_counter() - t0)
             self.written.append(written)
@@ -219,9 +158,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Returns rank 0's objects (``scheduler``, ``rng``, ``trainer``).
     """
-    check_shards(path, manifest)
     state = state_of(model, optimizer, ema)
-    dcp.load(state, storage_reader=_Reader(path / ck.SHARD_DIR), planner=SafePlanner())
+    safe_dcp.load(path, state, manifest)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     return {stem: load_objects(path, stem) for stem in ("scheduler", "rng", "trainer")}

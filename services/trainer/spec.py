@@ -18,10 +18,14 @@ class LaunchSpec(msgspec.Struct, kw_only=True):
     # c10d rendezvous (it assigns node ranks): a rank takes its node from TANDEM_NODE.
     rank_nodes: list[str] = []
     resume_path: str = ""  # checkpoint directory to resume from; empty starts fresh
-    # With no resume_path: committed steps in S3, newest first; every node fetches the
-    # newest one that all nodes verify onto its own disk (``fetch.py``), else starts fresh.
+    # With no resume_path: committed steps of the run's history (``forks``) in S3, newest
+    # first; every node fetches the newest one that all nodes verify onto its own disk
+    # (``fetch.py``), else starts fresh.
     resume_steps: list[int] = []
     skipped: list[list[int]] = []  # data windows to skip
+    # The run's record's forks (``checkpoints.Lineage``): each checkpoint is written in
+    # the lineage that owns its step, so a rollback never reuses a checkpoint's name.
+    forks: list[int] = []
     threads: int = 0  # torch intra-op threads per rank; 0: the node's cores / its ranks
     node: str = ""
     cluster: str = ""

@@ -13,8 +13,17 @@ a goodbye is a dead rank, found within milliseconds; an agent's non-zero exit), 
 time (no step within ``hang_multiple`` x the median step interval: a hang, whose stacks
 are captured before the kill), from the fleet (``health.<cluster>.<node>`` unhealthy or
 drained, KV ``drains``) and from the loss (the ranks stop on NaN/inf or a spike before
-applying the update; the run resumes from the newest checkpoint and skips the data
-window that ended in the bad batch).
+applying the update; the run rolls back and skips the data window that ended in the bad
+batch).
+
+A rollback goes to the newest checkpoint whose state holds none of that window (a step
+at most ``at_step - skip_batches``: each step consumes at least one data position), and
+starts a new lineage forked there (``checkpoints.Lineage``, recorded in KV ``runs``
+``forks`` with the decision, before any rank starts): the steps it trains again are
+checkpointed and announced under names of their own, checkpoints the old lineage wrote
+past the fork are abandoned (never resumed from or served), and a record whose latest
+committed checkpoint was one of them forgets it. Every other restart resumes in the same
+lineage, from the newest valid checkpoint of its history.
 """
 
 from __future__ import annotations
@@ -64,10 +73,13 @@ class SupervisorConfig:
     threads_per_rank: int = 0
     status_every_s: float = 2.0
     record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
-    restore: Any = None  # async (run_id, dest) -> ck.Resume | None (S3 restore)
-    # async (run_id) -> committed steps in S3, oldest first. Set when the nodes have disks
-    # of their own (launcher nodes): with no valid checkpoint here, the ranks are told the
-    # committed steps and every node fetches the newest that all of them verify
+    # async (run_id, dest, line) -> ck.Resume | None: the newest committed checkpoint of
+    # ``line``'s history restored from S3
+    restore: Any = None
+    # async (run_id, line) -> committed steps of ``line``'s history in S3, oldest first.
+    # Set when the nodes have disks of their own (launcher nodes): with no valid
+    # checkpoint here, the ranks are told the committed steps (and the forks, so each
+    # step's lineage) and every node fetches the newest that all of them verify
     # (``fetch.py``), instead of this host restoring one onto its own disk.
     s3_steps: Any = None
 
@@ -96,6 +108,7 @@ class RunSupervisor(AttemptWatch):
         self.metrics = RunMetrics(run_id)
         self.last_ckpt_step = 0
         self.latest_step = 0
+        self.line = ck.Lineage()  # the run's current lineage (KV runs ``forks``)
         self.placement: Placement | None = None
         self.relay_address = ""  # host:port ranks send to, once run() listens
         self.pids: dict[int, int] = {}
@@ -129,10 +142,20 @@ class RunSupervisor(AttemptWatch):
         changes["updated_at"] = time.time()
         self.metrics.progress(self.restarts, changes["goodput"].get("goodput"))
 
+        changes["forks"] = self.line.json()
+        line = self.line
+
         def apply(cur: RunRecord | None) -> RunRecord | None:
             if cur is None:
                 return RunRecord(run_id=self.run_id, **changes)
-            return struct_replace(cur, **changes)
+            out = struct_replace(cur, **changes)
+            # A rollback abandoned the checkpoint the record names as the latest
+            # committed: readers list S3 (by the new history) until the next commit.
+            if out.latest_checkpoint_step is not None and line.abandoned(
+                    out.latest_checkpoint_step, out.latest_checkpoint_lineage):
+                out = struct_replace(out, latest_checkpoint_step=None,
+                                     latest_checkpoint_uri="", latest_checkpoint_lineage=0)
+            return out
 
         self._last_kv = time.monotonic()
         # The ranks keep training through a bus outage (a NATS restart, a leader
@@ -224,6 +247,7 @@ class RunSupervisor(AttemptWatch):
             self.restarts, self.incidents = r.restarts, list(r.incidents)
             self.skipped = [list(w) for w in r.skipped]
             self.latest_step = r.latest_step
+            self.line = ck.Lineage.of(r.forks)
             self.attempt_no = max((int(x.get("attempt", 0)) for x in r.ranks), default=0)
             if r.state in TERMINAL:
                 return r.state
@@ -289,18 +313,27 @@ class RunSupervisor(AttemptWatch):
             self.goodput.finished()
             await self._status(RunState.cancelled, self.cancel_reason)
             return RunState.cancelled
-        # The ranks are gone: the newest whole checkpoint is where the next attempt
-        # resumes (unless it fails verification, which is reported then).
-        on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id)
-        resume_from = on_disk[0][0] if on_disk else self.last_ckpt_step
+        fork: dict[str, Any] = {}
+        if outcome.kind == "loss_anomaly":
+            # The state of a checkpoint at step s holds the batches of steps 1..s, and
+            # positions grow by at least one a step, so s <= at_step - skip_batches
+            # holds none of the window: the rollback goes there, in a new lineage.
+            skip = self.config.loss_health.skip_batches
+            self.line = self.line.fork(int(outcome.detail["at_step"]) - skip)
+            fork = {"lineage": self.line.current, "forked_at": self.line.forks[-1]}
+        # The ranks are gone: the newest whole checkpoint of the run's history is where
+        # the next attempt resumes (unless it fails verification, reported then).
+        on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id, self.line)
+        resume_from = on_disk[0][0] if on_disk else (
+            self.last_ckpt_step if not fork else 0)
         if not on_disk and self.cfg.s3_steps is not None:
             with contextlib.suppress(Exception):  # only what goodput counts as redone
-                committed = await self.cfg.s3_steps(self.run_id)
+                committed = await self.cfg.s3_steps(self.run_id, self.line)
                 resume_from = committed[-1] if committed else 0
         self.goodput.failed(resume_from)
         incident = {"kind": outcome.kind, "attempt": self.attempt_no, "at": time.time(),
                     "step": self.latest_step, "resume_from": resume_from,
-                    **outcome.detail}
+                    **outcome.detail, **fork}
         if incident.get("node"):  # placed last next time, behind any spare node
             self.suspect = str(incident["node"])
         if outcome.kind == "loss_anomaly":
@@ -340,7 +373,7 @@ class RunSupervisor(AttemptWatch):
         fetch: list[int] = []
         if resume is None and self.cfg.s3_steps is not None:
             try:
-                fetch = list(reversed(await self.cfg.s3_steps(self.run_id)))
+                fetch = list(reversed(await self.cfg.s3_steps(self.run_id, self.line)))
             except Exception as exc:  # never start afresh over committed checkpoints
                 return Outcome("restore_failed", {
                     "reason": repr(exc), "detector": "listing committed checkpoints in S3"})
@@ -355,7 +388,7 @@ class RunSupervisor(AttemptWatch):
             checkpoint_root=str(self.cfg.checkpoint_root), attempt_dir=str(attempt_dir),
             events=self.relay_address, rank_nodes=placement.rank_nodes,
             resume_path=str(resume.path) if resume else "", resume_steps=fetch,
-            skipped=self.skipped,
+            skipped=self.skipped, forks=self.line.json(),
             threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster)
         spec_path = attempt_dir / "launch.json"
         spec_path.write_bytes(msgspec.json.encode(spec))
@@ -393,14 +426,15 @@ class RunSupervisor(AttemptWatch):
         """The newest checkpoint that verifies, local else from S3; corrupt ones skipped
         are recorded and reported."""
         with tracing.tracer().start_as_current_span("restore") as span:
-            resume, rejected = ck.newest_valid(self.cfg.checkpoint_root, self.run_id)
+            resume, rejected = ck.newest_valid(self.cfg.checkpoint_root, self.run_id,
+                                               line=self.line)
             if rejected:
                 await self.report_corrupt(
                     RunState.restarting if self.restarts else RunState.starting,
                     [{"step": r.step, "path": r.path, "reason": r.reason} for r in rejected])
             if resume is None and self.cfg.restore is not None and self.cfg.s3_steps is None:
-                resume = await self.cfg.restore(self.run_id,
-                                                ck.run_dir(self.cfg.checkpoint_root, self.run_id))
+                resume = await self.cfg.restore(
+                    self.run_id, ck.run_dir(self.cfg.checkpoint_root, self.run_id), self.line)
             span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
                                  "tandem.corrupt_skipped": [r.step for r in rejected]})
             return resume

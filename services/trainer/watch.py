@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import CheckpointWritten, RunRecord, RunState, TrainStep
@@ -85,6 +86,7 @@ class AttemptWatch:
     _byes: set[int]
     latest_step: int
     last_ckpt_step: int
+    line: ck.Lineage
     goodput: Goodput
     stragglers: StragglerDetector
     metrics: RunMetrics
@@ -322,11 +324,15 @@ class AttemptWatch:
         self.metrics.step(step, loss, report.samples_per_s, report.step_time)
         every = self.config.step_event_every
         if step % every == 0 or step == self.config.steps:
+            # A step's identity is its lineage's too: after a rollback the same number
+            # is another step (checkpoints.Lineage); the attempt tells repeats apart.
+            lineage = self.line.owner(step)
             await self._publish(subjects.train(self.run_id, "step"), TrainStep(
                 run_id=self.run_id, step=step, loss=loss, grad_norm=_finite(report.grad_norm),
                 lr=report.lr, samples_per_s=report.samples_per_s, step_time=report.step_time,
-                rank_step_times=times, rank_nodes=nodes, attempt=self.attempt_no),
-                f"{self.run_id}-step-{step}-a{self.attempt_no}", retry_for=2.0)
+                rank_step_times=times, rank_nodes=nodes, attempt=self.attempt_no,
+                lineage=lineage),
+                f"{self.run_id}-step-{step}-l{lineage}-a{self.attempt_no}", retry_for=2.0)
         if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
             await self._record(latest_step=step)
 
@@ -341,8 +347,10 @@ class AttemptWatch:
         self.metrics.checkpoint(event.blocked_s)
         # A step rewritten after a resume is announced again (the checkpointer's mirror
         # is idempotent), since the first copy may have been lost with the node. Each
-        # node writes its own part of a sharded checkpoint: one event per node.
-        key = f"{self.run_id}-{step}-a{self.attempt_no}-{event.node}"
+        # node writes its own part of a sharded checkpoint: one event per node. The name
+        # carries the lineage: a rollback's checkpoint of the same step is another.
+        key = (f"{self.run_id}-{ck.step_name(step, written.manifest.lineage)}"
+               f"-a{self.attempt_no}-{event.node}")
         await self._publish(subjects.train(self.run_id, "checkpoint"), event,
                             f"ckpt-{key}", retry_for=30.0)
         # The files are on that node's disk only: its own checkpointer mirrors them.

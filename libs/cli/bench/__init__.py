@@ -26,6 +26,7 @@ BENCHES = {
     "serve": "tandem.cli.bench.serve",
     "agent": "tandem.cli.bench.agent",
     "train": "tandem.cli.bench.train",
+    "train-sharded": "tandem.cli.bench.train_sharded",  # = train --sharded, for `bench all`
     "failover": "tandem.cli.bench.failover",
     "scale": "tandem.cli.bench.scale",
 }

@@ -68,7 +68,8 @@ def _write_checkpoint(directory: Path, size: int) -> dict[str, int]:
     return sizes
 
 
-def _clear(s3: Any, bucket: str) -> None:
+def clear_bucket(s3: Any, bucket: str) -> None:
+    """Delete every object of ``bucket`` (between a bench's sides: each starts empty)."""
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -76,23 +77,25 @@ def _clear(s3: Any, bucket: str) -> None:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
-def _raw(tm: Any, bucket: str, directory: Path, prefix: str) -> float:
-    """Every file through one boto3 ``TransferManager`` at once: its parts and small files
-    share ``max_concurrency`` threads, as the mirror's share its pool."""
+def raw_upload(tm: Any, bucket: str, directory: Path, prefix: str) -> float:
+    """Every file under ``directory`` through one boto3 ``TransferManager`` at once (what
+    ``upload_file`` runs on): its parts and small files share ``max_concurrency``
+    threads, as the mirror's share its pool. Returns the seconds it took."""
     t = time.perf_counter()
-    futures = [tm.upload(str(path), bucket, f"{prefix}/{path.name}")
-               for path in sorted(directory.iterdir())]
+    futures = [tm.upload(str(path), bucket, f"{prefix}/{path.relative_to(directory).as_posix()}")
+               for path in sorted(directory.rglob("*")) if path.is_file()]
     for fut in futures:
         fut.result()
     return time.perf_counter() - t
 
 
-def _transfer_manager(s3: Any, args: argparse.Namespace) -> Any:
+def transfer_manager(s3: Any, part_mb: int, concurrency: int) -> Any:
+    """boto3's ``TransferManager`` with the mirror's part size, threshold and concurrency."""
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
     return create_transfer_manager(s3, TransferConfig(
-        multipart_threshold=args.part_mb * MiB, multipart_chunksize=args.part_mb * MiB,
-        max_concurrency=args.concurrency))
+        multipart_threshold=part_mb * MiB, multipart_chunksize=part_mb * MiB,
+        max_concurrency=concurrency))
 
 
 def _tandem(mirror: Any, directory: Path, run: str, step: int) -> float:
@@ -183,17 +186,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                              multipart_threshold=args.part_mb * MiB,
                                              part_size=args.part_mb * MiB,
                                              concurrency=args.concurrency))
-            tm = _transfer_manager(s3, args)
+            tm = transfer_manager(s3, args.part_mb, args.concurrency)
             procs = {"bench process": saturation.this_process, "moto (S3)": s3srv.cpu_seconds}
 
             async def side(name: str, r: int) -> dict[str, Any]:
                 meter = saturation.Meter(procs).start()
                 if name == "raw":
-                    dt = await asyncio.to_thread(_raw, tm, bucket, source, f"raw/{r}")
+                    dt = await asyncio.to_thread(raw_upload, tm, bucket, source, f"raw/{r}")
                 else:
                     dt = await asyncio.to_thread(_tandem, mirror, source, "bench", r + 1)
                 used = meter.stop()
-                _clear(s3, bucket)
+                clear_bucket(s3, bucket)
                 return {"s": dt, "cpu": used.json()}
 
             try:

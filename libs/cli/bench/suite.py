@@ -27,7 +27,7 @@ SERVICE_BENCHES = {
     "gateway": ("serve", "failover", "scale"),
     "inference-worker": ("serve",),
     "checkpointer": ("checkpoint",),
-    "trainer": ("train",),
+    "trainer": ("train", "train-sharded"),
     "cluster-agent": ("agent", "scale"),
 }
 

@@ -8,6 +8,9 @@ training (the copy to CPU) against a synchronous ``torch.save`` of the same stat
 Goals: (a) >= 0.95, (b) <= 0.2, each judged on the median of the per-repeat ratios (a
 repeat: one plain and one tandem segment, their order alternating; (b) pairs the i-th
 checkpoint with the i-th ``torch.save``).
+
+``--sharded``: the same comparison for an FSDP2 run over simulated nodes, with per-rank
+DCP checkpoints and a per-node mirror to S3 (``train_sharded``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +29,47 @@ from tandem.cli.bench import saturation, stats
 GOAL_THROUGHPUT = 0.95
 GOAL_BLOCKED = 0.2
 SMOKE = ("--steps", "3", "--every", "3", "--batch-size", "8")
+# What the options default to (None on the command line: the mode decides).
+DEFAULTS = {"steps": 20, "every": 20, "batch_size": 32, "threads": 1}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=20, help="steps per measured segment")
-    stats.add_repeat(p, 8, "--rounds", what="plain/tandem segment pairs, order alternating")
-    p.add_argument("--every", type=int, default=20, help="checkpoint every k steps")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    from tandem.cli.bench import train_sharded
+
+    p.add_argument("--sharded", action="store_true",
+                   help="FSDP2 over simulated nodes: Tandem (events, async DCP saves, a "
+                   "mirror per node) against a plain FSDP2 loop (tandem.cli.bench."
+                   "train_sharded)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per measured segment (default {DEFAULTS['steps']}; "
+                   f"sharded {train_sharded.DEFAULTS['steps']})")
+    stats.add_repeat(p, 8, "--rounds", what="plain/tandem segment pairs, order alternating "
+                     "(sharded: also mirror/raw upload pairs)")
+    p.add_argument("--every", type=int, default=None,
+                   help=f"checkpoint every k steps (default {DEFAULTS['every']}; sharded "
+                   f"{train_sharded.DEFAULTS['every']})")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"batch per rank (default {DEFAULTS['batch_size']}; sharded "
+                   f"{train_sharded.DEFAULTS['batch_size']})")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads per rank (default {DEFAULTS['threads']}; sharded: "
+                   "the machine's cores shared by every rank)")
     p.add_argument("--config", help="run config (JSON) to benchmark instead of the default")
+    train_sharded.add_options(p)
+
+
+def _resolved(args: argparse.Namespace, defaults: dict[str, Any]) -> argparse.Namespace:
+    """``args`` with each option left unset taking the mode's default."""
+    return argparse.Namespace(**{**vars(args), **{
+        k: v for k, v in defaults.items() if getattr(args, k, None) is None}})
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.sharded:
+        from tandem.cli.bench import train_sharded
+
+        return await train_sharded.run(args)
+    args = _resolved(args, DEFAULTS)
     import msgspec
 
     from tandem.cli.devstack import scratch_nats
@@ -63,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 checkpoint_root=root / "ckpt", work_root=root / "work", cluster="bench",
                 node="bench"), "bench", cfg, LocalLauncher(), log.get("tandem.bench"))
             relay = await asyncio.start_server(sup.handle_connection, "127.0.0.1", 0)
-            pump = asyncio.create_task(_pump(sup))
+            pump = asyncio.create_task(relay_pump(sup))
             spec = LaunchSpec(
                 run_id="bench", attempt=1, config=cfg.model_dump(mode="json"),
                 checkpoint_root=str(root / "ckpt"), attempt_dir=str(root / "work"),
@@ -77,7 +110,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             meter = saturation.Meter({}).start()  # the machine, while the rank runs
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tandem.cli.bench.train_rank", str(spec_path),
-                str(root / "out.json"), env={**_env(), "OMP_NUM_THREADS": str(args.threads)})
+                str(root / "out.json"),
+                env={**bench_env(), "OMP_NUM_THREADS": str(args.threads)})
             code = await proc.wait()
             machine = meter.stop()
             if code != 0:
@@ -145,24 +179,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _pump(sup: Any) -> None:
-    """The coordinator's relay, minus the watchdog: rank messages become bus events,
-    until the rank's connection closes."""
-    while True:
+async def relay_pump(sup: Any, ranks: int = 1,
+                     on_message: Callable[[Any], None] | None = None) -> None:
+    """The coordinator's relay, minus the watchdog: rank messages become bus events
+    (and are handed to ``on_message``), until ``ranks`` connections have closed."""
+    closed = 0
+    while closed < ranks:
         item = await sup.q.get()
         if item[0] == "msg":
             await sup.relay(item[3])
+            if on_message is not None:
+                on_message(item[3])
         elif item[0] == "closed":
-            return
+            closed += 1
 
 
-def _env() -> dict[str, str]:
+def bench_env() -> dict[str, str]:
+    """This environment without ``TANDEM_*`` settings: a bench's children get only the
+    ones it gives them."""
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
 
 
 def render(r: dict[str, Any]) -> str:
+    if "sharded" in r:
+        from tandem.cli.bench import train_sharded
+
+        return train_sharded.render(r)
     t, c = r["throughput"], r["checkpoint"]
     return "\n".join([
         f"tandem bench train: {r['model']} batch {r['batch_size']}, checkpoint every "

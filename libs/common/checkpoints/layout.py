@@ -12,11 +12,19 @@ Locally, under ``<checkpoint_root>/<run>/``::
         model.safetensors  ema.safetensors  optimizer.pt  scheduler.pt  rng.pt
         trainer.pt  model_config.json  manifest.json
     step-<N>.corrupt/      failed verification; kept for forensics, never loaded
+    step-<N>-l<L>/         the same, written in lineage L >= 1 (after L rollbacks)
+
+A checkpoint's identity is its step *and* its lineage (``CheckpointId``, ``lineage``):
+a rollback trains the same step numbers again in a new lineage, whose checkpoints get
+names, keys and manifests of their own. Readers keep only those of the run's current
+history (a ``Lineage``, the ``line`` argument of the listing functions; without one,
+lineage 0's), on which a step number names one checkpoint again.
 
 In S3 (``run`` and file names are validated; nothing can escape the prefix)::
 
     runs/<run>/checkpoints/step-<N>/<file>            every file of the checkpoint
     runs/<run>/checkpoints/step-<N>/manifest.json     names, sizes, sha256; written LAST
+    runs/<run>/checkpoints/step-<N>-l<L>/...          the same, of lineage L >= 1
 
 ``manifest.json`` lists every other file with its size and sha256. Locally it is
 written before the rename, so a folder named ``step-<N>`` always has one; in S3 it is
@@ -41,6 +49,7 @@ In S3, each node's checkpointer records its part once every file of it is stored
 verified, beside the files::
 
     runs/<run>/checkpoints/step-<N>/parts/a<attempt>/<node>.json   the node's part manifest
+    runs/<run>/checkpoints/step-<N>-l<L>/parts/a<attempt>/<node>.json   the same, lineage L
 
 The checkpoint is committed (``manifest.json``, the merge of the parts of one attempt)
 only when those records together make it whole. ``parts/`` is reserved: no checkpoint
@@ -54,6 +63,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -62,11 +72,13 @@ from tandem.common.events import CheckpointManifest, FileEntry
 from tandem.common.storage import s3_uri
 from tandem.common.subjects import token
 
+from .lineage import Lineage
+
 MANIFEST = "manifest.json"
 INCOMPLETE = ".incomplete"
 CORRUPT = ".corrupt"
 CHUNK = 1 << 20
-_STEP = re.compile(r"step-(0|[1-9][0-9]{0,17})")
+_STEP = re.compile(r"step-(0|[1-9][0-9]{0,17})(?:-l([1-9][0-9]{0,8}))?")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME_PART = re.compile(r"[A-Za-z0-9_.+=-]{1,128}")
 MAX_NAME = 512
@@ -83,16 +95,37 @@ _SHARD = re.compile(rf"{SHARD_DIR}/__(0|[1-9][0-9]{{0,5}})_(0|[1-9][0-9]{{0,5}})
 # ----------------------------------------------------------------------------------- names
 
 
-def step_name(step: int) -> str:
+def step_name(step: int, lineage: int = 0) -> str:
+    """``step-<N>`` (lineage 0) or ``step-<N>-l<lineage>``: a checkpoint's folder name."""
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
-    return f"step-{step}"
+    if not isinstance(lineage, int) or lineage < 0:
+        raise ValueError(f"checkpoint lineage must be an integer >= 0, got {lineage!r}")
+    return f"step-{step}-l{lineage}" if lineage else f"step-{step}"
+
+
+class CheckpointId(NamedTuple):
+    """Which checkpoint: its step and the lineage that wrote it (``lineage``)."""
+
+    step: int
+    lineage: int = 0
+
+    @property
+    def name(self) -> str:
+        return step_name(self.step, self.lineage)
+
+
+def parse_checkpoint(name: str) -> CheckpointId | None:
+    """``step-12`` -> (12, 0), ``step-12-l2`` -> (12, 2); anything else
+    (``step-12.incomplete``, ``latest``) -> None."""
+    m = _STEP.fullmatch(name)
+    return CheckpointId(int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def parse_step(name: str) -> int | None:
-    """``step-12`` -> 12; anything else (``step-12.incomplete``, ``latest``) -> None."""
-    m = _STEP.fullmatch(name)
-    return int(m.group(1)) if m else None
+    """The step of a checkpoint's name (``parse_checkpoint``), of any lineage; else None."""
+    c = parse_checkpoint(name)
+    return c.step if c else None
 
 
 def check_name(name: str) -> str:
@@ -120,45 +153,56 @@ def run_prefix(run_id: str) -> str:
     return f"runs/{token(run_id, 'run id')}/checkpoints/"
 
 
-def step_prefix(run_id: str, step: int) -> str:
-    return f"{run_prefix(run_id)}{step_name(step)}/"
+def step_prefix(run_id: str, step: int, lineage: int = 0) -> str:
+    return f"{run_prefix(run_id)}{step_name(step, lineage)}/"
 
 
-def object_key(run_id: str, step: int, name: str) -> str:
-    return step_prefix(run_id, step) + (name if name == MANIFEST else check_name(name))
+def object_key(run_id: str, step: int, name: str, lineage: int = 0) -> str:
+    return step_prefix(run_id, step, lineage) + (name if name == MANIFEST else check_name(name))
 
 
-def manifest_key(run_id: str, step: int) -> str:
-    return step_prefix(run_id, step) + MANIFEST
+def manifest_key(run_id: str, step: int, lineage: int = 0) -> str:
+    return step_prefix(run_id, step, lineage) + MANIFEST
 
 
-def parts_prefix(run_id: str, step: int, attempt: int) -> str:
-    """Where the records of the parts of ``step`` written by ``attempt`` are."""
+def parts_prefix(run_id: str, step: int, attempt: int, lineage: int = 0) -> str:
+    """Where the records of the parts of ``step`` of ``lineage`` written by ``attempt``
+    are (inside that checkpoint's own prefix, so a rollback's step N never shares them)."""
     if not isinstance(attempt, int) or attempt < 0:
         raise ValueError(f"attempt must be an integer >= 0, got {attempt!r}")
-    return f"{step_prefix(run_id, step)}{PARTS}/a{attempt}/"
+    return f"{step_prefix(run_id, step, lineage)}{PARTS}/a{attempt}/"
 
 
-def part_key(run_id: str, step: int, attempt: int, node: str) -> str:
-    """The record of ``node``'s part of ``step`` (written by ``attempt``) in S3."""
-    return f"{parts_prefix(run_id, step, attempt)}{token(node, 'node')}.json"
+def part_key(run_id: str, step: int, attempt: int, node: str, lineage: int = 0) -> str:
+    """The record of ``node``'s part of ``step`` of ``lineage`` (written by ``attempt``)."""
+    return f"{parts_prefix(run_id, step, attempt, lineage)}{token(node, 'node')}.json"
 
 
-def checkpoint_uri(bucket: str, run_id: str, step: int) -> str:
-    return s3_uri(bucket, step_prefix(run_id, step))
+def checkpoint_uri(bucket: str, run_id: str, step: int, lineage: int = 0) -> str:
+    return s3_uri(bucket, step_prefix(run_id, step, lineage))
 
 
-def steps_in_listing(keys: Iterable[str], run_id: str) -> dict[int, bool]:
-    """The steps that S3 keys under ``run_prefix(run_id)`` belong to -> whether each is
-    committed (its manifest is among the keys), oldest first."""
+def checkpoints_in_listing(keys: Iterable[str], run_id: str) -> dict[CheckpointId, bool]:
+    """The checkpoints (of every lineage) that S3 keys under ``run_prefix(run_id)``
+    belong to -> whether each is committed (its manifest is among the keys), oldest
+    first."""
     prefix = run_prefix(run_id)
-    out: dict[int, bool] = {}
+    out: dict[CheckpointId, bool] = {}
     for key in keys:
         head, _, rest = key[len(prefix):].partition("/")
-        step = parse_step(head)
-        if key.startswith(prefix) and step is not None:
-            out[step] = out.get(step, False) or rest == MANIFEST
+        cid = parse_checkpoint(head)
+        if key.startswith(prefix) and cid is not None:
+            out[cid] = out.get(cid, False) or rest == MANIFEST
     return dict(sorted(out.items()))
+
+
+def steps_in_listing(keys: Iterable[str], run_id: str,
+                     line: Lineage | None = None) -> dict[int, bool]:
+    """``checkpoints_in_listing`` of the checkpoints ``line``'s history holds (without
+    it: lineage 0's), by step."""
+    line = line or Lineage()
+    return {c.step: done for c, done in checkpoints_in_listing(keys, run_id).items()
+            if line.holds(*c)}
 
 
 # ---------------------------------------------------------------------------- local paths
@@ -168,12 +212,12 @@ def run_dir(root: str | Path, run_id: str) -> Path:
     return Path(root) / run_id
 
 
-def step_dir(root: str | Path, run_id: str, step: int) -> Path:
-    return run_dir(root, run_id) / step_name(step)
+def step_dir(root: str | Path, run_id: str, step: int, lineage: int = 0) -> Path:
+    return run_dir(root, run_id) / step_name(step, lineage)
 
 
-def incomplete_dir(root: str | Path, run_id: str, step: int) -> Path:
-    return run_dir(root, run_id) / (step_name(step) + INCOMPLETE)
+def incomplete_dir(root: str | Path, run_id: str, step: int, lineage: int = 0) -> Path:
+    return run_dir(root, run_id) / (step_name(step, lineage) + INCOMPLETE)
 
 
 def corrupt_dir(path: Path) -> Path:
@@ -181,28 +225,40 @@ def corrupt_dir(path: Path) -> Path:
     return path.with_name(path.name + CORRUPT)
 
 
-def local_steps(parent: str | Path) -> list[tuple[int, Path]]:
-    """The whole ``step-<N>`` folders in ``parent`` (one run's folder), newest first;
-    ``.incomplete`` and ``.corrupt`` ones are not steps."""
+def local_checkpoints(parent: str | Path) -> list[tuple[CheckpointId, Path]]:
+    """The whole checkpoint folders of every lineage in ``parent`` (one run's folder),
+    newest first; ``.incomplete`` and ``.corrupt`` ones are not checkpoints."""
     d = Path(parent)
     if not d.is_dir():
         return []
-    return sorted(((s, p) for p in d.iterdir()
-                   if (s := parse_step(p.name)) is not None and p.is_dir()), reverse=True)
+    return sorted(((c, p) for p in d.iterdir()
+                   if (c := parse_checkpoint(p.name)) is not None and p.is_dir()),
+                  reverse=True)
+
+
+def local_steps(parent: str | Path, line: Lineage | None = None) -> list[tuple[int, Path]]:
+    """The whole checkpoint folders in ``parent`` that ``line``'s history holds (without
+    it: lineage 0's), by step, newest first."""
+    line = line or Lineage()
+    return [(c.step, p) for c, p in local_checkpoints(parent) if line.holds(*c)]
 
 
 # -------------------------------------------------------------------------------- manifest
 
 
 def validate_manifest(manifest: CheckpointManifest, run_id: str | None = None,
-                      step: int | None = None) -> CheckpointManifest:
-    """Return ``manifest`` if it is well formed (and for ``run_id``/``step``), else ValueError."""
+                      step: int | None = None, lineage: int | None = None
+                      ) -> CheckpointManifest:
+    """Return ``manifest`` if it is well formed (and for ``run_id``/``step``/``lineage``),
+    else ValueError."""
     token(manifest.run_id, "run id")
     if run_id is not None and manifest.run_id != run_id:
         raise ValueError(f"manifest is for run {manifest.run_id!r}, expected {run_id!r}")
     if step is not None and manifest.step != step:
         raise ValueError(f"manifest is for step {manifest.step}, expected {step}")
-    step_name(manifest.step)
+    if lineage is not None and manifest.lineage != lineage:
+        raise ValueError(f"manifest is of lineage {manifest.lineage}, expected {lineage}")
+    step_name(manifest.step, manifest.lineage)
     if not manifest.files:
         raise ValueError("manifest lists no files")
     if manifest.kind not in (FULL, SHARDED):
@@ -288,37 +344,40 @@ def _union(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
     first = parts[0]
     files: dict[str, FileEntry] = {}
     for p in parts:
-        if (p.kind, p.run_id, p.step, p.world_size) != (SHARDED, first.run_id, first.step,
-                                                        first.world_size):
+        if (p.kind, p.run_id, p.step, p.lineage, p.world_size) != (
+                SHARDED, first.run_id, first.step, first.lineage, first.world_size):
             raise ValueError(f"part {p.part!r} is not of the same sharded checkpoint "
-                             f"({p.run_id} step {p.step}, {p.world_size} ranks)")
+                             f"({p.run_id} {step_name(p.step, p.lineage)}, "
+                             f"{p.world_size} ranks)")
         for f in p.files:
             seen = files.setdefault(f.name, f)
             if (seen.size, seen.sha256) != (f.size, f.sha256):
                 raise ValueError(f"{f.name} differs between parts")
     return CheckpointManifest(
         run_id=first.run_id, step=first.step, files=sorted(files.values(), key=lambda f: f.name),
-        kind=SHARDED, world_size=first.world_size)
+        kind=SHARDED, world_size=first.world_size, lineage=first.lineage)
 
 
 def encode_manifest(manifest: CheckpointManifest) -> bytes:
     return msgspec.json.encode(manifest)
 
 
-def parse_manifest(data: bytes, run_id: str | None = None,
-                   step: int | None = None) -> CheckpointManifest:
+def parse_manifest(data: bytes, run_id: str | None = None, step: int | None = None,
+                   lineage: int | None = None) -> CheckpointManifest:
     """Decode and validate a stored manifest; ValueError (saying why) if it is not one."""
     try:
         manifest = msgspec.json.decode(data, type=CheckpointManifest)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(str(exc)) from None
-    return validate_manifest(manifest, run_id, step)
+    return validate_manifest(manifest, run_id, step, lineage)
 
 
-def decode_manifest(data: bytes, run_id: str, step: int) -> CheckpointManifest:
-    """``parse_manifest`` for a stored commit; ``CheckpointCorrupt`` if it is not one."""
+def decode_manifest(data: bytes, run_id: str, step: int, lineage: int = 0
+                    ) -> CheckpointManifest:
+    """``parse_manifest`` for a stored commit (of ``step`` in ``lineage``);
+    ``CheckpointCorrupt`` if it is not one."""
     try:
-        manifest = parse_manifest(data, run_id, step)
+        manifest = parse_manifest(data, run_id, step, lineage)
     except ValueError as exc:
         raise CheckpointCorrupt(run_id, step, MANIFEST, f"invalid manifest: {exc}") from None
     try:
@@ -340,13 +399,14 @@ def covers(whole: CheckpointManifest, part: CheckpointManifest) -> bool:
     """Whether ``whole`` lists every file of ``part`` with the same size and sha256 (a
     node's part of a checkpoint already committed with these bytes)."""
     listed = {f.name: (f.size, f.sha256) for f in whole.files}
-    return (whole.run_id, whole.step) == (part.run_id, part.step) and all(
+    return (whole.run_id, whole.step, whole.lineage) == (
+        part.run_id, part.step, part.lineage) and all(
         listed.get(f.name) == (f.size, f.sha256) for f in part.files)
 
 
 def same_files(a: CheckpointManifest, b: CheckpointManifest) -> bool:
     """Whether two manifests describe the same bytes (timestamps aside)."""
-    key = lambda m: (m.run_id, m.step, m.kind, m.world_size, m.part,  # noqa: E731
+    key = lambda m: (m.run_id, m.step, m.lineage, m.kind, m.world_size, m.part,  # noqa: E731
                      sorted((f.name, f.size, f.sha256) for f in m.files))
     return key(a) == key(b)
 
@@ -364,7 +424,7 @@ def b64(hex_digest: str) -> str:
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
-def scan(directory: Path, run_id: str, step: int) -> CheckpointManifest:
+def scan(directory: Path, run_id: str, step: int, lineage: int = 0) -> CheckpointManifest:
     """Build the manifest of a local checkpoint directory (every file but a manifest)."""
     files = []
     for p in sorted(directory.rglob("*")):
@@ -374,7 +434,8 @@ def scan(directory: Path, run_id: str, step: int) -> CheckpointManifest:
                 continue
             files.append(FileEntry(name=check_name(name), size=p.stat().st_size,
                                    sha256=sha256_file(p)))
-    return validate_manifest(CheckpointManifest(run_id=run_id, step=step, files=files))
+    return validate_manifest(CheckpointManifest(run_id=run_id, step=step, files=files,
+                                                lineage=lineage))
 
 
 # ------------------------------------------------------------------------------- retention

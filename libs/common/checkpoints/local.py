@@ -27,6 +27,7 @@ from tandem.common.events import CheckpointManifest
 from .layout import (
     INCOMPLETE,
     MANIFEST,
+    CheckpointId,
     corrupt_dir,
     encode_manifest,
     incomplete_dir,
@@ -38,6 +39,7 @@ from .layout import (
     sharded,
     step_name,
 )
+from .lineage import Lineage
 
 
 def _fsync(path: Path) -> None:
@@ -48,10 +50,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def prepare_incomplete(root: str | Path, run_id: str, step: int) -> Path:
-    """An empty ``step-<N>.incomplete/`` to write a checkpoint into (a leftover of an
-    interrupted write of the same step is removed first)."""
-    tmp = incomplete_dir(root, run_id, step)
+def prepare_incomplete(root: str | Path, run_id: str, step: int, lineage: int = 0) -> Path:
+    """An empty ``step-<N>.incomplete/`` (of ``lineage``) to write a checkpoint into (a
+    leftover of an interrupted write of the same checkpoint is removed first)."""
+    tmp = incomplete_dir(root, run_id, step, lineage)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -59,22 +61,23 @@ def prepare_incomplete(root: str | Path, run_id: str, step: int) -> Path:
 
 
 def commit(run_id: str, step: int, tmp: Path, *, world_size: int = 0,
-           node: str = "") -> tuple[Path, CheckpointManifest]:
-    """Write the manifest into ``tmp``, fsync everything and rename it to ``step-<N>``.
+           node: str = "", lineage: int = 0) -> tuple[Path, CheckpointManifest]:
+    """Write the manifest into ``tmp``, fsync everything and rename it to ``step-<N>``
+    (``step-<N>-l<lineage>`` in a lineage after a rollback).
 
     A crash at any point leaves either ``step-<N>.incomplete`` (ignored) or a whole
     ``step-<N>``. An existing ``step-<N>`` (a deterministic rewrite after a resume) is
     replaced. ``world_size`` > 0 commits a sharded checkpoint (``layout.sharded``): the
     manifest is a whole one when ``tmp`` holds every rank's shards, else ``node``'s part.
     """
-    manifest = scan(tmp, run_id, step)
+    manifest = scan(tmp, run_id, step, lineage)
     if world_size:
         manifest = sharded(manifest, world_size, node)
     (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
     for p in tmp.rglob("*"):
         if p.is_file():
             _fsync(p)
-    final = tmp.with_name(step_name(step))
+    final = tmp.with_name(step_name(step, lineage))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -113,9 +116,11 @@ def verify(path: Path) -> CheckpointManifest:
     return manifest
 
 
-def complete_steps(root: str | Path, run_id: str) -> list[tuple[int, Path]]:
-    """Whole checkpoints of the run, newest first (``.incomplete``/``.corrupt`` excluded)."""
-    return local_steps(run_dir(root, run_id))
+def complete_steps(root: str | Path, run_id: str,
+                   line: Lineage | None = None) -> list[tuple[int, Path]]:
+    """Whole checkpoints of the run that ``line``'s history holds (without it: lineage
+    0's), by step, newest first (``.incomplete``/``.corrupt`` excluded)."""
+    return local_steps(run_dir(root, run_id), line)
 
 
 @dataclass
@@ -132,15 +137,16 @@ class Rejected:
     reason: str
 
 
-def newest_valid(root: str | Path, run_id: str,
-                 before: int | None = None) -> tuple[Resume | None, list[Rejected]]:
-    """The newest checkpoint that verifies (optionally with step < ``before``).
+def newest_valid(root: str | Path, run_id: str, before: int | None = None,
+                 line: Lineage | None = None) -> tuple[Resume | None, list[Rejected]]:
+    """The newest checkpoint of ``line``'s history (without it: lineage 0's) that
+    verifies (optionally with step < ``before``); an abandoned lineage's is never one.
 
     Each one that fails verification on the way is renamed ``step-<N>.corrupt`` (so it
     is never picked again, and kept for forensics) and returned in the second element.
     """
     rejected: list[Rejected] = []
-    for step, path in complete_steps(root, run_id):
+    for step, path in complete_steps(root, run_id, line):
         if before is not None and step >= before:
             continue
         try:
@@ -168,11 +174,12 @@ def remove_incomplete(root: str | Path, run_id: str) -> list[str]:
     return gone
 
 
-def remove_steps(parent: Path, steps: Iterable[int]) -> list[int]:
-    """Delete the whole ``parent/step-<N>`` folders of ``steps`` (``parent`` is one run's
-    folder); return the steps deleted. The caller has decided they are committed."""
+def remove_steps(parent: Path, checkpoints: Iterable[CheckpointId]) -> list[CheckpointId]:
+    """Delete the whole checkpoint folders of ``checkpoints`` in ``parent`` (one run's
+    folder); return those deleted. The caller has decided they are committed, or
+    abandoned by a rollback."""
     gone = []
-    for step in steps:
-        shutil.rmtree(parent / step_name(step), ignore_errors=True)
-        gone.append(step)
+    for c in checkpoints:
+        shutil.rmtree(parent / c.name, ignore_errors=True)
+        gone.append(c)
     return gone

@@ -1,9 +1,19 @@
 """What the inference worker loads from a trainer checkpoint, verified, as a model.
 
 ``load_serving`` goes through ``store.restore`` (every byte checked, fallback to the
-previous committed checkpoint); the architecture is the checkpoint's own
-``model_config.json``. torch is imported inside ``load_serving`` only, so importing
-this module (the checkpointer does, through the package) needs no torch.
+previous committed checkpoint of the run's current history); the architecture is the
+checkpoint's own ``model_config.json``. torch is imported inside ``load_serving`` only,
+so importing this module (the checkpointer does, through the package) needs no torch.
+
+A sharded checkpoint (an FSDP run: DCP shards of every rank, ``layout``) is consolidated
+on load: the worker downloads and verifies every shard file, and ``dcp.full_weights``
+reads the model and EMA tensors out of them into one whole model in this process.
+Consolidating here, rather than having the checkpointer write a safetensors copy
+before the commit, keeps the checkpointer free of torch (it only moves bytes) and the
+commit as fast as the shards' upload, and costs the training ranks nothing (no
+all-gather of a model that fits no single GPU); the price is on the worker's side: it
+downloads the optimizer state too (the shard files hold every part of the state), about
+twice the bytes it serves, once per checkpoint it loads.
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from typing import Any
 from tandem.common.errors import CheckpointCorrupt
 from tandem.common.events import CheckpointManifest
 
-from .layout import step_name
+from .layout import DCP_METADATA, SHARDED, shard_rank, step_name
+from .lineage import Lineage
 from .store import restore
 
 MODEL_WEIGHTS = "model.safetensors"
@@ -25,8 +36,13 @@ MODEL_CONFIG = "model_config.json"
 
 
 def serving_files(manifest: CheckpointManifest) -> list[str]:
-    """What a worker needs from a trainer checkpoint: weights (model, EMA) and config."""
+    """What a worker needs from a trainer checkpoint: weights (model, EMA) and config;
+    of a sharded one, every rank's shards (which hold the weights), the DCP metadata and
+    the config."""
     names = {f.name for f in manifest.files}
+    if manifest.kind == SHARDED:
+        shards = sorted(n for n in names if shard_rank(n) is not None)
+        return [*shards, DCP_METADATA, *([MODEL_CONFIG] if MODEL_CONFIG in names else [])]
     if MODEL_WEIGHTS not in names:
         raise CheckpointCorrupt(manifest.run_id, manifest.step, MODEL_WEIGHTS,
                                 "missing from the manifest")
@@ -43,10 +59,11 @@ class ServingModel:
     run_id: str
     step: int
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newer ones passed over
+    lineage: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.run_id}/{step_name(self.step)}"
+        return f"{self.run_id}/{step_name(self.step, self.lineage)}"
 
 
 def _plain(value: Any) -> Any:
@@ -68,15 +85,18 @@ def config_mismatch(declared: dict[str, Any], stored: dict[str, Any],
 
 def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any = None,
                  bucket: str | None = None, step: int | None = None,
-                 fallback: bool = True) -> ServingModel:
-    """The newest committed checkpoint of ``run_id`` (or ``step``), verified, as a model.
+                 fallback: bool = True, line: Lineage | None = None) -> ServingModel:
+    """The newest committed checkpoint of ``run_id`` (or ``step``) in ``line``'s history
+    (without it: lineage 0's), verified, as a model.
 
     The architecture comes from the checkpoint's ``model_config.json`` (else ``config``);
     an architecture field that ``config`` declares differently is a ``CheckpointError``
     naming each field, never a model of the wrong shape. The weights are
     ``model.safetensors`` with the EMA weights laid over it when the checkpoint has
-    them; weights that do not fit the architecture are a ``CheckpointError`` too.
-    Tensors only, from safetensors: nothing is unpickled. A corrupt checkpoint is
+    them; weights that do not fit the architecture are a ``CheckpointError`` too. A
+    sharded checkpoint's weights come from its DCP shards (``dcp.full_weights``: DCP's
+    metadata through an allow-listing unpickler). Otherwise tensors only, from
+    safetensors: nothing is unpickled. A corrupt checkpoint is
     skipped for the previous committed one unless ``fallback`` is False (``restore``).
     Imports torch, so only the inference worker calls it. S3 comes from ``TANDEM_S3_*``
     unless given.
@@ -99,7 +119,7 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
     declared = dict(config or {})
     with tempfile.TemporaryDirectory(prefix="tandem-serving-") as tmp:
         r = restore(s3, bucket, run_id, Path(tmp), step=step, fallback=fallback,
-                    files=serving_files)
+                    files=serving_files, line=line)
         cfg_path = r.path / MODEL_CONFIG
         try:
             mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
@@ -116,9 +136,13 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
                                   f"than the checkpoint's {MODEL_CONFIG}: " + "; ".join(wrong))
         unet = build_denoiser(cfg)
         try:
-            unet.load_state_dict(load_file(str(r.path / MODEL_WEIGHTS)))
-            ema = load_file(str(r.path / EMA_WEIGHTS)) if (r.path / EMA_WEIGHTS).exists() \
-                else {}
+            if r.manifest.kind == SHARDED:
+                weights, ema = _consolidated(r.path, r.manifest, unet)
+            else:
+                weights = load_file(str(r.path / MODEL_WEIGHTS))
+                ema = load_file(str(r.path / EMA_WEIGHTS)) if (r.path / EMA_WEIGHTS).exists() \
+                    else {}
+            unet.load_state_dict(weights)
             _, unexpected = unet.load_state_dict(ema, strict=False)
         except RuntimeError as exc:  # missing/unexpected keys, shapes that do not fit
             raise CheckpointError(run_id, r.step, f"weights do not fit the architecture of "
@@ -127,7 +151,27 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
             raise CheckpointError(run_id, r.step, f"EMA weights for unknown parameters: "
                                   f"{sorted(unexpected)[:5]}")
     return ServingModel(unet=unet.eval(), scheduler=build_scheduler(cfg), config=stored,
-                        run_id=run_id, step=r.step, skipped=r.skipped)
+                        run_id=run_id, step=r.step, skipped=r.skipped, lineage=r.lineage)
+
+
+def _consolidated(path: Path, manifest: CheckpointManifest, model: Any) -> tuple[Any, Any]:
+    """A sharded checkpoint's whole weights and EMA for ``model``. A key the checkpoint
+    lacks or a shape that differs (DCP's errors) is a ``RuntimeError``, as the
+    safetensors path's are; a metadata file that points outside the manifest or holds
+    more than DCP's classes is ``CheckpointCorrupt``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tandem.common.errors import CheckpointCorrupt as Corrupt
+
+    from .dcp import full_weights
+    from .local import CorruptCheckpoint
+
+    try:
+        return full_weights(path, manifest, model)
+    except CorruptCheckpoint as exc:
+        raise Corrupt(manifest.run_id, manifest.step, DCP_METADATA, exc.reason) from None
+    except (CheckpointException, ValueError) as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def load_serving_model(run_id: str, config: dict[str, Any] | None = None, *,

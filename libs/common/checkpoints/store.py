@@ -12,6 +12,10 @@ and ``restore`` falls back to the previous committed checkpoint when one is corr
 A reader that already knows the step (the worker, told by ``ckpt.<run>.mirrored``)
 passes it with ``fallback=False`` and nothing is listed.
 
+Listing and restore see one history: the checkpoints that ``line`` (the run's
+``Lineage``, from its record's ``forks``) holds; without it, lineage 0's. A checkpoint
+of an abandoned lineage is never restored.
+
 Blocking (boto3); call from a thread in async code. No torch here: the files are bytes;
 what loads them uses safetensors (tensors) or ``torch.load(weights_only=True)``.
 """
@@ -33,6 +37,8 @@ from .layout import (
     CHUNK,
     INCOMPLETE,
     MANIFEST,
+    CheckpointId,
+    checkpoints_in_listing,
     decode_manifest,
     encode_manifest,
     manifest_key,
@@ -40,8 +46,8 @@ from .layout import (
     run_prefix,
     step_name,
     step_prefix,
-    steps_in_listing,
 )
+from .lineage import Lineage
 
 # --------------------------------------------------------------------------------- listing
 
@@ -51,8 +57,9 @@ def _is_missing(exc: Exception) -> bool:
     return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
 
 
-def list_steps(s3: Any, bucket: str, run_id: str) -> dict[int, bool]:
-    """Every step with objects under the run's prefix -> whether it is committed."""
+def list_checkpoints(s3: Any, bucket: str, run_id: str) -> dict[CheckpointId, bool]:
+    """Every checkpoint (of every lineage) with objects under the run's prefix ->
+    whether it is committed, oldest first."""
     keys: list[str] = []
     paginator = s3.get_paginator("list_objects_v2")
     try:
@@ -62,17 +69,29 @@ def list_steps(s3: Any, bucket: str, run_id: str) -> dict[int, bool]:
         if _is_missing(exc):
             return {}
         raise
-    return steps_in_listing(keys, run_id)
+    return checkpoints_in_listing(keys, run_id)
 
 
-def committed_steps(s3: Any, bucket: str, run_id: str) -> list[int]:
-    """Committed steps of a run (those whose manifest is stored), oldest first."""
-    return [s for s, done in list_steps(s3, bucket, run_id).items() if done]
+def list_steps(s3: Any, bucket: str, run_id: str,
+               line: Lineage | None = None) -> dict[int, bool]:
+    """Every step of ``line``'s history with objects under the run's prefix -> whether
+    it is committed."""
+    line = line or Lineage()
+    return {c.step: done for c, done in list_checkpoints(s3, bucket, run_id).items()
+            if line.holds(*c)}
 
 
-def newest_committed(s3: Any, bucket: str, run_id: str) -> int | None:
-    """The newest committed step of a run, or None. (Not yet verified: see ``download``.)"""
-    steps = committed_steps(s3, bucket, run_id)
+def committed_steps(s3: Any, bucket: str, run_id: str,
+                    line: Lineage | None = None) -> list[int]:
+    """Committed steps of ``line``'s history (manifest stored), oldest first."""
+    return [s for s, done in list_steps(s3, bucket, run_id, line).items() if done]
+
+
+def newest_committed(s3: Any, bucket: str, run_id: str,
+                     line: Lineage | None = None) -> int | None:
+    """The newest committed step of ``line``'s history, or None. (Not yet verified: see
+    ``download``.)"""
+    steps = committed_steps(s3, bucket, run_id, line)
     return steps[-1] if steps else None
 
 
@@ -80,28 +99,34 @@ class _NotCommitted(CheckpointNotFound):
     """The step has no manifest (``read_manifest``), as opposed to lacking a file."""
 
 
-def read_manifest(s3: Any, bucket: str, run_id: str, step: int) -> CheckpointManifest:
-    """The committed manifest of ``step``; ``CheckpointNotFound`` / ``CheckpointCorrupt``."""
+def read_manifest(s3: Any, bucket: str, run_id: str, step: int,
+                  lineage: int = 0) -> CheckpointManifest:
+    """The committed manifest of ``step`` (of ``lineage``); ``CheckpointNotFound`` /
+    ``CheckpointCorrupt``."""
     try:
-        data = s3.get_object(Bucket=bucket, Key=manifest_key(run_id, step))["Body"].read()
+        data = s3.get_object(Bucket=bucket,
+                             Key=manifest_key(run_id, step, lineage))["Body"].read()
     except Exception as exc:
         if _is_missing(exc):
-            raise _NotCommitted(run_id, step, "not committed (no manifest.json)",
-                                committed_steps(s3, bucket, run_id)) from None
+            listed = list_checkpoints(s3, bucket, run_id)
+            raise _NotCommitted(run_id, step, f"{step_name(step, lineage)} not committed "
+                                "(no manifest.json)", sorted(
+                                    {c.step for c, done in listed.items() if done})) from None
         raise
-    return decode_manifest(data, run_id, step)
+    return decode_manifest(data, run_id, step, lineage)
 
 
 # -------------------------------------------------------------------------------- download
 
 
-def _download_file(s3: Any, bucket: str, run_id: str, step: int, entry: FileEntry,
-                   dest: Path) -> None:
+def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
+                   entry: FileEntry, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
     try:
-        body = s3.get_object(Bucket=bucket, Key=object_key(run_id, step, entry.name))["Body"]
+        body = s3.get_object(Bucket=bucket,
+                             Key=object_key(run_id, step, entry.name, lineage))["Body"]
     except Exception as exc:
         if _is_missing(exc):
             raise CheckpointCorrupt(run_id, step, entry.name, "missing from S3") from None
@@ -122,8 +147,9 @@ def _download_file(s3: Any, bucket: str, run_id: str, step: int, entry: FileEntr
 
 def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
              files: Iterable[str] | None = None, manifest: CheckpointManifest | None = None,
-             concurrency: int = 8) -> Path:
-    """Download committed ``step`` into ``dest/step-<N>/`` and verify every byte.
+             concurrency: int = 8, lineage: int = 0) -> Path:
+    """Download committed ``step`` (of ``lineage``, or ``manifest``'s) into
+    ``dest/step-<N>/`` (``step-<N>-l<L>/``) and verify every byte.
 
     Files land in ``step-<N>.incomplete/`` first and the directory is renamed only when
     every file matches the manifest's size and sha256, so ``dest/step-<N>`` is always
@@ -131,7 +157,8 @@ def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
     names (the inference worker needs only the weights). Writes the manifest beside the
     files. Raises ``CheckpointNotFound`` or ``CheckpointCorrupt`` (naming the file).
     """
-    manifest = manifest or read_manifest(s3, bucket, run_id, step)
+    manifest = manifest or read_manifest(s3, bucket, run_id, step, lineage)
+    lineage = manifest.lineage
     entries = manifest.files
     if files is not None:
         wanted = set(files)
@@ -140,14 +167,14 @@ def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
             raise CheckpointNotFound(run_id, step, f"no file(s) {sorted(missing)} in manifest")
         entries = [f for f in entries if f.name in wanted]
     dest = Path(dest)
-    final = dest / step_name(step)
-    tmp = dest / (step_name(step) + INCOMPLETE)
+    final = dest / step_name(step, lineage)
+    tmp = dest / (step_name(step, lineage) + INCOMPLETE)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         with ThreadPoolExecutor(max(1, min(concurrency, len(entries)))) as pool:
-            futures = [pool.submit(_download_file, s3, bucket, run_id, step, e, tmp / e.name)
-                       for e in entries]
+            futures = [pool.submit(_download_file, s3, bucket, run_id, step, lineage, e,
+                                   tmp / e.name) for e in entries]
             for fut in futures:
                 fut.result()
         (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
@@ -174,6 +201,10 @@ class Restored:
     def bytes(self) -> int:
         return sum(f.size for f in self.manifest.files)
 
+    @property
+    def lineage(self) -> int:
+        return self.manifest.lineage
+
 
 def _asked_not_committed(run_id: str, step: int, committed: list[int]) -> CheckpointNotFound:
     return CheckpointNotFound(run_id, step, f"not committed; committed steps: {committed}",
@@ -185,8 +216,10 @@ FileChoice = Iterable[str] | Callable[[CheckpointManifest], Iterable[str]]
 
 def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None = None,
             fallback: bool = True, files: FileChoice | None = None,
-            on_skip: Callable[[int, str], None] | None = None) -> Restored:
-    """Download and verify the newest committed checkpoint (or ``step``), falling back.
+            on_skip: Callable[[int, str], None] | None = None,
+            line: Lineage | None = None) -> Restored:
+    """Download and verify the newest committed checkpoint of ``line``'s history (or
+    ``step``'s, the checkpoint that history holds at that step), falling back.
 
     Tries ``step`` (default: the newest committed) and, when a file or the manifest is
     corrupt or missing, each older committed checkpoint in turn (unless ``fallback`` is
@@ -198,11 +231,12 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
     With ``step`` and ``fallback=False`` nothing is listed unless it fails: the caller
     knows which step it wants (the worker, from ``ckpt.<run>.mirrored``).
     """
+    line = line or Lineage()
     committed: list[int] | None = None  # listed only when needed
     if step is not None and not fallback:
         candidates = [step]
     else:
-        committed = committed_steps(s3, bucket, run_id)
+        committed = committed_steps(s3, bucket, run_id, line)
         if step is not None and step not in committed:
             raise _asked_not_committed(run_id, step, committed)
         candidates = [s for s in reversed(committed) if step is None or s <= step]
@@ -211,7 +245,7 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
     skipped: list[tuple[int, str]] = []
     for s in candidates:
         try:
-            manifest = read_manifest(s3, bucket, run_id, s)
+            manifest = read_manifest(s3, bucket, run_id, s, line.owner(s))
             wanted = files(manifest) if callable(files) else files
             path = download(s3, bucket, run_id, s, dest, files=wanted, manifest=manifest)
             return Restored(run_id, s, path, manifest, skipped)
@@ -232,13 +266,13 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
 # ---------------------------------------------------------------------------------- delete
 
 
-def delete(s3: Any, bucket: str, run_id: str, step: int) -> int:
+def delete(s3: Any, bucket: str, run_id: str, step: int, lineage: int = 0) -> int:
     """Delete a checkpoint: the manifest first (it stops being committed), then its files.
 
     Returns the number of objects deleted. Idempotent.
     """
-    s3.delete_object(Bucket=bucket, Key=manifest_key(run_id, step))
-    prefix = step_prefix(run_id, step)
+    s3.delete_object(Bucket=bucket, Key=manifest_key(run_id, step, lineage))
+    prefix = step_prefix(run_id, step, lineage)
     n = 1
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
