@@ -250,3 +250,22 @@ def test_images_are_the_call_alone_and_encode_gives_generates_pngs() -> None:
 
 async def _ready(pipe: Pipeline) -> Pipeline:
     return pipe
+
+
+def test_warm_runs_one_step_for_one_image_and_for_a_full_batch() -> None:
+    spec = Registry.parse("").get("digits")
+    assert spec is not None
+
+    class Counting(Pipeline):
+        def __init__(self) -> None:
+            super().__init__(spec)
+            self.calls: list[tuple[int, Params]] = []
+
+        def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+            self.calls.append((len(items), params))
+            return [b"" for _ in items]
+
+    pipe = Counting()
+    pipe.warm(4)
+    one_step = Params(width=16, height=16, steps=1, guidance=spec.default_guidance)
+    assert pipe.calls == [(1, one_step), (4, one_step)]

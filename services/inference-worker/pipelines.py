@@ -98,6 +98,19 @@ class Pipeline:
         """``images`` then ``encode``: the PNG of each item."""
         return [self.encode(image) for image in self.images(items, params, on_step)]
 
+    def warm(self, max_batch: int) -> None:
+        """One denoising step at the model's default size, for one image and for
+        ``max_batch``: the one-time costs of a first call (kernel choice, allocations,
+        lazy imports) are paid before the worker is ready, and a full batch is known to
+        fit on the device before a task needs it."""
+        spec = self.spec
+        params = Params(width=spec.default_width, height=spec.default_height, steps=1,
+                        guidance=spec.default_guidance)
+        for n in sorted({1, max_batch}):
+            items = [Item(seed=i, prompt="", class_label=0 if spec.num_classes else None)
+                     for i in range(n)]
+            self.images(items, params, lambda step, total: None)
+
 
 class NoopPipeline(Pipeline):
     """Dispatch only: no images (benchmarks measure the path around the model)."""
@@ -107,10 +120,16 @@ class NoopPipeline(Pipeline):
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         return []
 
+    def warm(self, max_batch: int) -> None:
+        pass  # nothing to warm
+
 
 class FaultPipeline(Pipeline):
     """Fault injection for tests: ``fault:kill`` SIGKILLs the worker at the first step,
     ``fault:raise`` raises. Refused unless the worker enables fault injection."""
+
+    def warm(self, max_batch: int) -> None:
+        pass  # its faults are for tasks, not for the start
 
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         on_step(1, params.steps)

@@ -224,6 +224,10 @@ class InferenceWorker(Service):
                 t0 = time.monotonic()
                 pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
                                                self.s.fault_injection)
+                try:
+                    await asyncio.to_thread(pipe.warm, self.s.max_batch)
+                except Exception as exc:  # a batch that cannot run: not servable here
+                    raise ModelLoadError(model, f"warm-up call failed: {exc!r}") from exc
                 self.pipelines[model] = pipe
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))
