@@ -14,8 +14,9 @@ processes on free loopback ports, then, in the same run:
     as the worker (fetch, compare-and-set the record, publish the result once, wait for
     both acks, ack), and the CPU each side cost the worker (or the bench) and nats-server
     per task: how much of the gap is Tandem's code, how much the steps themselves;
-(c) batching: images/s of the CPU test model (digits) with max_batch 8 against
-    max_batch 1, same tasks and settings; goal >= 1.8x.
+(c) pipeline, (d) batching, (e) workers: the compute side, against the bare pipeline
+    in a plain loop, batch 8 against batch 1, and 1, 2 and 4 workers on one stream
+    (``serve_pipeline`` says how each is measured).
 
 Each of ``--repeat`` repeats is one such run (its own servers), which measures every
 part's Tandem side beside its baseline; ``figures`` give each part's min/median/max over
@@ -38,7 +39,7 @@ from typing import Any
 
 from nats.js.api import RetentionPolicy
 
-from tandem.cli.bench import saturation, stats
+from tandem.cli.bench import saturation, serve_pipeline, stats
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
 from tandem.cli.devstack import NatsServer, Process, S3Server, free_port
 from tandem.common import streams, subjects
@@ -56,17 +57,15 @@ from tandem.common.settings import Settings, load
 
 GOAL_LATENCY = 3.0
 GOAL_THROUGHPUT = 0.5
-GOAL_BATCHING = 1.8
-SMOKE = ("--requests", "3", "--tasks", "40", "--images", "4", "--steps", "2", "--batch", "2")
+SMOKE = ("--requests", "3", "--tasks", "40", "--images", "4", "--steps", "2", "--batch", "2",
+         "--workers", "1,2", "--worker-tasks", "40", "--worker-images", "8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="sequential requests for (a)")
     p.add_argument("--tasks", type=int, default=2000, help="no-op tasks for (b)")
-    p.add_argument("--images", type=int, default=96, help="images for (c)")
-    p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)")
-    p.add_argument("--batch", type=int, default=8, help="max_batch of the batched side of (c)")
-    stats.add_repeat(p, 3, what="repeats, each a whole run of (a), (b) and (c)")
+    serve_pipeline.add_arguments(p)
+    stats.add_repeat(p, 3, what="repeats, each a whole run of (a) to (e)")
 
 
 class _Bench:
@@ -77,6 +76,10 @@ class _Bench:
         self.s3 = S3Server(name="s3", log_path=root / "s3.log")
         self.procs: list[Process] = []
         self.results: dict[str, float] = {}
+        self.result_worker: dict[str, str] = {}  # task -> the worker of its result
+        self.track_workers = False  # decode results for their worker (costs the bench)
+        self.healthz: dict[str, str] = {}  # worker name -> its /healthz URL
+        self.procs_by_name: dict[str, Process] = {}
         self.waiters: dict[str, asyncio.Future[float]] = {}
         self.seal_key = secrets.token_hex(16).encode()  # the gateway's and the workers'
 
@@ -90,14 +93,16 @@ class _Bench:
     def spawn(self, name: str, module: str, env: dict[str, str]) -> Process:
         p = ServiceProcess(name=name, log_path=self.root / f"{name}.log").start(module, env)
         self.procs.append(p)
+        self.procs_by_name[name] = p
         return p
 
     async def worker(self, name: str, cluster: str, **values: str) -> Process:
-        env = self.env(cluster=cluster, node=name, worker_id=name, **values)
+        """A worker ``name`` (its node too, unless ``values`` names one), once ready."""
+        env = self.env(**{"cluster": cluster, "node": name, "worker_id": name, **values})
         p = self.spawn(name, "tandem.inference_worker", env)
-        port = env["TANDEM_METRICS_PORT"]
-        await wait_ready(f"http://127.0.0.1:{port}/healthz", p,
-                     lambda h: h.get("status") == "ok" and h.get("models_loaded"))
+        self.healthz[name] = f"http://127.0.0.1:{env['TANDEM_METRICS_PORT']}/healthz"
+        await wait_ready(self.healthz[name], p,
+                         lambda h: h.get("status") == "ok" and h.get("models_loaded"))
         return p
 
     def stop(self) -> None:
@@ -110,6 +115,8 @@ class _Bench:
         task_id = msg.subject.rsplit(".", 1)[-1]
         at = time.perf_counter()
         self.results[task_id] = at
+        if self.track_workers:
+            self.result_worker[task_id] = decode(msg.data, GenerationResult).worker
         fut = self.waiters.pop(task_id, None)
         if fut is not None and not fut.done():
             fut.set_result(at)
@@ -362,33 +369,11 @@ async def _throughput(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
             "tandem_to_floor": round(tandem / floor, 3), "cpu_per_task": cpu}
 
 
-async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
-                    ) -> dict[str, Any]:
-    rates = {}
-    for side, max_batch in (("unbatched", 1), ("batched", batch)):
-        cluster = f"batch{max_batch}"
-        tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="digits", class_label=i % 10,
-                                seed=i, steps=steps, width=16, height=16, cluster=cluster)
-                 for i in range(images)]
-        await b.prefill(bus, cluster, tasks)
-        w = await b.worker(f"w-{cluster}", cluster, serve="digits", max_batch=str(max_batch),
-                           device="cpu")
-        rates[side] = await b.drain_rate([t.task_id for t in tasks], 1, batch=max_batch)
-        w.stop(10)
-    ratio = rates["batched"] / rates["unbatched"]
-    return {"model": "digits", "images": images, "steps": steps, "size": "16x16",
-            "max_batch": batch, "counted_images": {"unbatched": images - 1,
-                                                   "batched": images - batch},
-            "batched_images_per_s": round(rates["batched"], 2),
-            "unbatched_images_per_s": round(rates["unbatched"], 2), "ratio": round(ratio, 3),
-            "meets_goal": ratio >= GOAL_BATCHING}
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """``--repeat`` runs of ``_once``; each part's section is its median run's."""
     async def once(r: int) -> dict[str, Any]:
         meter = saturation.Meter({"bench process": saturation.this_process}).start()
-        got = await _once(args)
+        got = await _once(args, r)
         got["round_cpu"] = meter.stop().json()
         return got
 
@@ -397,8 +382,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fj = stats.figures_json(figures)
     result: dict[str, Any] = {"repeat": args.repeat, "cpus": os.cpu_count()}
     for part, key in (("latency", "ratio_to_raw_plus_hop"), ("throughput", "ratio"),
-                      ("batching", "ratio")):
+                      ("pipeline", "ratio_b8"), ("batching", "ratio")):
         result[part] = stats.median_run(runs, lambda x, p=part, k=key: x[p][k])[part]
+    result["workers"] = stats.median_run(
+        runs, lambda x: x["workers"]["digits"]["scaling"][max(x["workers"]["digits"][
+            "scaling"], key=int)])["workers"]
     result["figures"] = fj
     result["ok"] = True  # goals are reported, not enforced: see figures' met
     return result
@@ -408,7 +396,6 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
     """Each part as a figure over the runs; a goal not met says what was saturated."""
     lat = [x["latency"] for x in runs]
     tput = [x["throughput"] for x in runs]
-    bat = [x["batching"] for x in runs]
     latency = stats.Figure(
         "latency", "(a) no-op HTTP in -> result out, p50", "ms",
         [a["tandem"]["p50_ms"] for a in lat],
@@ -424,11 +411,6 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         [t["tandem_per_s"] for t in tput], [t["floor_per_s"] for t in tput],
         "bare nats-py, same durable steps", ratio=[t["tandem_to_floor"] for t in tput],
         digits=1)
-    batching = stats.Figure(
-        "batching", f"(c) digits, max_batch {bat[0]['max_batch']} against 1", "img/s",
-        [c["batched_images_per_s"] for c in bat], [c["unbatched_images_per_s"] for c in bat],
-        "max_batch 1, same worker", ratio=[c["ratio"] for c in bat],
-        goal=stats.Goal(">=", GOAL_BATCHING), digits=2)
     if throughput.met is False:
         t = stats.median_run(tput, lambda x: x["ratio"])
         per_task = t["cpu_per_task"]
@@ -441,26 +423,24 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
             extra=[f"CPU per task: worker {per_task['tandem']['client_us']} us + nats-server "
                    f"{per_task['tandem']['server_us']} us, raw {raw['client_us']} us + "
                    f"{raw['server_us']} us"])
-    for fig in (latency, batching):
-        if fig.met is False:
-            fig.why = saturation.why(stats.median_run(runs, lambda x, f=fig: x[f.name][
-                "ratio_to_raw_plus_hop" if f.name == "latency" else "ratio"])["round_cpu"],
-                loop="bench process") + " (over the whole run, every part)"
+    if latency.met is False:
+        latency.why = saturation.why(stats.median_run(
+            runs, lambda x: x["latency"]["ratio_to_raw_plus_hop"])["round_cpu"],
+            loop="bench process") + " (over the whole run, every part)"
     doors = stats.Figure(
         "doors", "(a) submit round trip p50: NATS job service against HTTP", "ms",
         [a["doors"]["nats_submit"]["p50_ms"] for a in lat],
         [a["doors"]["http_submit"]["p50_ms"] for a in lat], "HTTP POST /v1/generations",
         ratio=[a["doors"]["ratio"] for a in lat], goal=stats.Goal("<=", 1.0))
-    return [latency, doors, throughput, floor, batching]
+    return [latency, doors, throughput, floor,
+            *serve_pipeline.figures(runs, runs[0]["pipeline"]["batch"])]
 
 
-async def _once(args: argparse.Namespace) -> dict[str, Any]:
+async def _once(args: argparse.Namespace, r: int) -> dict[str, Any]:
     from tandem.common import log
 
     log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
-    if args.batch < 1 or args.images % args.batch or args.images < 2 * args.batch:
-        raise SystemExit(f"--images {args.images} must be a whole number of batches of "
-                         f"--batch {args.batch}, at least two (rates count whole batches)")
+    serve_pipeline.check(args)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-serve-") as tmp:
         b = _Bench(Path(tmp), args)
         b.nats.start()
@@ -472,7 +452,7 @@ async def _once(args: argparse.Namespace) -> dict[str, Any]:
             result = {
                 "latency": await _latency(b, bus, args.requests),
                 "throughput": await _throughput(b, bus, args.tasks),
-                "batching": await _batching(b, bus, args.images, args.steps, args.batch),
+                **await serve_pipeline.measure(b, bus, args, r),
                 "cpus": os.cpu_count(),
             }
             await sub.unsubscribe()
@@ -490,7 +470,7 @@ def _sync(fn: Any) -> Any:
 
 
 def render(r: dict[str, Any]) -> str:
-    a, t, c = r["latency"], r["throughput"], r["batching"]
+    a, t = r["latency"], r["throughput"]
     yes = {True: "yes", False: "NO"}
     return "\n".join([
         f"tandem bench serve ({r['cpus']} CPUs); each part: its median of "
@@ -515,8 +495,5 @@ def render(r: dict[str, Any]) -> str:
         f"{t['floor_ratio']:.3f} of raw; tandem is {t['tandem_to_floor']:.3f} of the floor",
         *(f"    CPU per task, {side:6s}  client {c['client_us']:6.1f} us   "
           f"nats-server {c['server_us']:6.1f} us" for side, c in t["cpu_per_task"].items()),
-        f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
-        f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
-        f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "
-        f"(goal >= 1.8x)  meets goal: {yes[c['meets_goal']]}",
+        *serve_pipeline.render(r),
     ])
