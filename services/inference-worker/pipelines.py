@@ -101,8 +101,8 @@ class Pipeline:
     def warm(self, max_batch: int) -> None:
         """One denoising step at the model's default size, for one image and for
         ``max_batch``: the one-time costs of a first call (kernel choice, allocations,
-        lazy imports) are paid before the worker is ready, and a full batch is known to
-        fit on the device before a task needs it."""
+        lazy imports) are paid before the worker is ready, and a full batch that does not
+        fit on the device shows before a task needs it. Raises what the call raises."""
         spec = self.spec
         params = Params(width=spec.default_width, height=spec.default_height, steps=1,
                         guidance=spec.default_guidance)

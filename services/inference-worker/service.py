@@ -226,8 +226,11 @@ class InferenceWorker(Service):
                                                self.s.fault_injection)
                 try:
                     await asyncio.to_thread(pipe.warm, self.s.max_batch)
-                except Exception as exc:  # a batch that cannot run: not servable here
-                    raise ModelLoadError(model, f"warm-up call failed: {exc!r}") from exc
+                except Exception as exc:
+                    # Logged, not fatal: the registry's default size may be one tasks never
+                    # use, and a task's own call reports its own error.
+                    _log.error("worker.warm_failed", model=model, max_batch=self.s.max_batch,
+                               error=repr(exc))
                 self.pipelines[model] = pipe
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))
