@@ -1,4 +1,4 @@
-"""serving: dispatch latency, task throughput and batching against raw nats-py.
+"""serving: latency and task throughput against raw nats-py, images/s against the bare pipeline.
 
 Starts nats-server, an S3 endpoint (moto), the gateway and inference workers as child
 processes on free loopback ports, then, in the same run:
