@@ -137,3 +137,27 @@ async def test_serve_bench_refuses_images_that_are_not_whole_batches(images: str
                                                                      batch: str) -> None:
     with pytest.raises(SystemExit, match="whole number of batches"):
         await bench_serve.run(_args("--images", images, "--batch", batch))
+
+
+@pytest.mark.parametrize("model", ["digits", "tiny-text"])
+def test_the_bare_loop_makes_the_very_images_the_worker_makes(model: str) -> None:
+    """The baseline does the worker's work, no less: the same pixels for the same seeds."""
+    import numpy as np
+
+    from tandem.cli.bench import bare_pipeline, serve_pipeline
+    from tandem.common.models import Registry
+    from tandem.inference_worker.pipelines import Item, Params, build
+
+    batch, steps = 2, 2
+    guidance = serve_pipeline.GUIDANCE[model]
+    call = (bare_pipeline.digits(batch, steps, 16) if model == "digits"
+            else bare_pipeline.tiny_text(batch, steps, 16, guidance))
+    bare = call([0, 1])
+    spec = Registry.parse("").get(model)
+    assert spec is not None
+    tasks = serve_pipeline.tasks_of(model, batch, steps, "c")
+    items = [Item(seed=t.seed, prompt=t.prompt, class_label=t.class_label) for t in tasks]
+    worker = build(spec, "cpu", "float32").images(
+        items, Params(width=16, height=16, steps=steps, guidance=guidance), lambda s, n: None)
+    assert [a.shape for a in worker] == [a.shape for a in bare]
+    assert all(np.array_equal(w, b) for w, b in zip(worker, bare, strict=True))

@@ -28,7 +28,8 @@ import time
 from typing import Any
 
 
-def _digits(batch: int, steps: int, size: int) -> Any:
+def digits(batch: int, steps: int, size: int) -> Any:
+    """A call making ``batch`` digits images (labels 0, 1, ...) from the given seeds."""
     import torch
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -53,7 +54,8 @@ def _digits(batch: int, steps: int, size: int) -> Any:
     return call
 
 
-def _tiny_text(batch: int, steps: int, size: int, guidance: float) -> Any:
+def tiny_text(batch: int, steps: int, size: int, guidance: float) -> Any:
+    """A call making ``batch`` tiny-text images ("a red boat <i>") from the given seeds."""
     import numpy as np
     import torch
 
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    call = (_digits(a.batch, a.steps, a.size) if a.model == "digits"
-            else _tiny_text(a.batch, a.steps, a.size, a.guidance))
+    call = (digits(a.batch, a.steps, a.size) if a.model == "digits"
+            else tiny_text(a.batch, a.steps, a.size, a.guidance))
     ends = []
     cpu0, t0 = time.process_time(), time.perf_counter()
     for first in range(0, a.images, a.batch):

@@ -106,8 +106,9 @@ def worker_counts(args: argparse.Namespace) -> list[int]:
 # ---------------------------------------------------------------------------- (c) pipeline
 
 
-def _tasks(model: str, n: int, steps: int, cluster: str) -> list[GenerationTask]:
-    """``n`` single-image tasks of ``model`` (the images the bare loop makes too)."""
+def tasks_of(model: str, n: int, steps: int, cluster: str) -> list[GenerationTask]:
+    """``n`` single-image tasks of ``model``: seed ``i``, label ``i % 10``, prompt "a red boat
+    <i>" (the images the bare loop makes too)."""
     return [GenerationTask(task_id=uuid.uuid4().hex, model=model, seed=i, steps=steps,
                            width=SIZE, height=SIZE, guidance=GUIDANCE[model],
                            class_label=i % 10 if model == "digits" else None,
@@ -125,7 +126,7 @@ def _health(b: _Bench, name: str) -> dict[str, Any]:
 async def _tandem(b: _Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
                   r: int) -> dict[str, Any]:
     cluster = f"pipe{r}{MODELS.index(model)}b{batch}"
-    tasks = _tasks(model, args.images, args.steps, cluster)
+    tasks = tasks_of(model, args.images, args.steps, cluster)
     await b.prefill(bus, cluster, tasks)
     name = f"w-{cluster}"
     w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
@@ -296,7 +297,7 @@ async def _workers(b: _Bench, bus: Bus, args: argparse.Namespace, r: int) -> dic
                                cluster=cluster) for _ in range(args.worker_tasks)], busy=False)
             runs["digits"][str(count)] = await _release(
                 b, bus, cluster, node, names,
-                _tasks("digits", args.worker_images, args.steps, cluster), busy=True)
+                tasks_of("digits", args.worker_images, args.steps, cluster), busy=True)
         finally:
             await asyncio.gather(*(asyncio.to_thread(b.procs_by_name[nm].stop, 10)
                                    for nm in names))
