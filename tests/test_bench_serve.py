@@ -34,13 +34,15 @@ def _quotient(ratio: float, a: float, b: float) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~15 services and pipeline processes started, one at a time
 async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient() -> None:
-    r = await bench_serve.run(_args("--requests", "3", "--tasks", "40", "--rounds", "1",
-                                    "--images", "4", "--steps", "2", "--batch", "2",
-                                    "--repeat", "1"))
+    # The smoke sizes, with (b)'s tasks cut to 40 a side (the last --tasks wins).
+    r = await bench_serve.run(_args(*bench_serve.SMOKE, "--tasks", "40", "--repeat", "1"))
     a, t, c = r["latency"], r["protocol"], r["batching"]
-    assert set(r["figures"]) == {"latency", "doors", "protocol", "protocol_messages",
-                                "protocol_cpu", "validation", "protocol_raw", "batching"}
+    assert set(r["figures"]) == {
+        "latency", "doors", "protocol", "protocol_messages", "protocol_cpu", "validation",
+        "protocol_raw", "batching", "pipeline_busy", "workers_noop_2", "workers_digits_2",
+        *(f"pipeline_{m}_{k}" for m in ("digits", "tiny-text") for k in ("b1", "b2"))}
     assert r["figures"]["protocol"]["ratio"]["runs"] == [t["ratio"]]
 
     assert a["requests"] == 3
@@ -88,6 +90,69 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
 
     text = bench_serve.render(r)
     assert "protocol" in text and "CPU/task" in text and "validation" in text
+    assert "bare pipeline" in text and "workers on one stream" in text
+    _pipeline_counts_add_up(r)
+    _workers_counts_add_up(r)
+
+
+def _pipeline_counts_add_up(r: dict[str, Any]) -> None:
+    """(c)-(d) of the smoke run: 4 images, batch 2, both models, both sides."""
+    p = r["pipeline"]
+    assert (p["images"], p["batch"], p["threads"]) == (4, 2, 1)
+    for model, cells in p["models"].items():
+        assert set(cells) == {"b1", "b2"}, model
+        for key, cell in cells.items():
+            batch = int(key[1:])
+            t, bare = cell["tandem"], cell["bare"]
+            assert _positive(t["images_per_s"], bare["images_per_s"], cell["ratio"])
+            assert _quotient(cell["ratio"], t["images_per_s"], bare["images_per_s"])
+            # Every image went through one pipeline call; the bare loop made whole batches.
+            assert t["images"] == 4 and t["calls"] >= 4 // batch
+            assert t["whole_batches"] == (t["calls"] == 4 // batch)
+            assert bare["calls"] == 4 // batch
+            assert t["torch_threads"] == bare["torch_threads"] == 1  # the same on both sides
+            assert 0 < t["busy"] <= 1.0
+            assert t["cpu_per_image"]["compute_ms"] > 0
+    # Each goal's key is the lowest model's figure.
+    assert p["ratio_b1"] == min(cells["b1"]["ratio"] for cells in p["models"].values())
+    assert p["ratio_b8"] == min(cells["b2"]["ratio"] for cells in p["models"].values())
+    assert p["busy"] == min(c["tandem"]["busy"] for cells in p["models"].values()
+                            for c in cells.values())
+    # (d) is (c)'s digits at batch 2 over batch 1, whole batches on both sides.
+    d = p["models"]["digits"]
+    assert _batching_is_digits_b2_over_b1(r["batching"], d)
+
+
+def _batching_is_digits_b2_over_b1(c: dict[str, Any], d: dict[str, Any]) -> bool:
+    return (c["batched_images_per_s"] == d["b2"]["tandem"]["images_per_s"]
+            and c["unbatched_images_per_s"] == d["b1"]["tandem"]["images_per_s"]
+            and _quotient(c["bare_ratio"], d["b2"]["bare"]["images_per_s"],
+                          d["b1"]["bare"]["images_per_s"]))
+
+
+def _workers_counts_add_up(r: dict[str, Any]) -> None:
+    """(e) of the smoke run: 1 and 2 workers, 40 no-op tasks, 8 digits images."""
+    w = r["workers"]
+    for kind, n in (("noop", 40), ("digits", 8)):
+        got = w[kind]
+        assert set(got["runs"]) == {"1", "2"} and got["scaling"]["1"] == 1.0
+        for count, run in got["runs"].items():
+            assert run["workers"] == int(count) == len(run["per_worker"])
+            assert run["tasks"] == n
+            # Every task's result names one of this run's workers.
+            assert sum(x["tasks"] for x in run["per_worker"].values()) == n
+            assert _positive(run["tasks_per_s"], run["drain_s"])
+            assert 0 <= run["backlog_s"] <= run["drain_s"]
+            assert _quotient(got["scaling"][count], run["tasks_per_s"],
+                             got["runs"]["1"]["tasks_per_s"])
+            ran = sum(x["ran_while_backlog"] for x in run["per_worker"].values())
+            assert ran <= n
+            if kind == "noop":
+                # No-op tasks take the real path (the batcher's calls): they are counted.
+                # 40 tasks cannot all be held unrun by 2 workers when the stream runs dry.
+                assert ran > 0
+            assert all((x["busy_until_backlog_end"] is None) == (kind == "noop")
+                       for x in run["per_worker"].values())
 
 
 @pytest.mark.parametrize("images, batch", [("5", "2"), ("2", "2"), ("8", "0")])
@@ -95,3 +160,27 @@ async def test_serve_bench_refuses_images_that_are_not_whole_batches(images: str
                                                                      batch: str) -> None:
     with pytest.raises(SystemExit, match="whole number of batches"):
         await bench_serve.run(_args("--images", images, "--batch", batch))
+
+
+@pytest.mark.parametrize("model", ["digits", "tiny-text"])
+def test_the_bare_loop_makes_the_very_images_the_worker_makes(model: str) -> None:
+    """The baseline does the worker's work, no less: the same pixels for the same seeds."""
+    import numpy as np
+
+    from tandem.cli.bench import bare_pipeline, serve_pipeline
+    from tandem.common.models import Registry
+    from tandem.inference_worker.pipelines import Item, Params, build
+
+    batch, steps = 2, 2
+    guidance = serve_pipeline.GUIDANCE[model]
+    call = (bare_pipeline.digits(batch, steps, 16) if model == "digits"
+            else bare_pipeline.tiny_text(batch, steps, 16, guidance))
+    bare = call([0, 1])
+    spec = Registry.parse("").get(model)
+    assert spec is not None
+    tasks = serve_pipeline.tasks_of(model, batch, steps, "c")
+    items = [Item(seed=t.seed, prompt=t.prompt, class_label=t.class_label) for t in tasks]
+    worker = build(spec, "cpu", "float32").images(
+        items, Params(width=16, height=16, steps=steps, guidance=guidance), lambda s, n: None)
+    assert [a.shape for a in worker] == [a.shape for a in bare]
+    assert all(np.array_equal(w, b) for w, b in zip(worker, bare, strict=True))

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.common.events import GenerationTask
 from tandem.common.models import Registry
-from tandem.inference_worker.batcher import Batcher, JobCancelled
+from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
 
 
@@ -71,7 +71,7 @@ class Recording(Pipeline):
 
     trivial = True
 
-    def generate(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+    def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
         self.calls.append([it.seed for it in items])
         on_step(1, 1)
         return [str(it.seed).encode() for it in items]
@@ -120,7 +120,7 @@ class Gated(Pipeline):
         self.reached, self.go = threading.Event(), threading.Event()
         self.completed = 0
 
-    def generate(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+    def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
         for i in range(params.steps):
             if i == 2:
                 self.reached.set()
@@ -148,5 +148,124 @@ async def test_cancelling_a_running_task_stops_it_after_the_step_in_flight() -> 
     assert steps == [1, 2]  # and no progress was reported for it
 
 
+class FirstCallGated(Pipeline):
+    """The first call blocks until the test opens ``go``; every call records its seeds
+    and the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.calls: list[list[int]] = []
+        self.threads: set[str] = set()
+
+    def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+        self.calls.append([it.seed for it in items])
+        self.threads.add(threading.current_thread().name)
+        if len(self.calls) == 1:
+            self.reached.set()
+            assert self.go.wait(60)
+        on_step(1, 1)
+        return [str(it.seed).encode() for it in items]
+
+
+async def _first_call_running(n: int) -> tuple[FirstCallGated, Batcher, list[Job],
+                                               asyncio.Task[None]]:
+    """``n`` single-image tasks, max_batch 1: returns once call 1 runs (held) and call 2
+    is formed and queued behind it."""
+    pipe = FirstCallGated()
+    formed = 0
+    second = asyncio.Event()
+
+    async def get_pipeline(model: str) -> Pipeline:
+        # Called once per batch formed; nothing in forming a batch of one waits after
+        # this returns, so the batch is queued by the time the test resumes.
+        nonlocal formed
+        formed += 1
+        if formed == 2:
+            second.set()
+        return pipe
+
+    batcher = Batcher(get_pipeline, max_batch=1, linger=0)
+    jobs = [batcher.enqueue(_task(i + 1)) for i in range(n)]
+    loop = asyncio.create_task(batcher.run())
+    assert await asyncio.to_thread(pipe.reached.wait, 60)
+    await asyncio.wait_for(second.wait(), 60)
+    return pipe, batcher, jobs, loop
+
+
+async def test_the_next_batch_is_queued_while_a_call_runs_and_every_call_has_its_own_thread(
+        ) -> None:
+    pipe, batcher, jobs, loop = await _first_call_running(3)
+    # Call 1 runs, call 2 is formed and queued behind it; task 3 waits for a slot.
+    assert [j.task.task_id for j in batcher.running] == ["t1", "t2"]
+    assert [j.task.task_id for j in batcher.pending] == ["t3"]
+    pipe.go.set()
+    assert await asyncio.gather(*(j.future for j in jobs)) == [[b"1"], [b"2"], [b"3"]]
+    batcher.close()
+    await loop
+    assert pipe.calls == [[1], [2], [3]]
+    # One thread of the batcher's own ran them all, never the event loop's.
+    assert len(pipe.threads) == 1 and pipe.threads != {threading.current_thread().name}
+    u = batcher.usage
+    assert (u.calls, u.images) == (3, 3)
+    assert u.first_start is not None and u.last_end is not None
+    assert 0 < u.busy_s <= u.last_end - u.first_start + 1e-6
+    assert u.json()["busy"] <= 1.0 + 1e-6
+
+
+async def test_a_queued_batch_whose_tasks_are_all_cancelled_never_starts() -> None:
+    pipe, batcher, jobs, loop = await _first_call_running(2)
+    assert batcher.cancel("t2")
+    with pytest.raises(JobCancelled):
+        await jobs[1].future
+    pipe.go.set()
+    assert await jobs[0].future == [b"1"]
+    batcher.close()
+    await loop
+    assert pipe.calls == [[1]]
+
+
+async def test_close_hands_back_the_queued_batch_and_lets_the_running_call_finish() -> None:
+    pipe, batcher, jobs, loop = await _first_call_running(3)
+    batcher.close()
+    with pytest.raises(HandedBack):
+        await jobs[2].future  # waiting: handed back at once
+    pipe.go.set()
+    assert await jobs[0].future == [b"1"]
+    with pytest.raises(HandedBack):
+        await jobs[1].future  # queued, not started: handed back too
+    await loop
+    assert pipe.calls == [[1]]
+
+
+def test_images_are_the_call_alone_and_encode_gives_generates_pngs() -> None:
+    spec = Registry.parse("").get("digits")
+    assert spec is not None
+    pipe = build(spec, "cpu", "float32")
+    params = Params(width=16, height=16, steps=2, guidance=1.0)
+    items = [Item(seed=5, class_label=1), Item(seed=6, class_label=2)]
+    arrays = pipe.images(items, params, lambda s, t: None)
+    assert [(a.shape, str(a.dtype)) for a in arrays] == [((16, 16, 1), "uint8")] * 2
+    assert [pipe.encode(a) for a in arrays] == pipe.generate(items, params, lambda s, t: None)
+
+
 async def _ready(pipe: Pipeline) -> Pipeline:
     return pipe
+
+
+def test_warm_runs_one_step_for_one_image_and_for_a_full_batch() -> None:
+    spec = Registry.parse("").get("digits")
+    assert spec is not None
+
+    class Counting(Pipeline):
+        def __init__(self) -> None:
+            super().__init__(spec)
+            self.calls: list[tuple[int, Params]] = []
+
+        def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+            self.calls.append((len(items), params))
+            return [b"" for _ in items]
+
+    pipe = Counting()
+    pipe.warm(4)
+    one_step = Params(width=16, height=16, steps=1, guidance=spec.default_guidance)
+    assert pipe.calls == [(1, one_step), (4, one_step)]

@@ -1,14 +1,28 @@
-"""Dynamic batching: compatible tasks share one pipeline call.
+"""Dynamic batching: compatible tasks share one pipeline call, and the calls never wait.
 
 Tasks are compatible when their ``batch_key`` (model, size, steps, guidance) is equal.
 The batcher always starts with the oldest task of the best lane (interactive before
 batch), lingers up to ``linger`` seconds for more compatible tasks unless the batch is
-already full, then runs one pipeline call for up to ``max_batch`` images, with a
-generator per image. One call runs at a time: the worker owns one accelerator.
+already full, then hands one pipeline call for up to ``max_batch`` images, with a
+generator per image, to its compute thread. One call runs at a time: the worker owns one
+accelerator.
 
-Cancelling a task that waits removes it; cancelling one that runs resolves it at once
-(the caller sees it stop within one step) and the call stops at the next step when no
-task in it is still wanted.
+The compute thread is the batcher's own (one thread, nothing else runs on it), and it is
+fed from a queue: while a call runs, the next batch is formed and queued behind it
+(``AHEAD`` batches at most), so the thread goes from one call straight into the next
+without waiting for the event loop. A job resolves with its images as the pipeline made
+them (``Pipeline.images``); PNG encoding, upload and the bus writes happen in the
+caller, beside the next call. The price of forming ahead: a task that arrives while a
+batch waits in the queue starts one call later than it might have (an interactive task
+behind a queued batch-lane call, a task compatible with the queued batch).
+
+Cancelling a task that waits removes it; cancelling one that is queued or runs resolves
+it at once (the caller sees it stop within one step) and the call stops at the next step
+(a queued one before its first) when no task in it is still wanted.
+
+``usage`` sums what the calls took (wall and CPU seconds on the compute thread, calls,
+images, first start and last end), so the pipeline's busy fraction is measured where it
+happens (``/healthz``).
 """
 
 from __future__ import annotations
@@ -17,12 +31,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from tandem.common import metrics
 from tandem.common.events import GenerationTask
 from tandem.inference_worker.pipelines import Interrupted, Item, Params, Pipeline
 
 LANE_RANK = {"interactive": 0, "batch": 1}
+AHEAD = 1  # batches formed and queued behind the running call
+BUSY_SECONDS = metrics.Counter("tandem_worker_pipeline_busy_seconds",
+                               "Seconds spent inside pipeline calls (rate: the busy fraction)")
 
 
 class JobCancelled(Exception):
@@ -36,7 +56,7 @@ class HandedBack(Exception):
 @dataclass(eq=False)
 class Job:
     task: GenerationTask
-    future: asyncio.Future[list[bytes]]
+    future: asyncio.Future[list[Any]]  # the images (``Pipeline.images``), or why none
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     running: bool = False
@@ -52,7 +72,7 @@ class Job:
         return [Item(seed=t.seed + i, prompt=t.prompt, negative_prompt=t.negative_prompt,
                      class_label=t.class_label) for i in range(t.num_images)]
 
-    def resolve(self, value: list[bytes] | BaseException) -> None:
+    def resolve(self, value: list[Any] | BaseException) -> None:
         if self.future.done():
             return
         if isinstance(value, BaseException):
@@ -65,6 +85,44 @@ ProgressHook = Callable[[list[Job], int, int], None]
 PipelineGetter = Callable[[str], Awaitable[Pipeline]]
 
 
+@dataclass
+class Usage:
+    """What the pipeline calls took, written by the thread that ran them."""
+
+    calls: int = 0
+    images: int = 0
+    busy_s: float = 0.0  # wall seconds inside pipeline calls
+    cpu_s: float = 0.0  # CPU seconds the compute thread used in them
+    first_start: float | None = None  # wall clock (time.time) of the first call's start
+    last_end: float | None = None  # and of the last call's end
+    running_since: float | None = None  # wall clock start of the call running now
+
+    def add(self, images: int, started: float, wall_s: float, cpu_s: float) -> None:
+        self.running_since = None
+        self.calls += 1
+        self.images += images
+        self.busy_s += wall_s
+        self.cpu_s += cpu_s
+        if self.first_start is None:
+            self.first_start = started
+        self.last_end = started + wall_s
+
+    def json(self) -> dict[str, Any]:
+        """The sums of the calls that ended, ``running_s`` of the one running now (a
+        reader that adds it gets the busy time up to this moment), and ``busy``: busy
+        seconds over the span from the first call's start to the last call's end (under
+        a backlog, the fraction of wall time the pipeline ran; idle spells between
+        backlogs count as not busy too)."""
+        span = (self.last_end - self.first_start) if self.first_start is not None \
+            and self.last_end is not None else 0.0
+        since = self.running_since
+        return {"calls": self.calls, "images": self.images, "busy_s": round(self.busy_s, 6),
+                "running_s": round(max(time.time() - since, 0.0), 6) if since else 0.0,
+                "cpu_s": round(self.cpu_s, 6), "first_start": self.first_start,
+                "last_end": self.last_end,
+                "busy": round(self.busy_s / span, 6) if span > 0 else None}
+
+
 class Batcher:
     def __init__(self, get_pipeline: PipelineGetter, *, max_batch: int = 8,
                  linger: float = 0.02, on_step: ProgressHook | None = None) -> None:
@@ -73,16 +131,18 @@ class Batcher:
         self.linger = linger
         self.on_step = on_step
         self.pending: list[Job] = []
-        self.running: list[Job] = []
+        self.running: list[Job] = []  # taken: in the running call or the queued ones
         self.batches = 0
+        self.usage = Usage()
         self._changed = asyncio.Event()
+        self._room = asyncio.Semaphore(1 + AHEAD)
         self._closed = False
         self._abort = False
 
     # ----------------------------------------------------------------------- callers
 
     def enqueue(self, task: GenerationTask) -> Job:
-        """Queue ``task`` now; its ``future`` gets the PNGs or the reason it has none."""
+        """Queue ``task`` now; its ``future`` gets the images or the reason it has none."""
         job = Job(task, asyncio.get_running_loop().create_future())
         if self._closed:
             job.resolve(HandedBack())
@@ -91,8 +151,8 @@ class Batcher:
         self._changed.set()
         return job
 
-    async def submit(self, task: GenerationTask) -> list[bytes]:
-        """Queue ``task``; return its PNGs, or raise JobCancelled / HandedBack / the error."""
+    async def submit(self, task: GenerationTask) -> list[Any]:
+        """Queue ``task``; return its images, or raise JobCancelled / HandedBack / the error."""
         return (await self.submit_job(task)).future.result()
 
     async def submit_job(self, task: GenerationTask) -> Job:
@@ -107,7 +167,7 @@ class Batcher:
                 self.pending.remove(job)
 
     def cancel(self, task_id: str) -> bool:
-        """Stop ``task_id`` if it waits or runs here; True if it was found."""
+        """Stop ``task_id`` if it waits, is queued or runs here; True if it was found."""
         for job in self.pending:
             if job.task.task_id == task_id:
                 job.cancelled = True
@@ -122,7 +182,8 @@ class Batcher:
         return False
 
     def close(self) -> None:
-        """Hand back every waiting task; the running call finishes; ``run`` returns."""
+        """Hand back every waiting task (and the queued calls' tasks, before they start);
+        the running call finishes; ``run`` returns."""
         self._closed = True
         for job in self.pending:
             job.resolve(HandedBack())
@@ -140,29 +201,55 @@ class Batcher:
     # ----------------------------------------------------------------------- the loop
 
     async def run(self) -> None:
-        while not self._closed:
-            if not self.pending:
-                self._changed.clear()
-                await self._changed.wait()
-                continue
-            head = min(self.pending, key=lambda j: j.rank)
-            load_start = time.time()
-            try:
-                pipeline = await self.get_pipeline(head.task.model)
-            except Exception as exc:
-                # The model cannot load: every task for it fails the same way.
-                for job in [j for j in self.pending if j.task.model == head.task.model]:
-                    self.pending.remove(job)
-                    job.resolve(exc)
-                continue
-            load_end = time.time()
-            if not pipeline.trivial:
-                await self._linger(head)
-            group = self._take(head)
-            for job in group:
-                job.marks.update(load_start=load_start, load_end=load_end)
-            if group:
-                await self._run(pipeline, group)
+        """Form batches and queue them on the compute thread until ``close``; return once
+        the calls taken have ended. Cancelled, it stops the running call at its next step."""
+        executor = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
+        try:
+            async with asyncio.TaskGroup() as calls:
+                while not self._closed:
+                    await self._room.acquire()  # released when a call taken ends
+                    try:
+                        formed = await self._form()
+                    except BaseException:
+                        self._room.release()
+                        raise
+                    if formed is None:
+                        self._room.release()
+                        continue
+                    pipeline, group = formed
+                    if pipeline.trivial:  # nothing to overlap: run it here, now
+                        await self._run(pipeline, group, None)
+                    else:
+                        calls.create_task(self._run(pipeline, group, executor))
+        finally:
+            # Cancelled: the thread stops at the next step (``_abort``); do not wait for it.
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _form(self) -> tuple[Pipeline, list[Job]] | None:
+        """The next batch and its pipeline; None when there is none to run (closed, the
+        model failed to load, the head was cancelled while lingering)."""
+        while not self.pending:
+            if self._closed:
+                return None
+            self._changed.clear()
+            await self._changed.wait()
+        head = min(self.pending, key=lambda j: j.rank)
+        load_start = time.time()
+        try:
+            pipeline = await self.get_pipeline(head.task.model)
+        except Exception as exc:
+            # The model cannot load: every task for it fails the same way.
+            for job in [j for j in self.pending if j.task.model == head.task.model]:
+                self.pending.remove(job)
+                job.resolve(exc)
+            return None
+        load_end = time.time()
+        if not pipeline.trivial:
+            await self._linger(head)
+        group = self._take(head)
+        for job in group:
+            job.marks.update(load_start=load_start, load_end=load_end)
+        return (pipeline, group) if group else None
 
     async def _linger(self, head: Job) -> None:
         deadline = head.arrived + self.linger
@@ -198,17 +285,17 @@ class Batcher:
         for job in group:
             self.pending.remove(job)
             job.running = True
+        self.running += group
         return group
 
-    async def _run(self, pipeline: Pipeline, group: list[Job]) -> None:
-        self.running = group
+    async def _run(self, pipeline: Pipeline, group: list[Job],
+                   executor: ThreadPoolExecutor | None) -> None:
+        """One call for ``group`` (on ``executor``'s thread, or here for a trivial
+        pipeline); each job resolves with its images or why it has none."""
         self.batches += 1
         for job in group:
             job.pipeline = pipeline
         items = [it for job in group for it in job.items()]
-        started = time.time()
-        for job in group:
-            job.marks.update(run_start=started, batch_images=len(items))
         t = group[0].task
         params = Params(width=t.width, height=t.height, steps=t.steps, guidance=t.guidance)
         loop = asyncio.get_running_loop()
@@ -221,16 +308,17 @@ class Batcher:
                 loop.call_soon_threadsafe(self.on_step, group, step, total)
 
         try:
-            if pipeline.trivial:
-                images = pipeline.generate(items, params, on_step)
-            else:
-                try:
-                    images = await asyncio.to_thread(pipeline.generate, items, params, on_step)
-                except asyncio.CancelledError:
-                    # Cancelled from outside: stop the thread at its next step too, or the
-                    # process would wait for the whole call before it could exit.
-                    self._abort = True
-                    raise
+            try:
+                if executor is None:
+                    images = self._call(pipeline, group, items, params, on_step)
+                else:
+                    images = await asyncio.wrap_future(executor.submit(
+                        self._call, pipeline, group, items, params, on_step))
+            except asyncio.CancelledError:
+                # Cancelled from outside: stop the thread at its next step too, or the
+                # process would wait for the whole call before it could exit.
+                self._abort = True
+                raise
         except Interrupted:
             for job in group:
                 job.resolve(JobCancelled() if job.cancelled else HandedBack())
@@ -239,11 +327,31 @@ class Batcher:
                 job.resolve(exc)
         else:
             at = 0
-            finished = time.time()
             for job in group:
-                job.marks["run_end"] = finished
                 n = job.task.num_images if images else 0
                 job.resolve(images[at:at + n])
                 at += n
         finally:
-            self.running = []
+            for job in group:
+                self.running.remove(job)
+            self._room.release()
+
+    def _call(self, pipeline: Pipeline, group: list[Job], items: list[Item], params: Params,
+              on_step: Callable[[int, int], None]) -> list[Any]:
+        """The pipeline call itself, timed into ``usage`` (on the compute thread). A call
+        queued behind one that ran is not started once the batcher is closed (its tasks
+        go back) or when every task in it is cancelled."""
+        if self._closed or self._abort or all(j.cancelled for j in group):
+            raise Interrupted()
+        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        self.usage.running_since = started
+        for job in group:
+            job.marks.update(run_start=started, batch_images=len(items))
+        try:
+            return pipeline.images(items, params, on_step)
+        finally:
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+            self.usage.add(len(items), started, wall, cpu)
+            BUSY_SECONDS.inc(wall)
+            for job in group:
+                job.marks["run_end"] = started + wall

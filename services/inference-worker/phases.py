@@ -8,10 +8,10 @@ its job)::
 
     queue wait   task submitted at the gateway  -> a worker took it
     batching     taken                          -> its pipeline call started (linger,
-                                                   a running batch ahead of it)
+                                                   the running and queued calls ahead)
     model load   fetching the pipeline for the batch (a hit on a loaded model is ~0)
-    denoising    the pipeline call (its batch: ``tandem.batch.images``)
-    upload       its PNGs to S3
+    denoising    the pipeline call alone (its batch: ``tandem.batch.images``)
+    upload       its PNGs encoded and put in S3, beside the next call
 
 Each phase's length also goes to ``tandem_generation_phase_seconds{phase}``.
 """

@@ -1,9 +1,11 @@
 """Pipelines the worker runs, built from the model registry.
 
 Every pipeline takes a batch of ``Item`` (one per image, each with its own seed, so a
-generator per image makes results independent of batch composition) and returns PNG
-bytes per item. ``on_step(step, total)`` is called after each denoising step, from the
-thread the pipeline runs in; it raises ``Interrupted`` to stop the call between steps.
+generator per image makes results independent of batch composition) and returns one
+image per item (``images``: the pipeline call alone); ``encode`` makes its PNG apart, so
+the worker encodes beside the next call instead of on the compute thread.
+``on_step(step, total)`` is called after each denoising step, from the thread the
+pipeline runs in; it raises ``Interrupted`` to stop the call between steps.
 
 torch and diffusers are imported inside the builders: a worker that serves only the
 no-op (or fault) models starts without them. A ``run:<run_id>`` model is loaded here
@@ -68,7 +70,14 @@ class Params:
 
 
 class Pipeline:
-    """Base: a loaded model that turns items into PNGs."""
+    """Base: a loaded model that turns items into images, and images into PNGs.
+
+    The two halves are apart so the worker can keep the pipeline call alone on its
+    compute thread: ``images`` is the call (one image per item, in the pipeline's own
+    form: uint8 HxWxC arrays for the torch pipelines), ``encode`` makes one PNG of one
+    image and runs elsewhere, beside the next call. ``generate`` is both, for callers
+    that want PNGs in one go.
+    """
 
     trivial = False  # no compute to amortise: no linger, no thread
     checkpoint = ""
@@ -78,8 +87,30 @@ class Pipeline:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
 
-    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+    def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
+        """The pipeline call: one image per item (arrays, or PNG bytes already)."""
         raise NotImplementedError
+
+    def encode(self, image: Any) -> bytes:
+        """One image as PNG bytes (bytes are taken as a PNG already)."""
+        return image if isinstance(image, bytes) else png(image)
+
+    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+        """``images`` then ``encode``: the PNG of each item."""
+        return [self.encode(image) for image in self.images(items, params, on_step)]
+
+    def warm(self, max_batch: int) -> None:
+        """One denoising step at the model's default size, for one image and for
+        ``max_batch``: the one-time costs of a first call (kernel choice, allocations,
+        lazy imports) are paid before the worker is ready, and a full batch that does not
+        fit on the device shows before a task needs it. Raises what the call raises."""
+        spec = self.spec
+        params = Params(width=spec.default_width, height=spec.default_height, steps=1,
+                        guidance=spec.default_guidance)
+        for n in sorted({1, max_batch}):
+            items = [Item(seed=i, prompt="", class_label=0 if spec.num_classes else None)
+                     for i in range(n)]
+            self.images(items, params, lambda step, total: None)
 
 
 class NoopPipeline(Pipeline):
@@ -87,22 +118,28 @@ class NoopPipeline(Pipeline):
 
     trivial = True
 
-    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+    def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         return []
+
+    def warm(self, max_batch: int) -> None:
+        pass  # nothing to warm
 
 
 class FaultPipeline(Pipeline):
     """Fault injection for tests: ``fault:kill`` SIGKILLs the worker at the first step,
     ``fault:raise`` raises. Refused unless the worker enables fault injection."""
 
-    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+    def warm(self, max_batch: int) -> None:
+        pass  # its faults are for tasks, not for the start
+
+    def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         on_step(1, params.steps)
         if self.spec.source_arg == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault {self.spec.source_arg!r}")
 
 
-def _png(array: Any) -> bytes:
+def png(array: Any) -> bytes:
     """uint8 HxWxC (C = 1 or 3) to PNG bytes; no metadata, so equal pixels give equal bytes."""
     from PIL import Image
 
@@ -141,7 +178,7 @@ class ClassUnetPipeline(Pipeline):
 
         return predict_noise(self.unet, x, t, labels, dit=isinstance(self.cfg, DiTConfig))
 
-    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+    def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         import torch
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -163,7 +200,7 @@ class ClassUnetPipeline(Pipeline):
                 on_step(i + 1, total)
             pixels = ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
             arrays = pixels.permute(0, 2, 3, 1).cpu().numpy()
-        return [_png(a) for a in arrays]
+        return list(arrays)
 
 
 class DiffusersPipeline(Pipeline):
@@ -181,7 +218,7 @@ class DiffusersPipeline(Pipeline):
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
 
-    def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
+    def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         import numpy as np
         import torch
 
@@ -210,7 +247,7 @@ class DiffusersPipeline(Pipeline):
             out = self.pipe(**kw)
         images = out.images
         arrays = (np.clip(np.asarray(images, dtype=np.float32), 0, 1) * 255).round()
-        return [_png(a.astype(np.uint8)) for a in arrays]
+        return list(arrays.astype(np.uint8))
 
 
 # ----------------------------------------------------------------------------- building
@@ -222,6 +259,21 @@ def _to(module: Any, device: str, dtype: Any) -> Any:
 
     module = module.to(device)
     return module if dtype == torch.float32 else module.to(dtype=dtype)
+
+
+def uses_torch(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s pipeline runs on torch (no-op and fault models do not)."""
+    return spec.source_kind not in ("noop", "fault")
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op threads to ``threads`` (0: leave torch's default, one per
+    core); the count in force. Process-wide, so it is set once, before the first call."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return int(torch.get_num_threads())
 
 
 def resolve_device(device: str) -> str:

@@ -66,7 +66,13 @@ from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancell
 from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.failover import Failover, FailoverSettings
 from tandem.inference_worker.hotswap import HotSwapper
-from tandem.inference_worker.pipelines import ModelLoadError, Pipeline, build
+from tandem.inference_worker.pipelines import (
+    ModelLoadError,
+    Pipeline,
+    build,
+    set_threads,
+    uses_torch,
+)
 from tandem.inference_worker.records import Cancels, Held, Records
 
 _log = log.get("tandem.inference_worker")
@@ -93,8 +99,11 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
         "auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
     max_batch: int = Field(8, ge=1, le=256, description="Most images per pipeline call.")
     linger: float = Field(0.02, ge=0, le=5, description="Seconds to wait for compatible tasks.")
-    prefetch: int = Field(0, ge=0, le=1024, description="Tasks held beyond max_batch "
-                          "(ready for the next call); 0: max_batch.")
+    prefetch: int = Field(0, ge=0, le=1024, description="Tasks held beyond the running "
+                          "call's max_batch (the next call, queued on the compute thread, "
+                          "and the last one's uploads and commits); 0: 2 x max_batch.")
+    torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads of the "
+                               "pipeline calls; 0: torch's default (one per core).")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is "
                             "redelivered; in-progress acks extend it while a task runs.")
     max_deliver: int = Field(5, ge=2, le=100, description="Deliveries before the DLQ.")
@@ -166,6 +175,7 @@ class InferenceWorker(Service):
         self.drain: Drain | None = None  # while drained, pull nothing new
         self.failover: Failover | None = None  # other clusters' stranded queues
         self._pulling = False  # ready: served models loaded (preload), consumers made
+        self.torch_threads: int | None = None  # set in run when a served model uses torch
         # run: models follow their run's newest good checkpoint (hotswap.py); S3 is set in run.
         self.hotswap = HotSwapper(
             [s for m in served if (s := self.registry.get(m)) is not None], self.pipelines,
@@ -194,6 +204,7 @@ class InferenceWorker(Service):
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
                 "inflight": self.inflight, "batches": self.batcher.batches,
+                "pipeline": {**self.batcher.usage.json(), "torch_threads": self.torch_threads},
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
                 "checkpoints": self.hotswap.status(), "drained": self._drained(),
                 "failover": self.failover.describe() if self.failover else None}
@@ -216,6 +227,13 @@ class InferenceWorker(Service):
                         else None)
                 pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
                                                self.s.fault_injection, line)
+                try:
+                    await asyncio.to_thread(pipe.warm, self.s.max_batch)
+                except Exception as exc:
+                    # Logged, not fatal: the registry's default size may be one tasks never
+                    # use, and a task's own call reports its own error.
+                    _log.error("worker.warm_failed", model=model, max_batch=self.s.max_batch,
+                               error=repr(exc))
                 self.pipelines[model] = pipe
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))
@@ -233,6 +251,8 @@ class InferenceWorker(Service):
         self.records = Records(self.tasks, cancels, self.seal_key, self.worker_id)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
+        if any(uses_torch(spec) for m in self.served if (spec := self.registry.get(m))):
+            self.torch_threads = await asyncio.to_thread(set_threads, self.s.torch_threads)
         await self.hotswap.attach(bus)  # KV runs: the newest committed step of each run
         if self.s.preload:
             for model in self.served:
@@ -250,8 +270,11 @@ class InferenceWorker(Service):
         consumers = [consumer(spec) for spec in self._consumer_specs()]
         # One loop over every lane (and, on failover, other clusters' lanes, which
         # Failover puts into ``consumers``): tasks up to max_batch + prefetch at a time.
+        # The default prefetch holds three calls' worth: the running one, the next one
+        # (queued on the compute thread: it starts without waiting for the loop), and the
+        # last one's uploads and commits, so the pipeline is fed while those finish.
         # A failing fetch waits from 10 ms up to idle_poll, so a reconnect costs little.
-        limit = self.s.max_batch + (self.s.prefetch or self.s.max_batch)
+        limit = self.s.max_batch + (self.s.prefetch or 2 * self.s.max_batch)
         self.poller = Poller(consumers, batch=limit, concurrency=limit,
                              idle_poll=self.s.idle_poll, paused=self._drained,
                              backoff=Backoff(0.01, max_delay=self.s.idle_poll),
@@ -354,7 +377,8 @@ class InferenceWorker(Service):
         BATCH_IMAGES.observe(max(len(images), 1))
         pipe = job.pipeline  # the one that made the images, even if swapped out since
         upload_start = time.time()
-        keys = await self._upload(task.task_id, images)
+        # PNG encoding and upload here, beside the next call: never on the compute thread.
+        keys = await self._upload(task.task_id, images, pipe)
         phases.record(task, {**job.marks, "taken": held.taken, "upload_start": upload_start,
                              "upload_end": time.time()}, **{"tandem.worker": self.worker_id})
         rec = await self.records.finish(held, keys, pipe.checkpoint if pipe else "",
@@ -390,8 +414,11 @@ class InferenceWorker(Service):
 
     # ---------------------------------------------------------------------------- S3
 
-    async def _upload(self, task_id: str, images: list[bytes]) -> list[str]:
-        """Store each PNG under ``images/<task_id>/<i>.png``; retry while S3 is down."""
+    async def _upload(self, task_id: str, images: list[Any], pipe: Pipeline | None
+                      ) -> list[str]:
+        """Store each image as a PNG (``pipe.encode``) under ``images/<task_id>/<i>.png``,
+        in a thread of its own; retry while S3 is down. Raises ``ImageUploadError`` when
+        it cannot: the task is then not acked (redelivered, or dead-lettered at last)."""
         if not images:
             return []
         task_id = subjects.token(task_id, "task id")
@@ -400,7 +427,7 @@ class InferenceWorker(Service):
         error = ""
         async for attempt in retries:
             try:
-                await asyncio.to_thread(self._put_all, keys, images)
+                await asyncio.to_thread(self._put_all, keys, images, pipe)
                 return keys
             except Exception as exc:
                 error = repr(exc)
@@ -408,11 +435,12 @@ class InferenceWorker(Service):
                     _log.warning("worker.upload_retry", attempt=attempt, error=error)
         raise ImageUploadError(task_id, retries.attempt, error)
 
-    def _put_all(self, keys: list[str], images: list[bytes]) -> None:
+    def _put_all(self, keys: list[str], images: list[Any], pipe: Pipeline | None) -> None:
         if not self._bucket_ready:
             ensure_bucket(self._s3, self.s.s3_bucket)
             self._bucket_ready = True
-        for key, png in zip(keys, images, strict=True):
+        for key, image in zip(keys, images, strict=True):
+            png = pipe.encode(image) if pipe is not None else image
             self._s3.put_object(Bucket=self.s.s3_bucket, Key=key, Body=png,
                                 ContentType="image/png")
 

@@ -1,4 +1,4 @@
-"""serving: dispatch latency, what the bus costs a task, batching, against raw nats-py.
+"""serving: latency and the bus's cost per task against nats-py, images/s against the bare pipeline.
 
 Starts nats-server, an S3 endpoint (moto), the gateway and inference workers as child
 processes on free loopback ports, then, in the same run:
@@ -17,8 +17,9 @@ processes on free loopback ports, then, in the same run:
     per task of client and nats-server (goal <= 50 us for Tandem), durable writes and
     wire messages per task, the floor without the worker's validation (issue 19: its
     drop against the noise of the floor's own rounds) and raw fetch + ack (context);
-(c) batching: images/s of the CPU test model (digits) with max_batch 8 against
-    max_batch 1, same tasks and settings; goal >= 1.8x.
+(c) pipeline, (d) batching, (e) workers: the compute side, against the bare pipeline
+    in a plain loop, batch 8 against batch 1, and 1, 2 and 4 workers on one stream
+    (``serve_pipeline`` says how each is measured).
 
 Each of ``--repeat`` repeats is one such run (its own servers), which measures every
 part's Tandem side beside its baseline; ``figures`` give each part's min/median/max over
@@ -36,13 +37,12 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from nats.js.api import RetentionPolicy
 
-from tandem.cli.bench import protocol, saturation, stats
+from tandem.cli.bench import protocol, saturation, serve_pipeline, stats
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
 from tandem.cli.devstack import NatsServer, Process, S3Server, free_port
 from tandem.common import streams, subjects
@@ -55,9 +55,9 @@ GOAL_LATENCY = 3.0
 GOAL_PROTOCOL = 0.95
 GOAL_WRITES = 3.0
 GOAL_CPU_US = 50.0
-GOAL_BATCHING = 1.8
 SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "4", "--steps",
-         "2", "--batch", "2")
+         "2", "--batch", "2", "--workers", "1,2", "--worker-tasks", "40", "--worker-images",
+         "8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,13 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of (b)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of (b) per repeat, the sides "
                    "interleaved (A B C, C B A, ...)")
-    p.add_argument("--images", type=int, default=96, help="images for (c)")
-    p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)")
-    p.add_argument("--batch", type=int, default=8, help="max_batch of the batched side of (c)")
-    stats.add_repeat(p, 3, what="repeats, each a whole run of (a), (b) and (c)")
+    serve_pipeline.add_arguments(p)
+    stats.add_repeat(p, 3, what="repeats, each a whole run of (a) to (e)")
 
 
-class _Bench:
+class Bench:
+    """One run's servers and children (nats-server, S3, gateway, workers), the successes
+    its observer saw (``on_result``: when, and by which worker) and the moves every part
+    shares (``prefill``, ``drain_rate``); ``serve_pipeline``'s parts take it too."""
+
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.root = root
         self.args = args
@@ -80,6 +82,9 @@ class _Bench:
         self.s3 = S3Server(name="s3", log_path=root / "s3.log")
         self.procs: list[Process] = []
         self.results: dict[str, float] = {}
+        self.result_worker: dict[str, str] = {}  # task -> the worker of its success
+        self.healthz: dict[str, str] = {}  # worker name -> its /healthz URL
+        self.procs_by_name: dict[str, Process] = {}
         self.waiters: dict[str, asyncio.Future[float]] = {}
         self.seal_key = secrets.token_hex(16).encode()  # the gateway's and the workers'
 
@@ -93,17 +98,19 @@ class _Bench:
     def spawn(self, name: str, module: str, env: dict[str, str]) -> Process:
         p = ServiceProcess(name=name, log_path=self.root / f"{name}.log").start(module, env)
         self.procs.append(p)
+        self.procs_by_name[name] = p
         return p
 
-    async def worker(self, name: str, cluster: str, ready: bool = True,
-                     **values: str) -> Any:
-        """A worker child, once its models are loaded; with ``ready`` False, also the URL
-        of its /healthz (a held worker is loaded but pulls nothing)."""
-        env = self.env(cluster=cluster, node=name, worker_id=name, **values)
+    async def worker(self, name: str, cluster: str, **values: str) -> Process:
+        """A worker ``name`` (its node too, unless ``values`` names one), once its models
+        are loaded; its /healthz URL in ``healthz`` (a held worker is loaded but pulls
+        nothing)."""
+        env = self.env(**{"cluster": cluster, "node": name, "worker_id": name, **values})
         p = self.spawn(name, "tandem.inference_worker", env)
-        url = f"http://127.0.0.1:{env['TANDEM_METRICS_PORT']}/healthz"
-        await wait_ready(url, p, lambda h: h.get("status") == "ok" and h.get("models_loaded"))
-        return p if ready else (p, url)
+        self.healthz[name] = f"http://127.0.0.1:{env['TANDEM_METRICS_PORT']}/healthz"
+        await wait_ready(self.healthz[name], p,
+                         lambda h: h.get("status") == "ok" and h.get("models_loaded"))
+        return p
 
     def stop(self) -> None:
         for p in self.procs:
@@ -112,11 +119,13 @@ class _Bench:
         self.nats.stop()
 
     def on_result(self, msg: Any) -> None:
-        if moves.succeeded(msg.data) is None:
+        rec = moves.succeeded(msg.data)
+        if rec is None:
             return
         task_id = msg.subject.rsplit(".", 1)[-1]
         at = time.perf_counter()
         self.results[task_id] = at
+        self.result_worker[task_id] = rec.worker
         fut = self.waiters.pop(task_id, None)
         if fut is not None and not fut.done():
             fut.set_result(at)
@@ -178,7 +187,7 @@ async def _raw_round_trips(bus: Bus, n: int) -> list[float]:
 # ------------------------------------------------------------------------------- the run
 
 
-async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
+async def _latency(b: Bench, bus: Bus, n: int) -> dict[str, Any]:
     import httpx
 
     gw_port = free_port()
@@ -233,7 +242,7 @@ async def _latency(b: _Bench, bus: Bus, n: int) -> dict[str, Any]:
                       "ratio": round(door_ratio, 3), "meets_goal": door_ratio <= 1.0}}
 
 
-async def _protocol(b: _Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
+async def _protocol(b: Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
     """(b): the sides of ``protocol.py``, interleaved over ``rounds``, then raw once."""
     cluster, node = "tput", "w-tput"
     # Held from its start: its node is drained before it starts, so it pulls nothing.
@@ -241,8 +250,8 @@ async def _protocol(b: _Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
     held = protocol.Held(bus, cluster, node, "")
     await (await bus.typed(streams.KV_DRAINS, DrainRecord)).put(
         held.key, DrainRecord(cluster=cluster, node=node, reason="bench: held"))
-    w, held.health_url = await b.worker(node, cluster, serve="noop",
-                                        max_batch=protocol.TANDEM_BATCH, ready=False)
+    w = await b.worker(node, cluster, serve="noop", max_batch=protocol.TANDEM_BATCH)
+    held.health_url = b.healthz[node]
     sides = {
         "tandem": lambda r: protocol.tandem_round(bus, b.nats, w, held, n, b.prefill),
         "floor": lambda r: protocol.floor_round(bus, b.nats, n, b.seal_key, True, b.prefill),
@@ -257,33 +266,11 @@ async def _protocol(b: _Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
     return {"tasks": n, "rounds": rounds, **got}
 
 
-async def _batching(b: _Bench, bus: Bus, images: int, steps: int, batch: int
-                    ) -> dict[str, Any]:
-    rates = {}
-    for side, max_batch in (("unbatched", 1), ("batched", batch)):
-        cluster = f"batch{max_batch}"
-        tasks = [GenerationTask(task_id=uuid.uuid4().hex, model="digits", class_label=i % 10,
-                                seed=i, steps=steps, width=16, height=16, cluster=cluster)
-                 for i in range(images)]
-        await b.prefill(bus, cluster, tasks)
-        w = await b.worker(f"w-{cluster}", cluster, serve="digits", max_batch=str(max_batch),
-                           device="cpu")
-        rates[side] = await b.drain_rate([t.task_id for t in tasks], 1, batch=max_batch)
-        w.stop(10)
-    ratio = rates["batched"] / rates["unbatched"]
-    return {"model": "digits", "images": images, "steps": steps, "size": "16x16",
-            "max_batch": batch, "counted_images": {"unbatched": images - 1,
-                                                   "batched": images - batch},
-            "batched_images_per_s": round(rates["batched"], 2),
-            "unbatched_images_per_s": round(rates["unbatched"], 2), "ratio": round(ratio, 3),
-            "meets_goal": ratio >= GOAL_BATCHING}
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """``--repeat`` runs of ``_once``; each part's section is its median run's."""
     async def once(r: int) -> dict[str, Any]:
         meter = saturation.Meter({"bench process": saturation.this_process}).start()
-        got = await _once(args)
+        got = await _once(args, r)
         got["round_cpu"] = meter.stop().json()
         return got
 
@@ -292,8 +279,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fj = stats.figures_json(figures)
     result: dict[str, Any] = {"repeat": args.repeat, "cpus": os.cpu_count()}
     for part, key in (("latency", "ratio_to_raw_plus_hop"), ("protocol", "ratio"),
-                      ("batching", "ratio")):
+                      ("pipeline", "ratio_b8"), ("batching", "ratio")):
         result[part] = stats.median_run(runs, lambda x, p=part, k=key: x[p][k])[part]
+    result["workers"] = stats.median_run(
+        runs, lambda x: x["workers"]["digits"]["scaling"][max(x["workers"]["digits"][
+            "scaling"], key=int)])["workers"]
     result["figures"] = fj
     result["ok"] = True  # goals are reported, not enforced: see figures' met
     return result
@@ -303,7 +293,6 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
     """Each part as a figure over the runs; a goal not met says why, measured."""
     lat = [x["latency"] for x in runs]
     pro = [x["protocol"] for x in runs]
-    bat = [x["batching"] for x in runs]
     latency = stats.Figure(
         "latency", "(a) no-op HTTP in -> result out, p50", "ms",
         [a["tandem"]["p50_ms"] for a in lat],
@@ -347,11 +336,6 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         "protocol_raw", "(b) the same worker against raw fetch + ack (context)", "tasks/s",
         [s["tandem"]["per_s"] for s in sides], [x["raw"]["per_s"] for x in pro],
         "raw fetch + ack, no record", digits=1)
-    batching = stats.Figure(
-        "batching", f"(c) digits, max_batch {bat[0]['max_batch']} against 1", "img/s",
-        [c["batched_images_per_s"] for c in bat], [c["unbatched_images_per_s"] for c in bat],
-        "max_batch 1, same worker", ratio=[c["ratio"] for c in bat],
-        goal=stats.Goal(">=", GOAL_BATCHING), digits=2)
     median = stats.median_run(pro, lambda x: x["ratio"])
     if ratio.met is False or cpu.met is False:
         why = saturation.per_task(median["sides"], median["raw"], GOAL_CPU_US,
@@ -363,29 +347,27 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
                  "cpus": os.cpu_count() or 1, "machine_busy_cores": None}, extra=why)
         if cpu.met is False:
             cpu.why = "; ".join(why)
-    for fig in (latency, batching):
-        if fig.met is False:
-            fig.why = saturation.why(stats.median_run(runs, lambda x, f=fig: x[f.name][
-                "ratio_to_raw_plus_hop" if f.name == "latency" else "ratio"])["round_cpu"],
-                loop="bench process") + " (over the whole run, every part)"
-    return [latency, doors, ratio, writes, cpu, validation, raw, batching]
+    if latency.met is False:
+        latency.why = saturation.why(stats.median_run(
+            runs, lambda x: x["latency"]["ratio_to_raw_plus_hop"])["round_cpu"],
+            loop="bench process") + " (over the whole run, every part)"
+    return [latency, doors, ratio, writes, cpu, validation, raw,
+            *serve_pipeline.figures(runs, runs[0]["pipeline"]["batch"])]
 
 
-async def _once(args: argparse.Namespace) -> dict[str, Any]:
+async def _once(args: argparse.Namespace, r: int) -> dict[str, Any]:
     from tandem.common import log
 
     log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
-    if args.batch < 1 or args.images % args.batch or args.images < 2 * args.batch:
-        raise SystemExit(f"--images {args.images} must be a whole number of batches of "
-                         f"--batch {args.batch}, at least two (rates count whole batches)")
+    serve_pipeline.check(args)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-serve-") as tmp:
-        b = _Bench(Path(tmp), args)
+        b = Bench(Path(tmp), args)
         b.nats.start()
         b.s3.start()
         try:
             bus = await Bus.connect(load(Settings, nats_url=b.nats.url), "bench")
             await bus.provision(streams.core_streams())
-            # Results of (a) and (c) as they are written; (b) has its own observer, so
+            # Results of (a) and (c)-(e) as they are written; (b) has its own observer, so
             # this process does nothing for the writes of the floor it measures.
             sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=_sync(b.on_result))
             latency = await _latency(b, bus, args.requests)
@@ -395,7 +377,7 @@ async def _once(args: argparse.Namespace) -> dict[str, Any]:
             sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=_sync(b.on_result))
             result = {
                 "latency": latency, "protocol": proto,
-                "batching": await _batching(b, bus, args.images, args.steps, args.batch),
+                **await serve_pipeline.measure(b, bus, args, r),
                 "cpus": os.cpu_count(),
             }
             await sub.unsubscribe()
@@ -413,7 +395,7 @@ def _sync(fn: Any) -> Any:
 
 
 def render(r: dict[str, Any]) -> str:
-    a, t, c = r["latency"], r["protocol"], r["batching"]
+    a, t = r["latency"], r["protocol"]
     yes = {True: "yes", False: "NO"}
     v = t["validation"]
     return "\n".join([
@@ -446,8 +428,5 @@ def render(r: dict[str, Any]) -> str:
         f"{v['drop']:.1%} with it, "
         + (f"noise {v['noise']:.1%}: within noise: {yes[v['within_noise']]}"
            if v["noise"] is not None else "noise unknown (one round: no spread)"),
-        f"(c) batching, {c['model']} {c['size']} {c['steps']} steps, {c['images']} images",
-        f"    max_batch {c['max_batch']}: {c['batched_images_per_s']:.2f} img/s   "
-        f"max_batch 1: {c['unbatched_images_per_s']:.2f} img/s   ratio {c['ratio']:.2f}x  "
-        f"(goal >= 1.8x)  meets goal: {yes[c['meets_goal']]}",
+        *serve_pipeline.render(r),
     ])

@@ -46,6 +46,12 @@ def add_repeat(p: argparse.ArgumentParser, default: int, *aliases: str,
                    "goals judged on the median)")
 
 
+def order(r: int, sides: Sequence[str]) -> list[str]:
+    """The order ``sides`` run in within repeat ``r``: as given in even repeats, reversed
+    in odd ones (a bench that runs its sides inside its own repeat loop uses this)."""
+    return list(sides) if r % 2 == 0 else list(reversed(sides))
+
+
 def schedule(repeat: int, sides: Sequence[str]) -> list[tuple[int, str]]:
     """The order in which ``repeat`` repeats of ``sides`` run: every repeat runs each side
     once, one after the other (A B, A B, ..., never A A A then B B B), and the side that
@@ -53,11 +59,7 @@ def schedule(repeat: int, sides: Sequence[str]) -> list[tuple[int, str]]:
     warmer (or colder) slot of a pair."""
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, not {repeat}")
-    out = []
-    for r in range(repeat):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        out += [(r, side) for side in order]
-    return out
+    return [(r, side) for r in range(repeat) for side in order(r, sides)]
 
 
 async def interleaved(repeat: int, sides: Mapping[str, Callable[[int], Awaitable[R]]]

@@ -1,0 +1,109 @@
+"""The bare side of ``tandem bench serve``'s pipeline part: the diffusers pipeline in a loop.
+
+Bench code, run as a child process (``python -m tandem.cli.bench.bare_pipeline``), one
+process per run, so nothing else in it competes with the loop: what a user with the
+model and nothing else would do to make the same images.
+
+- ``digits`` (``builtin:class-unet``): the same ``UNet2DModel`` (``diffusion.build_unet``
+  of the default ``UNetConfig``, seed 0) and ``DDPMScheduler``, sampled in the plain
+  diffusers loop (``unet(x, t, class_labels).sample``, ``scheduler.step``), to uint8 pixels;
+- ``tiny-text`` (``builtin:tiny-text``): the same ``StableDiffusionPipeline``
+  (``diffusion.build_tiny_text_pipeline``, seed 0) called with ``output_type="np"``, to
+  uint8 pixels.
+
+Each call makes ``batch`` images with a generator per image (as the worker does), the
+same steps, size and guidance as the worker's tasks; torch runs on ``threads`` intra-op
+threads (the worker's ``TANDEM_TORCH_THREADS``). No PNG, no upload, no bus: the limit the
+worker is measured against. Prints one JSON line: when each call ended
+(``time.perf_counter``), so the bench counts whole batches the way it counts the
+worker's results, and the CPU and wall seconds of the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def digits(batch: int, steps: int, size: int) -> Any:
+    """A call making ``batch`` digits images (labels 0, 1, ...) from the given seeds."""
+    import torch
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from tandem.common.diffusion import UNetConfig, build_scheduler, build_unet
+
+    cfg = UNetConfig()
+    unet = build_unet(cfg, seed=0).eval()
+    scheduler = build_scheduler(cfg)
+    labels = torch.tensor([i % 10 for i in range(batch)])
+
+    def call(seeds: list[int]) -> Any:
+        scheduler.set_timesteps(steps)
+        gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        with torch.inference_mode():
+            x = randn_tensor((batch, cfg.in_channels, size, size), generator=gens)
+            for t in scheduler.timesteps:
+                eps = unet(x, t, class_labels=labels).sample
+                x = scheduler.step(eps, t, x, generator=gens).prev_sample
+            pixels = ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+            return pixels.permute(0, 2, 3, 1).numpy()
+
+    return call
+
+
+def tiny_text(batch: int, steps: int, size: int, guidance: float) -> Any:
+    """A call making ``batch`` tiny-text images ("a red boat <i>") from the given seeds."""
+    import numpy as np
+    import torch
+
+    from tandem.common.diffusion import build_tiny_text_pipeline
+
+    pipe = build_tiny_text_pipeline(seed=0)
+    prompts = [f"a red boat {i}" for i in range(batch)]
+
+    def call(seeds: list[int]) -> Any:
+        gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        with torch.inference_mode():
+            out = pipe(prompt=prompts, num_inference_steps=steps, height=size, width=size,
+                       guidance_scale=guidance, generator=gens, output_type="np")
+        return (np.clip(out.images, 0, 1) * 255).round().astype(np.uint8)
+
+    return call
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem.cli.bench.bare_pipeline")
+    p.add_argument("--model", choices=("digits", "tiny-text"), required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--images", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--size", type=int, default=16)
+    p.add_argument("--guidance", type=float, default=1.0)
+    p.add_argument("--threads", type=int, required=True)
+    a = p.parse_args(argv)
+    if a.batch < 1 or a.images % a.batch:
+        raise SystemExit(f"--images {a.images} must be a whole number of batches of "
+                         f"--batch {a.batch}")
+    import torch
+
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    call = (digits(a.batch, a.steps, a.size) if a.model == "digits"
+            else tiny_text(a.batch, a.steps, a.size, a.guidance))
+    ends = []
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for first in range(0, a.images, a.batch):
+        images = call(list(range(first, first + a.batch)))
+        assert len(images) == a.batch
+        ends.append(time.perf_counter())
+    print(json.dumps({"model": a.model, "batch": a.batch, "images": a.images,
+                      "threads": torch.get_num_threads(), "ends": ends,
+                      "cpu_s": time.process_time() - cpu0, "wall_s": ends[-1] - t0}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""serving against the bare pipeline: images/s, the pipeline's busy time, batching, workers.
+
+The compute side of ``tandem bench serve`` (``serve.py`` runs these parts in each of its
+repeats, on its servers):
+
+(c) pipeline: images/s of Tandem serving ``digits`` (``builtin:class-unet``) and
+    ``tiny-text`` (``builtin:tiny-text``) at batch 1 and batch ``--batch``, against the
+    same pipeline called in a plain loop in one process (``bare_pipeline``): the same
+    steps, size, guidance, a generator per image, and the same torch intra-op threads
+    (``--threads``; the worker's ``TANDEM_TORCH_THREADS``). Tandem's side is a worker
+    draining a queue filled beforehand with single-image tasks (``max_batch`` 1 or
+    ``--batch``), each task recorded, claimed, run, encoded, uploaded, committed and
+    acked. Both sides count whole batches the same way: ``images - batch`` over the
+    window from the first batch's end (bare) or first result (Tandem) to the last.
+    Goal: Tandem/bare >= 0.95 for each model and batch size. Beside it, the pipeline's
+    busy time as a fraction of wall time while the worker drained the backlog, measured
+    in the worker (``/healthz`` ``pipeline``: the sum of its pipeline calls over the span
+    from the first call's start to the last call's end); goal >= 0.95. And the CPU the
+    rest cost, per image: the worker's CPU beside its compute thread's (encoding, upload,
+    the bus), nats-server's and the S3 server's, from ``/proc`` over the drain: on a
+    machine with few cores, that is what competes with the pipeline for them.
+(d) batching: Tandem's digits images/s at ``--batch`` against batch 1, from (c)'s runs
+    (the same whole-batch count on both sides); goal >= 1.8. The bare loop's own
+    ratio is given beside it.
+(e) workers: 1, 2 and 4 workers (``--workers``) on one cluster's stream, no-op and digits
+    tasks (the same workers, ``max_batch`` ``--batch``, one backlog after the other): the
+    workers start held (their node drained, looking for a release every 50 ms), the
+    backlog is queued, and all are let go at once (undrained); tasks/s from the release
+    to the last result, and the scaling against one worker of the same run. Whether any
+    worker idled while the stream still had a backlog is shown per worker: its results,
+    the tasks its pipeline ran and (for digits) its pipeline's busy fraction from the
+    release to the moment the stream's backlog ran out (the consumer's pending count,
+    polled), and the machine's CPU over the run (``saturation``): on a small machine the
+    digits scaling is bound by cores.
+
+Tandem and bare run one after the other for each model and batch size, the side going
+first alternating between repeats (``stats.order``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from tandem.cli import http
+from tandem.cli.bench import saturation, stats
+from tandem.common import fleet, streams
+from tandem.common.events import GenerationTask
+
+if TYPE_CHECKING:
+    from tandem.cli.bench.serve import Bench
+    from tandem.common.bus import Bus
+
+GOAL_PIPELINE = 0.95
+GOAL_BUSY = 0.95
+GOAL_BATCHING = 1.8
+MODELS = ("digits", "tiny-text")
+SIZE = 16
+GUIDANCE = {"digits": 1.0, "tiny-text": 5.0}  # each model's default
+# The first call waits up to this for a whole batch (later ones are whole under a
+# backlog without waiting), so every call of a run has the same size.
+LINGER = "1.0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images", type=int, default=64,
+                   help="images per side, model and batch size for (c) and (d)")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)-(e)")
+    p.add_argument("--batch", type=int, default=8, help="the batched side's batch size")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the "
+                   "worker and of the bare loop alike (0: torch's default, one per core)")
+    p.add_argument("--workers", default="1,2,4", help="worker counts for (e)")
+    p.add_argument("--worker-tasks", type=int, default=4000,
+                   help="no-op tasks per worker count for (e)")
+    p.add_argument("--worker-images", type=int, default=192,
+                   help="digits images per worker count for (e)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse sizes whose rates would not count whole batches."""
+    if args.batch < 1 or args.images % args.batch or args.images < 2 * args.batch:
+        raise SystemExit(f"--images {args.images} must be a whole number of batches of "
+                         f"--batch {args.batch}, at least two (rates count whole batches)")
+    counts = worker_counts(args)
+    if args.worker_images % (args.batch * max(counts)) or args.worker_tasks < max(counts):
+        raise SystemExit(f"--worker-images {args.worker_images} must be whole batches of "
+                         f"--batch {args.batch} for each of {max(counts)} workers, and "
+                         f"--worker-tasks {args.worker_tasks} at least one per worker")
+
+
+def worker_counts(args: argparse.Namespace) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in args.workers.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] != 1 or any(c < 1 for c in counts):
+        raise SystemExit(f"--workers {args.workers!r}: comma-separated counts, 1 among them")
+    return counts
+
+
+# ---------------------------------------------------------------------------- (c) pipeline
+
+
+def tasks_of(model: str, n: int, steps: int, cluster: str) -> list[GenerationTask]:
+    """``n`` single-image tasks of ``model``: seed ``i``, label ``i % 10``, prompt "a red boat
+    <i>" (the images the bare loop makes too)."""
+    return [GenerationTask(task_id=uuid.uuid4().hex, model=model, seed=i, steps=steps,
+                           width=SIZE, height=SIZE, guidance=GUIDANCE[model],
+                           class_label=i % 10 if model == "digits" else None,
+                           prompt=f"a red boat {i}" if model == "tiny-text" else None,
+                           cluster=cluster) for i in range(n)]
+
+
+def _health(b: Bench, name: str) -> dict[str, Any]:
+    got = http.get_json(b.healthz[name], timeout=10.0)
+    if not isinstance(got, dict):
+        raise RuntimeError(f"{name}: no /healthz answer")
+    return got
+
+
+async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
+                  r: int) -> dict[str, Any]:
+    cluster = f"pipe{r}{MODELS.index(model)}b{batch}"
+    tasks = tasks_of(model, args.images, args.steps, cluster)
+    await b.prefill(bus, cluster, tasks)
+    name = f"w-{cluster}"
+    w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
+                       torch_threads=str(args.threads), linger=LINGER)
+    before = (await asyncio.to_thread(_health, b, name))["pipeline"]
+    meter = saturation.Meter({"worker": w.pid or 0, "nats-server": b.nats.pid or 0,
+                              "s3": b.s3.pid or 0, "bench": saturation.this_process}).start()
+    rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=batch)
+    window = meter.stop()
+    after = (await asyncio.to_thread(_health, b, name))["pipeline"]
+    w.stop(10)
+    images = after["images"] - before["images"]
+    wall = window.wall_s
+    # CPU beside the pipeline, per image made in the window (the worker's own minus its
+    # compute thread's: with one torch thread, that thread is all of the compute).
+    worker_cpu = window.cores["worker"] * wall
+    compute_cpu = after["cpu_s"] - before["cpu_s"]
+    per_image = {
+        # Wall against CPU of the calls: how much of a call its thread was not on a core
+        # (waiting for one, or for the interpreter lock).
+        "compute_wall_ms": (after["busy_s"] - before["busy_s"]) / images * 1e3 if images
+        else None,
+        "compute_ms": compute_cpu / images * 1e3 if images else None,
+        "worker_rest_ms": (worker_cpu - compute_cpu) / images * 1e3 if images else None,
+        "nats_server_ms": window.cores["nats-server"] * wall / images * 1e3 if images else None,
+        "s3_ms": window.cores["s3"] * wall / images * 1e3 if images else None,
+    }
+    return {"images_per_s": round(rate, 3), "busy": after["busy"], "calls": after["calls"],
+            "images": after["images"], "whole_batches": after["calls"] * batch == args.images,
+            "torch_threads": after["torch_threads"],
+            "cpu_per_image": {k: round(v, 3) if v is not None else None
+                              for k, v in per_image.items()},
+            "window": window.json()}
+
+
+async def _bare(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tandem.cli.bench.bare_pipeline", "--model", model,
+        "--batch", str(batch), "--images", str(args.images), "--steps", str(args.steps),
+        "--size", str(SIZE), "--guidance", str(GUIDANCE[model]), "--threads",
+        str(args.threads), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"bare pipeline {model} batch {batch} failed: "
+                           f"{err.decode(errors='replace')[-2000:]}")
+    got = json.loads(out.decode().strip().splitlines()[-1])
+    ends = got["ends"]
+    rate = (args.images - batch) / (ends[-1] - ends[0])
+    return {"images_per_s": round(rate, 3), "calls": len(ends), "torch_threads": got["threads"],
+            "cpu_per_image_ms": round(got["cpu_s"] / args.images * 1e3, 3),
+            "wall_per_image_ms": round(got["wall_s"] / args.images * 1e3, 3)}
+
+
+async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model in MODELS:
+        out[model] = {}
+        for batch in (1, args.batch):
+            sides = {"tandem": lambda m=model, n=batch: _tandem(b, bus, m, n, args, r),
+                     "bare": lambda m=model, n=batch: _bare(m, n, args)}
+            got = {side: await sides[side]() for side in stats.order(r, list(sides))}
+            ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
+            out[model][f"b{batch}"] = {**got, "ratio": round(ratio, 3),
+                                       "first": stats.order(r, list(sides))[0]}
+    big = f"b{args.batch}"
+    return {"models": out, "images": args.images, "steps": args.steps, "size": f"{SIZE}x{SIZE}",
+            "batch": args.batch, "threads": args.threads,
+            "counted_images": {"b1": args.images - 1, big: args.images - args.batch},
+            # The goals hold for every model: each key is the lowest model's.
+            "ratio_b1": min(m["b1"]["ratio"] for m in out.values()),
+            "ratio_b8": min(m[big]["ratio"] for m in out.values()),
+            "busy": min(m[k]["tandem"]["busy"] for m in out.values() for k in ("b1", big))}
+
+
+# --------------------------------------------------------------------------- (d) batching
+
+
+def _batching(pipe: dict[str, Any]) -> dict[str, Any]:
+    d = pipe["models"]["digits"]
+    big = f"b{pipe['batch']}"
+    batched, unbatched = d[big]["tandem"]["images_per_s"], d["b1"]["tandem"]["images_per_s"]
+    ratio = batched / unbatched
+    bare = d[big]["bare"]["images_per_s"] / d["b1"]["bare"]["images_per_s"]
+    return {"model": "digits", "images": pipe["images"], "steps": pipe["steps"],
+            "size": pipe["size"], "max_batch": pipe["batch"],
+            "counted_images": {"unbatched": pipe["images"] - 1,
+                               "batched": pipe["images"] - pipe["batch"]},
+            "batched_images_per_s": batched, "unbatched_images_per_s": unbatched,
+            "ratio": round(ratio, 3), "bare_ratio": round(bare, 3),
+            "meets_goal": ratio >= GOAL_BATCHING}
+
+
+# ---------------------------------------------------------------------------- (e) workers
+
+
+async def _backlog_end(b: Bench, bus: Bus, cluster: str, names: list[str]
+                       ) -> tuple[float, dict[str, dict[str, Any]]]:
+    """When the stream's backlog ran out: the first poll (every 20 ms) that finds no
+    message left to deliver on the lane's consumer (``time.perf_counter``), and each
+    worker's pipeline figures read right then."""
+    spec = streams.gen_consumer(cluster, lane="interactive")  # the tasks' lane
+    while True:
+        info = await bus.js.consumer_info(spec.stream, spec.durable)
+        if not info.num_pending:
+            break
+        await asyncio.sleep(0.02)  # polling the consumer's pending count, the backlog
+    at = time.perf_counter()
+    got = await asyncio.gather(*(asyncio.to_thread(_health, b, nm) for nm in names))
+    return at, {nm: h["pipeline"] for nm, h in zip(names, got, strict=True)}
+
+
+async def _release(b: Bench, bus: Bus, cluster: str, node: str, names: list[str],
+                   tasks: list[GenerationTask], busy: bool) -> dict[str, Any]:
+    """Queue ``tasks`` while the workers ``names`` are held (their node drained), let them
+    go at once, and measure until every result is in; hold them again after. ``busy``:
+    report each worker's pipeline busy fraction (not for no-op tasks: no pipeline)."""
+    await b.prefill(bus, cluster, tasks)
+    before = {nm: (await asyncio.to_thread(_health, b, nm))["pipeline"] for nm in names}
+    meter = saturation.Meter({**{nm: b.procs_by_name[nm].pid or 0 for nm in names},
+                              "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
+                              "bench": saturation.this_process}).start()
+    ids = [t.task_id for t in tasks]
+    t0 = time.perf_counter()
+    await fleet.undrain(bus, cluster, node)
+    async with asyncio.TaskGroup() as tg:
+        watch = tg.create_task(_backlog_end(b, bus, cluster, names))
+        await b.drain_rate(ids, 1)
+    ended, at_end = watch.result()
+    window = meter.stop()
+    await fleet.drain(bus, cluster, node, reason="bench: held until the next backlog")
+    n = len(tasks)
+    last = max(b.results[i] for i in ids)
+    # Polled, the empty stream may be seen after the last result: it was empty by then.
+    backlog_s = min(ended, last) - t0
+    per_worker = {}
+    for nm in names:
+        mine = [b.results[i] for i in ids if b.result_worker.get(i) == nm]
+        ran = at_end[nm]["busy_s"] + at_end[nm]["running_s"] - before[nm]["busy_s"]
+        per_worker[nm] = {
+            "tasks": len(mine), "ran_while_backlog": at_end[nm]["images"] - before[nm]["images"],
+            "first_result_s": round(min(mine) - t0, 3) if mine else None,
+            "last_result_s": round(max(mine) - t0, 3) if mine else None,
+            "busy_until_backlog_end": round(ran / backlog_s, 3) if busy and backlog_s > 0
+            else None}
+    return {"workers": len(names), "tasks": n, "tasks_per_s": round(n / (last - t0), 2),
+            "backlog_s": round(backlog_s, 3), "drain_s": round(last - t0, 3),
+            "per_worker": per_worker, "window": window.json()}
+
+
+async def _workers(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict[str, Any]:
+    """For each worker count: that many workers, held, serving both kinds; a no-op
+    backlog, then a digits one, each released at once."""
+    runs: dict[str, dict[str, Any]] = {"noop": {}, "digits": {}}
+    for count in worker_counts(args):
+        cluster = node = f"w{r}n{count}"
+        # Held workers look for a release every idle_poll: 50 ms (not the default
+        # 0.5 s), so they start together. max_batch is --batch for both kinds.
+        await fleet.drain(bus, cluster, node, reason="bench: held until the backlog is queued")
+        names = [f"w-{cluster}-{i}" for i in range(count)]
+        await asyncio.gather(*(b.worker(
+            nm, cluster, node=node, serve="noop,digits", max_batch=str(args.batch),
+            device="cpu", torch_threads=str(args.threads), idle_poll="0.05") for nm in names))
+        try:
+            runs["noop"][str(count)] = await _release(b, bus, cluster, node, names, [
+                GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
+                               cluster=cluster) for _ in range(args.worker_tasks)], busy=False)
+            runs["digits"][str(count)] = await _release(
+                b, bus, cluster, node, names,
+                tasks_of("digits", args.worker_images, args.steps, cluster), busy=True)
+        finally:
+            await asyncio.gather(*(asyncio.to_thread(b.procs_by_name[nm].stop, 10)
+                                   for nm in names))
+    out: dict[str, Any] = {}
+    for kind, got in runs.items():
+        one = got["1"]["tasks_per_s"]
+        out[kind] = {"runs": got, "scaling": {c: round(x["tasks_per_s"] / one, 3)
+                                              for c, x in got.items()}}
+    return out
+
+
+# ------------------------------------------------------------------------------- the parts
+
+
+async def measure(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict[str, Any]:
+    """One repeat's (c), (d) and (e)."""
+    pipe = await _pipeline(b, bus, args, r)
+    return {"pipeline": pipe, "batching": _batching(pipe), "workers": await _workers(
+        b, bus, args, r)}
+
+
+def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
+    """(c), (d) and (e) as figures over the repeats; a goal not met says what was
+    saturated over its median run's drain."""
+    big = f"b{args_batch}"
+    out = []
+    for model in MODELS:
+        for key in ("b1", big):
+            cells = [x["pipeline"]["models"][model][key] for x in runs]
+            fig = stats.Figure(
+                f"pipeline_{model}_{key}", f"(c) {model}, batch {key[1:]}: Tandem against "
+                "the bare pipeline", "img/s", [c["tandem"]["images_per_s"] for c in cells],
+                [c["bare"]["images_per_s"] for c in cells],
+                "the same pipeline in a plain loop, same torch threads",
+                ratio=[c["ratio"] for c in cells], goal=stats.Goal(">=", GOAL_PIPELINE),
+                digits=2)
+            if fig.met is False:
+                c = stats.median_run(cells, lambda x: x["ratio"])
+                cpu = c["tandem"]["cpu_per_image"]
+                fig.why = saturation.why(c["tandem"]["window"], extra=[
+                    f"a call took {cpu['compute_wall_ms']} ms per image on a thread that "
+                    f"was on a core {cpu['compute_ms']} ms of it (bare "
+                    f"{c['bare']['wall_per_image_ms']} / {c['bare']['cpu_per_image_ms']} ms); "
+                    f"CPU per image beside the calls: the rest of the worker "
+                    f"{cpu['worker_rest_ms']} ms, nats-server {cpu['nats_server_ms']} ms, "
+                    f"S3 server {cpu['s3_ms']} ms"])
+            out.append(fig)
+    busy = stats.Figure(
+        "pipeline_busy", "(c) pipeline busy under a backlog, lowest of the models and batch "
+        "sizes", "fraction", [x["pipeline"]["busy"] for x in runs],
+        goal=stats.Goal(">=", GOAL_BUSY, on="tandem"))
+    bat = [x["batching"] for x in runs]
+    batching = stats.Figure(
+        "batching", f"(d) digits, batch {args_batch} against 1 (Tandem)", "img/s",
+        [c["batched_images_per_s"] for c in bat], [c["unbatched_images_per_s"] for c in bat],
+        "batch 1, same worker settings", ratio=[c["ratio"] for c in bat],
+        goal=stats.Goal(">=", GOAL_BATCHING), digits=2,
+        notes=[f"the bare loop's own batch {args_batch}/1: "
+               f"{stats.spread_text(stats.Spread(tuple(c['bare_ratio'] for c in bat)).json(3))}"])
+    out += [busy, batching]
+    for kind in ("noop", "digits"):
+        counts = list(runs[0]["workers"][kind]["runs"])
+        for c in counts[1:]:
+            cells = [x["workers"][kind] for x in runs]
+            fig = stats.Figure(
+                f"workers_{kind}_{c}", f"(e) {kind} tasks, {c} workers on one stream", "tasks/s",
+                [x["runs"][c]["tasks_per_s"] for x in cells],
+                [x["runs"]["1"]["tasks_per_s"] for x in cells], "1 worker, same run",
+                ratio=[x["scaling"][c] for x in cells], digits=1)
+            fig.notes.append(saturation.why(stats.median_run(
+                cells, lambda x, c=c: x["scaling"][c])["runs"][c]["window"]))
+            out.append(fig)
+    return out
+
+
+def render(r: dict[str, Any]) -> list[str]:
+    """The lines of (c), (d) and (e) for the bench's text."""
+    p, c, w = r["pipeline"], r["batching"], r["workers"]
+    lines = [f"(c) against the bare pipeline, {p['size']}, {p['steps']} steps, {p['images']} "
+             f"images per side, torch threads {p['threads']} on both sides"]
+    for model, cells in p["models"].items():
+        for key, cell in cells.items():
+            t, bare, cpu = cell["tandem"], cell["bare"], cell["tandem"]["cpu_per_image"]
+            lines.append(
+                f"    {model:9s} batch {key[1:]:>2}: tandem {t['images_per_s']:8.2f} img/s   "
+                f"bare {bare['images_per_s']:8.2f} img/s   ratio {cell['ratio']:.3f}   "
+                f"busy {t['busy']:.3f}")
+            lines.append(
+                f"        per image: call {cpu['compute_wall_ms']} ms wall / {cpu['compute_ms']} "
+                f"ms CPU (bare {bare['wall_per_image_ms']} / {bare['cpu_per_image_ms']}); "
+                f"CPU beside it: rest of the worker {cpu['worker_rest_ms']} ms, nats-server "
+                f"{cpu['nats_server_ms']} ms, S3 {cpu['s3_ms']} ms")
+    lines += [f"    lowest ratio: batch 1 {p['ratio_b1']:.3f}, batch {p['batch']} "
+              f"{p['ratio_b8']:.3f} (goal >= {GOAL_PIPELINE}); lowest busy {p['busy']:.3f} "
+              f"(goal >= {GOAL_BUSY})",
+              f"(d) batching, {c['model']}: batch {c['max_batch']} {c['batched_images_per_s']:.2f} "
+              f"img/s, batch 1 {c['unbatched_images_per_s']:.2f} img/s: ratio {c['ratio']:.2f}x "
+              f"(goal >= {GOAL_BATCHING}x; the bare loop's {c['bare_ratio']:.2f}x)",
+              "(e) workers on one stream, released together on a queued backlog"]
+    for kind, got in w.items():
+        for count, run in got["runs"].items():
+            shares = ", ".join(
+                f"{x['tasks']}" + (f" busy {x['busy_until_backlog_end']:.2f}"
+                                   if x["busy_until_backlog_end"] is not None else "")
+                for x in run["per_worker"].values())
+            lines.append(f"    {kind:6s} x{count}: {run['tasks_per_s']:10.1f} tasks/s "
+                         f"(x{got['scaling'][count]:.2f} of one)   per worker: {shares}")
+    return lines
