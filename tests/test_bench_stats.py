@@ -238,3 +238,33 @@ def test_bench_all_writes_its_figures_into_the_readmes_from_a_saved_run(
         main(["bench", "all", "--from", str(saved), "--readmes", str(root)])
     assert exit_.value.code == 2
     assert (root / "README.md").read_text() == before
+
+
+def test_bench_all_makes_one_table_of_benches_run_one_at_a_time(tmp_path: Path) -> None:
+    one = tmp_path / "bus.json"
+    with pytest.raises(SystemExit):
+        main(["bench", "all", "--only", "bus", "--smoke", "--repeat", "1", "--json", str(one)])
+    report = json.loads(one.read_text())
+    later = json.loads(one.read_text())
+    later["benches"] = {"checkpoint": {"error": "RuntimeError('s3 down')", "ok": False}}
+    later["met"], later["seconds"] = {"checkpoint": None}, {"checkpoint": 1.0}
+    later["date"] = report["date"][:11] + "23:59:00+00:00"
+    later["machine"]["load_avg_1m"] = round(report["machine"]["load_avg_1m"] + 5, 2)
+    two = tmp_path / "checkpoint.json"
+    two.write_text(json.dumps(later))
+    md = tmp_path / "all.md"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "all", "--from", str(one), str(two), "--markdown", str(md)])
+    assert exit_.value.code == 1  # one of them failed
+    table = md.read_text()
+    assert "| bus | JetStream publish" in table and "| checkpoint | (failed: " in table
+    loads = f"{report['machine']['load_avg_1m']}-{later['machine']['load_avg_1m']}"
+    assert f"load average {loads} at the starts of the benches" in table
+    assert "-23:59 UTC" in table
+    # What cannot be one table is refused, naming the file: a bench twice, another commit.
+    with pytest.raises(SystemExit, match="more than one file"):
+        main(["bench", "all", "--from", str(one), str(one)])
+    later["machine"]["commit"] = "0000000"
+    two.write_text(json.dumps(later))
+    with pytest.raises(SystemExit, match=f"{two}.*commit"):
+        main(["bench", "all", "--from", str(one), str(two)])

@@ -64,6 +64,32 @@ def test_subjects_are_built_from_tokens() -> None:
         subjects.trainer_node("east", "gpu.7")
 
 
+def test_a_kubernetes_node_name_with_dots_is_one_token_on_every_side(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """EKS names nodes ``ip-10-0-0-1.ec2.internal``: the pod's TANDEM_NODE (from
+    spec.nodeName), a run's ``nodes`` and the subjects built from them agree on one token."""
+    from tandem.common.runs import RunConfig
+
+    eks = "ip-10-0-0-1.us-west-2.compute.internal"
+    monkeypatch.setenv("TANDEM_NODE", eks)
+    node = load(Settings).node
+    assert node == "ip-10-0-0-1_us-west-2_compute_internal"
+    assert subjects.trainer_node("east", node) == f"trainer.node.east.{node}"
+    run = RunConfig(run_id="r1", nodes=[eks, "gpu-node-7"])
+    assert run.nodes == [node, "gpu-node-7"]
+    with pytest.raises(ValueError, match="repeat"):  # the same node, named either way
+        RunConfig(run_id="r1", nodes=[eks, node])
+    # What is neither a Kubernetes name nor a token is refused, naming what is wrong.
+    for bad in ("a..b", ".a", "a.", "a.*", "a.>", "Gpu.Node", "a b.c", "a_b.c"):
+        with pytest.raises(InvalidToken, match="Kubernetes node name") as err:
+            subjects.node(bad)
+        assert err.value.kind == "node"
+    monkeypatch.setenv("TANDEM_NODE", "gpu.*")
+    with pytest.raises(SettingsError) as serr:
+        load(Settings)
+    assert "TANDEM_NODE" in serr.value.problems
+
+
 def test_event_decoding_ignores_unknown_fields() -> None:
     data = b'{"task_id":"t1","model":"digits","future_field":{"x":1},"v":2}'
     task = decode(data, GenerationTask)

@@ -283,7 +283,8 @@ def test_every_service_s_settings_load_from_what_its_pod_is_given(
                 pytest.fail(f"{overlay}/{w['metadata']['name']}: {exc}")
 
 
-POD_SOURCES = {"spec.nodeName": "gpu-node-7", "metadata.name": "pod-abc12",
+# An EKS-style node name: its dots become "_" in the node token (subjects.node).
+POD_SOURCES = {"spec.nodeName": "ip-10-0-0-7.ec2.internal", "metadata.name": "pod-abc12",
                "status.podIP": "10.1.2.3"}
 
 
@@ -658,11 +659,11 @@ def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_
         assert env["TANDEM_RENDEZVOUS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert agents["spec"]["updateStrategy"]["type"] == "OnDelete"
         settings = pod_settings(overlay, c, "trainer", tmp_path, monkeypatch)
-        assert settings.trainer_role == "node" and settings.node == "gpu-node-7"
+        assert settings.trainer_role == "node" and settings.node == "ip-10-0-0-7_ec2_internal"
         per_node = int(c["resources"]["limits"][GPU])
-        nodes = ["gpu-node-3", "gpu-node-7"]
+        nodes = ["ip-10-0-0-3_ec2_internal", settings.node]
         spec_path = Path(settings.work_root) / "r1" / "attempt-1-node1" / "launch.json"
-        order = NodeLaunch(run_id="r1", attempt=1, node="gpu-node-7", node_rank=1, nnodes=2,
+        order = NodeLaunch(run_id="r1", attempt=1, node=settings.node, node_rank=1, nnodes=2,
                            per_node=per_node, master_addr="10.1.2.9", master_port=29500,
                            spec={"rank_nodes": [n for n in nodes for _ in range(per_node)]})
         expected = LocalLauncher(python=settings.python, master_addr="10.1.2.9").command(
@@ -719,9 +720,9 @@ def test_each_nodes_checkpointer_pulls_only_its_own_nodes_checkpoints(
         svc = service_class("checkpointer")(settings)
         assert settings.scope == "node" and settings.cluster == overlay
         assert svc.consumer_spec == checkpointer_consumer(
-            settings.ack_wait, cluster=overlay, node=POD_SOURCES["spec.nodeName"])
+            settings.ack_wait, cluster=overlay, node=settings.node)
         assert svc.consumer_spec.filter_subjects == (
-            subjects.mirror(overlay, POD_SOURCES["spec.nodeName"]),)
+            subjects.mirror(overlay, "ip-10-0-0-7_ec2_internal"),)
 
 
 # ----------------------------------------------------------------------------- security

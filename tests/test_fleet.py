@@ -188,8 +188,12 @@ async def test_clusters_and_node_drain_commands_print_and_change_the_fleet(
     assert f"undrained {cluster}/n1" in out
     await until(lambda: agent.state == Health.healthy)
 
-    code, _, err = await _cli(nats_server.url, "node", "drain", cluster, "n.1", "--reason", "x")
-    assert code == 2 and "invalid node 'n.1'" in err
+    # A Kubernetes node name is named as its pods' TANDEM_NODE maps it; garbage is refused.
+    code, out, err = await _cli(nats_server.url, "node", "drain", cluster, "n1.ec2.internal",
+                                "--reason", "x")
+    assert code == 0 and f"drained {cluster}/n1_ec2_internal: x" in out, err
+    code, _, err = await _cli(nats_server.url, "node", "drain", cluster, "n.*", "--reason", "x")
+    assert code == 2 and "invalid node 'n.*'" in err
     await agent.close()
 
 

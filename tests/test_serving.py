@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -58,7 +59,7 @@ class Stack(ServingStack):
         self.gateway: Child | None = None
 
     def start_gateway(self) -> Child:
-        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term"])
+        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
@@ -285,6 +286,41 @@ async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one
         assert len(view["images"]) == 2
     finally:
         second.kill()
+
+
+async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses_no_task(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
+    """TANDEM_PIPELINE_PROCESS: the calls run in a child process of the worker's."""
+    w = stack.start_worker("w-apart", "apart", serve="digits", pipeline_process="1")
+    try:
+        body = dict(model="digits", class_label=3, steps=8, seed=5)
+        same = [await submit(http, **body), await submit(http, **body, cluster="apart")]
+        pngs = []
+        for task_id in same:
+            assert (await terminal(bus, task_id)).state == TaskState.succeeded
+            view = (await http.get(f"/v1/generations/{task_id}")).json()
+            pngs.append((await images_of(http, view))[0])
+        assert pngs[0] == pngs[1]  # the worker's own process and the child: the same bits
+        pid = w.wait_healthy()["pipeline"]["processes"]["digits"]
+        assert pid != w.proc.pid
+
+        task_id = await submit(http, model="digits", class_label=7, steps=300, seed=2,
+                               cluster="apart")
+        progress = await Progress().start(bus, task_id)
+        try:
+            await progress.wait(2)  # running in the child: kill it mid-call
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            await progress.stop()
+        rec = await terminal(bus, task_id)
+        assert rec.state == TaskState.succeeded, rec.reason
+        assert rec.worker == "w-apart" and rec.attempts == 2  # delivered again, here
+        assert (await writes.until_terminal(task_id)).count("succeeded") == 1
+        assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png"]
+        assert w.wait_healthy()["pipeline"]["processes"]["digits"] not in (None, pid)
+        assert "died during a call (exit status -9)" in w.tail(20000)
+    finally:
+        w.kill()
 
 
 async def test_malformed_tasks_go_to_dlq_the_worker_goes_on_and_no_record_is_touched(

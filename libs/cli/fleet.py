@@ -191,7 +191,7 @@ def _gpu_lines(gpus: list[GpuBrief]) -> list[str]:
 async def _drain(args: argparse.Namespace) -> int:
     from tandem.common import fleet, subjects
 
-    cluster, node = subjects.token(args.cluster, "cluster"), subjects.token(args.node, "node")
+    cluster, node = subjects.token(args.cluster, "cluster"), subjects.node(args.node)
     if not args.reason.strip():
         print("tandem: --reason must say why the node is drained", file=sys.stderr)
         return 2
@@ -209,7 +209,7 @@ async def _drain(args: argparse.Namespace) -> int:
 async def _undrain(args: argparse.Namespace) -> int:
     from tandem.common import fleet, subjects
 
-    cluster, node = subjects.token(args.cluster, "cluster"), subjects.token(args.node, "node")
+    cluster, node = subjects.token(args.cluster, "cluster"), subjects.node(args.node)
     async with _bus() as bus:
         previous = await fleet.undrain(bus, cluster, node)
     if previous is None:

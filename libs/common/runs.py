@@ -205,9 +205,10 @@ class RunConfig(_Spec):
     @field_validator("nodes")
     @classmethod
     def _nodes(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
+        nodes = [subjects.node(n) for n in value]
+        if len(set(nodes)) != len(nodes):
             raise ValueError("nodes must not repeat")
-        return [subjects.token(n, "node") for n in value]
+        return nodes
 
     @field_validator("model", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from typing import Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.common import subjects
 from tandem.common.errors import SettingsError
 from tandem.common.subjects import token
 
@@ -52,7 +53,9 @@ class Settings(BaseSettings):
         1, ge=1, le=5, description="Replicas of each stream: 1 locally, 3 in production."
     )
     cluster: str = Field("local", description="The GPU cluster this process belongs to.")
-    node: str = Field("node-0", description="The node (host) this process runs on.")
+    node: str = Field("node-0", description="The node (host) this process runs on; a "
+                      "Kubernetes node name's dots become '_' (ip-10-0-0-1.ec2.internal: "
+                      "ip-10-0-0-1_ec2_internal).")
     s3_endpoint: str | None = Field(
         None, description="S3 endpoint URL (MinIO, moto); None means AWS's own."
     )
@@ -82,10 +85,15 @@ class Settings(BaseSettings):
         20.0, gt=0, le=600, description="Seconds in-flight work may take after SIGTERM."
     )
 
-    @field_validator("cluster", "node")
+    @field_validator("cluster")
     @classmethod
     def _token(cls, value: str, info) -> str:  # type: ignore[no-untyped-def]
         return token(value, info.field_name)
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, value: str) -> str:
+        return subjects.node(value)
 
     @field_validator("nats_inbox_prefix")
     @classmethod

@@ -39,6 +39,30 @@ def token(value: object, kind: str = "token", max_len: int = MAX_TOKEN) -> str:
     return value
 
 
+# A Kubernetes node name: lowercase DNS labels joined by dots (RFC 1123 subdomain).
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_K8S_NODE = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})+")
+
+
+def node(value: object) -> str:
+    """A node's name as a subject token.
+
+    A Kubernetes node name may hold dots (EKS names its nodes ``ip-10-0-0-1.ec2.internal``),
+    and a dot would split a subject token, so each dot becomes ``_``: a character no
+    Kubernetes name holds, so two nodes of one cluster never map to one token. Whoever
+    names a node (``TANDEM_NODE`` from ``spec.nodeName``, a run's ``nodes``, ``tandem
+    fleet drain``) passes it through here, so every side sees the same token. Anything
+    else must be a token as it is.
+    """
+    if isinstance(value, str) and "." in value:
+        if not _K8S_NODE.fullmatch(value):
+            raise InvalidToken("node", value, "dots are allowed only in a Kubernetes node "
+                               "name: lowercase DNS labels joined by '.', such as "
+                               "ip-10-0-0-1.ec2.internal")
+        value = value.replace(".", "_")
+    return token(value, "node")
+
+
 def token_list(value: str, kind: str = "token") -> list[str]:
     """A comma-separated list of tokens (settings such as ``a,b``), each validated."""
     return [token(v.strip(), kind) for v in value.split(",") if v.strip()]

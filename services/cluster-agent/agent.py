@@ -68,7 +68,7 @@ class NodeAgent:
                  drains: fleet.DrainBoard | None = None) -> None:
         self.bus = bus
         self.cluster = subjects.token(cluster, "cluster")
-        self.node = subjects.token(node, "node")
+        self.node = subjects.node(node)
         self.backend = backend
         self.clock = clock or WallClock()
         self.interval = interval

@@ -343,14 +343,14 @@ class Batcher:
         go back) or when every task in it is cancelled."""
         if self._closed or self._abort or all(j.cancelled for j in group):
             raise Interrupted()
-        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        started, t0, cpu0 = time.time(), time.perf_counter(), pipeline.cpu_clock()
         self.usage.running_since = started
         for job in group:
             job.marks.update(run_start=started, batch_images=len(items))
         try:
             return pipeline.images(items, params, on_step)
         finally:
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+            wall, cpu = time.perf_counter() - t0, pipeline.cpu_clock() - cpu0
             self.usage.add(len(items), started, wall, cpu)
             BUSY_SECONDS.inc(wall)
             for job in group:

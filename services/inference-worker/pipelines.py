@@ -19,6 +19,7 @@ import inspect
 import io
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,14 @@ class Pipeline:
     def generate(self, items: list[Item], params: Params, on_step: StepHook) -> list[bytes]:
         """``images`` then ``encode``: the PNG of each item."""
         return [self.encode(image) for image in self.images(items, params, on_step)]
+
+    def cpu_clock(self) -> float:
+        """CPU seconds of where the calls run (read before and after one): the calling
+        thread's, or a child process's sum (``apart``)."""
+        return time.thread_time()
+
+    def close(self) -> None:
+        """Free what the pipeline holds outside this process (nothing, here)."""
 
     def warm(self, max_batch: int) -> None:
         """One denoising step at the model's default size, for one image and for

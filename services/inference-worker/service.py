@@ -61,7 +61,7 @@ from tandem.common.streams import (
     gen_stream,
 )
 from tandem.common.tasks import SealSettings
-from tandem.inference_worker import phases
+from tandem.inference_worker import apart, phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.failover import Failover, FailoverSettings
@@ -104,6 +104,11 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
                           "and the last one's uploads and commits); 0: 2 x max_batch.")
     torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads of the "
                                "pipeline calls; 0: torch's default (one per core).")
+    pipeline_process: bool = Field(False, description="Run each registry model's pipeline "
+                                   "calls in a child process of their own (apart.py): the "
+                                   "worker's encoding, uploads and bus I/O then never wait "
+                                   "for the call's interpreter lock. run: models stay in the "
+                                   "worker's process.")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is "
                             "redelivered; in-progress acks extend it while a task runs.")
     max_deliver: int = Field(5, ge=2, le=100, description="Deliveries before the DLQ.")
@@ -204,7 +209,9 @@ class InferenceWorker(Service):
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
                 "inflight": self.inflight, "batches": self.batcher.batches,
-                "pipeline": {**self.batcher.usage.json(), "torch_threads": self.torch_threads},
+                "pipeline": {**self.batcher.usage.json(), "torch_threads": self.torch_threads,
+                             "processes": {m: p.pid for m, p in self.pipelines.items()
+                                           if isinstance(p, apart.ProcessPipeline)}},
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
                 "checkpoints": self.hotswap.status(), "drained": self._drained(),
                 "failover": self.failover.describe() if self.failover else None}
@@ -225,8 +232,12 @@ class InferenceWorker(Service):
                 # A run's model loads from the run's current history (its lineage).
                 line = (await self.hotswap.lineage(model) if self.hotswap.serves(model)
                         else None)
-                pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
-                                               self.s.fault_injection, line)
+                if self.s.pipeline_process and apart.eligible(spec):
+                    pipe = await asyncio.to_thread(apart.ProcessPipeline, spec, self.s.device,
+                                                   self.s.dtype, self.s.torch_threads)
+                else:
+                    pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
+                                                   self.s.fault_injection, line)
                 try:
                     await asyncio.to_thread(pipe.warm, self.s.max_batch)
                 except Exception as exc:
@@ -305,6 +316,8 @@ class InferenceWorker(Service):
                 await c.close()
             await self.failover.close()
             await self.drain.stop()
+            for pipe in self.pipelines.values():
+                await asyncio.to_thread(pipe.close)  # a child process ends with its worker
         _log.info("worker.stopped", batches=self.batcher.batches)
 
     def _consumer_specs(self) -> list[ConsumerSpec]:
@@ -369,6 +382,11 @@ class InferenceWorker(Service):
             return
         except HandedBack:
             raise Retry("worker stopping; task handed back", delay=0.0) from None
+        except apart.PipelineProcessDied as exc:
+            # Not the task's fault, as far as anyone knows: delivered again (a task that
+            # kills every child goes to the DLQ after max_deliver, as one killing workers).
+            _log.error("worker.pipeline_process_died", error=str(exc))
+            raise Retry(str(exc), delay=1.0) from None
         except ModelLoadError as exc:
             raise Reject(str(exc)) from None
         images = job.future.result()

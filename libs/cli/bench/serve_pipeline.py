@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the "
                    "worker and of the bare loop alike (0: torch's default, one per core)")
     p.add_argument("--workers", default="1,2,4", help="worker counts for (e)")
+    p.add_argument("--pipeline-process", action="store_true",
+                   help="(c) and (e): the workers run their pipeline calls in a child process "
+                   "(TANDEM_PIPELINE_PROCESS=1)")
     p.add_argument("--worker-tasks", type=int, default=4000,
                    help="no-op tasks per worker count for (e)")
     p.add_argument("--worker-images", type=int, default=192,
@@ -106,6 +109,11 @@ def worker_counts(args: argparse.Namespace) -> list[int]:
 # ---------------------------------------------------------------------------- (c) pipeline
 
 
+def apart(args: argparse.Namespace) -> dict[str, str]:
+    """The worker settings ``--pipeline-process`` asks for."""
+    return {"pipeline_process": "1"} if getattr(args, "pipeline_process", False) else {}
+
+
 def tasks_of(model: str, n: int, steps: int, cluster: str) -> list[GenerationTask]:
     """``n`` single-image tasks of ``model``: seed ``i``, label ``i % 10``, prompt "a red boat
     <i>" (the images the bare loop makes too)."""
@@ -130,10 +138,12 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
     await b.prefill(bus, cluster, tasks)
     name = f"w-{cluster}"
     w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
-                       torch_threads=str(args.threads), linger=LINGER)
+                       torch_threads=str(args.threads), linger=LINGER, **apart(args))
     before = (await asyncio.to_thread(_health, b, name))["pipeline"]
-    meter = saturation.Meter({"worker": w.pid or 0, "nats-server": b.nats.pid or 0,
-                              "s3": b.s3.pid or 0, "bench": saturation.this_process}).start()
+    child = before.get("processes", {}).get(model)  # the calls' process, when apart
+    pids = {"worker": w.pid or 0, "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
+            "bench": saturation.this_process, **({"pipeline process": child} if child else {})}
+    meter = saturation.Meter(pids).start()
     rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=batch)
     window = meter.stop()
     after = (await asyncio.to_thread(_health, b, name))["pipeline"]
@@ -141,7 +151,8 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
     images = after["images"] - before["images"]
     wall = window.wall_s
     # CPU beside the pipeline, per image made in the window (the worker's own minus its
-    # compute thread's: with one torch thread, that thread is all of the compute).
+    # compute thread's: with one torch thread, that thread is all of the compute; with
+    # the calls in a child process, the worker's own is all beside them).
     worker_cpu = window.cores["worker"] * wall
     compute_cpu = after["cpu_s"] - before["cpu_s"]
     per_image = {
@@ -150,11 +161,13 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
         "compute_wall_ms": (after["busy_s"] - before["busy_s"]) / images * 1e3 if images
         else None,
         "compute_ms": compute_cpu / images * 1e3 if images else None,
-        "worker_rest_ms": (worker_cpu - compute_cpu) / images * 1e3 if images else None,
+        "worker_rest_ms": (worker_cpu - (0 if child else compute_cpu)) / images * 1e3
+        if images else None,
         "nats_server_ms": window.cores["nats-server"] * wall / images * 1e3 if images else None,
         "s3_ms": window.cores["s3"] * wall / images * 1e3 if images else None,
     }
     return {"images_per_s": round(rate, 3), "busy": after["busy"], "calls": after["calls"],
+            "apart": bool(child),
             "images": after["images"], "whole_batches": after["calls"] * batch == args.images,
             "torch_threads": after["torch_threads"],
             "cpu_per_image": {k: round(v, 3) if v is not None else None
@@ -194,6 +207,7 @@ async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dic
     big = f"b{args.batch}"
     return {"models": out, "images": args.images, "steps": args.steps, "size": f"{SIZE}x{SIZE}",
             "batch": args.batch, "threads": args.threads,
+            "pipeline_process": bool(apart(args)),
             "counted_images": {"b1": args.images - 1, big: args.images - args.batch},
             # The goals hold for every model: each key is the lowest model's.
             "ratio_b1": min(m["b1"]["ratio"] for m in out.values()),
@@ -288,7 +302,8 @@ async def _workers(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict
         names = [f"w-{cluster}-{i}" for i in range(count)]
         await asyncio.gather(*(b.worker(
             nm, cluster, node=node, serve="noop,digits", max_batch=str(args.batch),
-            device="cpu", torch_threads=str(args.threads), idle_poll="0.05") for nm in names))
+            device="cpu", torch_threads=str(args.threads), idle_poll="0.05", **apart(args))
+            for nm in names))
         try:
             runs["noop"][str(count)] = await _release(b, bus, cluster, node, names, [
                 GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
@@ -326,8 +341,10 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
         for key in ("b1", big):
             cells = [x["pipeline"]["models"][model][key] for x in runs]
             fig = stats.Figure(
-                f"pipeline_{model}_{key}", f"(c) {model}, batch {key[1:]}: Tandem against "
-                "the bare pipeline", "img/s", [c["tandem"]["images_per_s"] for c in cells],
+                f"pipeline_{model}_{key}", f"(c) {model}, batch {key[1:]}: Tandem"
+                + (" (calls in a child process)" if runs[0]["pipeline"].get("pipeline_process")
+                   else "") + " against the bare pipeline", "img/s",
+                [c["tandem"]["images_per_s"] for c in cells],
                 [c["bare"]["images_per_s"] for c in cells],
                 "the same pipeline in a plain loop, same torch threads",
                 ratio=[c["ratio"] for c in cells], goal=stats.Goal(">=", GOAL_PIPELINE),
@@ -336,8 +353,9 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
                 c = stats.median_run(cells, lambda x: x["ratio"])
                 cpu = c["tandem"]["cpu_per_image"]
                 fig.why = saturation.why(c["tandem"]["window"], extra=[
-                    f"a call took {cpu['compute_wall_ms']} ms per image on a thread that "
-                    f"was on a core {cpu['compute_ms']} ms of it (bare "
+                    f"a call took {cpu['compute_wall_ms']} ms per image "
+                    + ("in a child process " if c["tandem"].get("apart") else "on a thread ")
+                    + f"that was on a core {cpu['compute_ms']} ms of it (bare "
                     f"{c['bare']['wall_per_image_ms']} / {c['bare']['cpu_per_image_ms']} ms); "
                     f"CPU per image beside the calls: the rest of the worker "
                     f"{cpu['worker_rest_ms']} ms, nats-server {cpu['nats_server_ms']} ms, "

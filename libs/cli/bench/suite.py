@@ -45,8 +45,10 @@ def register(bsub: argparse._SubParsersAction) -> None:
                    help="write the Markdown table to FILE")
     p.add_argument("--only", default="", help="comma-separated benchmarks to run")
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
-    p.add_argument("--from", dest="from_json", default=None, metavar="FILE",
-                   help="run nothing: take the figures from a JSON an earlier run wrote")
+    p.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: take the figures from the JSON an earlier run wrote "
+                   "(several: one table of them all, e.g. of benches run one at a time; a "
+                   "bench in more than one is an error)")
     p.add_argument("--readmes", nargs="?", const=".", default=None, metavar="ROOT",
                    help="write the table into ROOT's README.md and each service's README "
                    f"(its own benches' rows) between the lines {BEGIN!r} and {END!r}")
@@ -103,9 +105,41 @@ def bench_args(mod: Any, name: str, repeat: int | None, smoke: bool) -> argparse
 
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-        return _publish(report, args, sys.stdout)
+        return _publish(merged([Path(f) for f in args.from_json]), args, sys.stdout)
     return _measure(args)
+
+
+def merged(paths: list[Path]) -> dict[str, Any]:
+    """One report of the reports at ``paths`` (``bench all`` runs of different benches on
+    one machine): its date the earliest, the load averages of every start, each run's
+    date and commit kept per bench. Two runs of one bench, or runs of different commits,
+    settings or machines, are refused: a table must not mix what it cannot compare."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    if len(reports) == 1:
+        return reports[0]
+    out = dict(min(reports, key=lambda r: r["date"]))
+    out["benches"], out["seconds"], out["met"], out["dates"] = {}, {}, {}, {}
+    same = ("cpus", "memory_gib", "machine", "python", "commit")
+    for path, r in zip(paths, reports, strict=True):
+        for key in same:
+            if r["machine"].get(key) != out["machine"].get(key):
+                raise SystemExit(f"tandem bench all --from: {path} was measured with "
+                                 f"{key} {r['machine'].get(key)!r}, another file with "
+                                 f"{out['machine'].get(key)!r}: not one table")
+        if (r["repeat"], r["smoke"]) != (out["repeat"], out["smoke"]):
+            raise SystemExit(f"tandem bench all --from: {path} has other settings (repeat "
+                             f"{r['repeat']}, smoke {r['smoke']}) than {paths[0]}")
+        twice = set(r["benches"]) & set(out["benches"])
+        if twice:
+            raise SystemExit(f"tandem bench all --from: {sorted(twice)} in more than one file")
+        out["benches"].update(r["benches"])
+        out["seconds"].update(r["seconds"])
+        out["met"].update(r["met"])
+        out["dates"].update(dict.fromkeys(r["benches"], r["date"]))
+    loads = [r["machine"]["load_avg_1m"] for r in reports]
+    out["machine"] = {**out["machine"], "load_avg_1m": min(loads),
+                      "load_avg_1m_max": max(loads)}
+    return out
 
 
 def _measure(args: argparse.Namespace) -> int:
@@ -184,7 +218,11 @@ def table_markdown(report: dict[str, Any], only: tuple[str, ...] | None = None) 
     m = report["machine"]
     head = (f"Measured {report['date'][:10]} on {m['cpus']} CPUs, {m['memory_gib']} GiB "
             f"({m['machine']}, Python {m['python']}, commit {m['commit'] or 'unknown'}, load "
-            f"average {m['load_avg_1m']} at the start); "
+            f"average {m['load_avg_1m']}"
+            + (f"-{m['load_avg_1m_max']} at the starts of the benches, each run on its "
+               f"own, started {report['date'][11:16]}-{max(report['dates'].values())[11:16]}"
+               " UTC); "
+               if "load_avg_1m_max" in m else " at the start); ")
             + (f"{report['repeat']} repeat{'s' * (report['repeat'] != 1)} each" if report["repeat"]
                else "each bench's default repeats")
             + (" (smoke settings: not figures to quote)" if report["smoke"] else "")

@@ -1,0 +1,113 @@
+"""The pipeline call in a child process (``TANDEM_PIPELINE_PROCESS``): the same images as
+in the worker's own process, steps and stops across the socket, and what a dead child
+or a dead worker leaves."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from tandem.common.models import ModelSpec, Registry
+from tandem.inference_worker import apart
+from tandem.inference_worker.pipelines import Interrupted, Item, ModelLoadError, Params, build
+
+PARAMS = Params(width=16, height=16, steps=3, guidance=1.0)
+ITEMS = [Item(seed=5, class_label=1), Item(seed=6, class_label=2)]
+
+
+def _spec(name: str) -> ModelSpec:
+    spec = Registry.parse("").get(name)
+    assert spec is not None
+    return spec
+
+
+@pytest.fixture(scope="module")
+def digits() -> Iterator[apart.ProcessPipeline]:
+    pipe = apart.ProcessPipeline(_spec("digits"), "cpu", "float32", threads=1)
+    yield pipe
+    pipe.close()
+
+
+def _in_process_images(name: str, items: list[Item], params: Params) -> list[bytes]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the child's: the same kernels, the same bits
+    try:
+        pipe = build(_spec(name), "cpu", "float32")
+        return [pipe.encode(a) for a in pipe.images(items, params, lambda s, t: None)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_child_makes_the_images_the_worker_s_own_process_makes(
+        digits: apart.ProcessPipeline) -> None:
+    steps: list[tuple[int, int]] = []
+    arrays = digits.images(ITEMS, PARAMS, lambda s, t: steps.append((s, t)))
+    assert [digits.encode(a) for a in arrays] == _in_process_images("digits", ITEMS, PARAMS)
+    assert steps == [(1, 3), (2, 3), (3, 3)]  # every step reported, in order
+    assert digits.pid is not None and digits.pid != os.getpid()
+    assert digits.cpu_clock() > 0  # the child's CPU in calls, not this thread's
+
+    text = apart.ProcessPipeline(_spec("tiny-text"), "cpu", "float32", threads=1)
+    try:
+        items = [Item(seed=9, prompt="a lighthouse")]
+        params = Params(width=16, height=16, steps=2, guidance=3.0)
+        got = [text.encode(a) for a in text.images(items, params, lambda s, t: None)]
+        assert got == _in_process_images("tiny-text", items, params)
+    finally:
+        text.close()
+
+
+def test_a_hook_that_stops_the_call_stops_it_and_the_next_call_runs(
+        digits: apart.ProcessPipeline) -> None:
+    seen: list[int] = []
+
+    def stop_at_2(step: int, total: int) -> None:
+        seen.append(step)
+        if step == 2:
+            raise Interrupted()
+
+    long = Params(width=16, height=16, steps=50, guidance=1.0)
+    with pytest.raises(Interrupted):
+        digits.images(ITEMS, long, stop_at_2)
+    assert seen[:2] == [1, 2] and len(seen) == 2  # no step reported after the stop
+    assert len(digits.images(ITEMS, PARAMS, lambda s, t: None)) == 2
+
+
+def test_a_child_killed_mid_call_fails_that_call_naming_it_and_the_next_gets_a_new_one(
+        digits: apart.ProcessPipeline) -> None:
+    first = digits.pid
+    assert first is not None
+
+    def kill_at_1(step: int, total: int) -> None:
+        if step == 1:
+            os.kill(first, signal.SIGKILL)
+
+    with pytest.raises(apart.PipelineProcessDied, match=r"digits died.*exit status -9"):
+        digits.images(ITEMS, Params(width=16, height=16, steps=50, guidance=1.0), kill_at_1)
+    arrays = digits.images(ITEMS, PARAMS, lambda s, t: None)
+    assert [digits.encode(a) for a in arrays] == _in_process_images("digits", ITEMS, PARAMS)
+    assert digits.pid not in (None, first)
+    # Killed between calls: noticed before the next call, which runs on a fresh child.
+    second = digits.pid
+    assert second is not None
+    os.kill(second, signal.SIGKILL)
+    assert len(digits.images(ITEMS, PARAMS, lambda s, t: None)) == 2
+    assert digits.pid not in (None, first, second)
+
+
+def test_closing_ends_the_child_and_a_model_it_cannot_build_is_refused_naming_why(
+        tmp_path: os.PathLike[str]) -> None:
+    pipe = apart.ProcessPipeline(_spec("digits"), "cpu", "float32", threads=1)
+    child = pipe._child
+    assert child is not None
+    pipe.close()
+    assert child.proc.poll() is not None  # gone, not left behind
+    missing = ModelSpec(name="folder", source=f"dir:{tmp_path}/nothing-here")
+    with pytest.raises(ModelLoadError, match="nothing-here is not a directory"):
+        apart.ProcessPipeline(missing, "cpu", "float32")
+    assert apart.eligible(_spec("digits")) and not apart.eligible(_spec("noop"))
