@@ -195,6 +195,16 @@ async def test_scale_bench_runs_a_tiny_fleet_and_reports_every_figure() -> None:
     assert tele["ratio"] == round(tele["delivered"] / tele["ended"], 4) <= 1.0
     assert steady["tasks"]["accepted"] > 0 and steady["tasks"]["not_done_30s_after"] == 0
     assert row["burst"]["accepted"] > 0 and row["burst"]["not_done_60s_after"] == 0
+    # The burst's own readings: what a missed goal's "why" names (not "machine unknown").
+    burst = row["burst"]
+    assert 0 < burst["machine_busy"] <= 1 and burst["cpu_cores"]["gateway"] > 0
+    assert burst["nats_cpu_cores"] > 0 and burst["agents_cpu_cores"] >= 0  # 4 nodes: ticks
+    from tandem.cli.bench import scale_report
+
+    (fig,) = [f for f in scale_report.figures([r], args) if f.name == "burst_4"]
+    why = fig.why or ""
+    assert fig.met is not False or ("machine unknown" not in why
+                                    and "CPU cores over the window: " in why)
     assert steady["routing"]["p50_us"] is not None
     assert row["memory_bytes"]["hub_rss"] > 0 and steady["nats_cpu_cores"] > 0
     assert set(row["per_node"]) >= {"nats_cpu_ms_per_s", "leaf_in_bytes_per_s", "js_api_per_s"}

@@ -240,6 +240,27 @@ class _Fleet:
                 "acked": sum(h.get("telemetry_stored", 0) for h in healths),
                 "failed": sum(h.get("telemetry_failed", 0) for h in healths)}
 
+    def cpu_now(self) -> dict[str, Any]:
+        """The clock, the machine's CPU counters, the load and each process's CPU seconds."""
+        return {"t": time.perf_counter(), "machine": saturation.machine_cpu(),
+                "load": os.getloadavg()[0],
+                "cpu": {**{n: s.cpu_seconds() for n, s in self._servers().items()},
+                        **{n: p.cpu_seconds() for n, (p, _) in self.procs.items()},
+                        "bench (load, watchers)": saturation.this_process()}}
+
+    def cores_between(self, s0: dict[str, Any], s1: dict[str, Any]) -> dict[str, Any]:
+        """Cores each process used between two ``cpu_now`` readings, the NATS servers and
+        the agent processes summed, and how busy the whole machine was."""
+        dt = s1["t"] - s0["t"]
+        cpu = {n: round((s1["cpu"][n] - s0["cpu"].get(n, 0.0)) / dt, 4) for n in s1["cpu"]}
+        return {
+            "cpu_cores": cpu,
+            "nats_servers": [s.name for s in self.topo.servers],
+            "nats_cpu_cores": round(sum(cpu.get(s.name, 0.0) for s in self.topo.servers), 4),
+            "agents_cpu_cores": round(sum(cpu[n] for n in self.agent_procs()), 4),
+            "machine_busy": round((s1["machine"][0] - s0["machine"][0])
+                                  / max(1.0, s1["machine"][1] - s0["machine"][1]), 3)}
+
     async def snapshot(self, bus: Any) -> dict[str, Any]:
         from tandem.common.streams import KV_NODES
 
@@ -250,11 +271,7 @@ class _Fleet:
         metrics_text = await asyncio.to_thread(
             http.get_text, f"http://127.0.0.1:{self.procs['gateway'][1]}/metrics")
         return {
-            **counts, "t": time.perf_counter(), "machine": saturation.machine_cpu(),
-            "load": os.getloadavg()[0], "heartbeat_seq": beats.state.last_seq,
-            "cpu": {**{n: s.cpu_seconds() for n, s in self._servers().items()},
-                    **{n: p.cpu_seconds() for n, (p, _) in self.procs.items()},
-                    "bench (load, watchers)": saturation.this_process()},
+            **counts, **self.cpu_now(), "heartbeat_seq": beats.state.last_seq,
             "api": sum(((v or {}).get("jetstream", {}).get("stats", {}).get("api", {})
                         .get("total", 0)) for v in varz.values()),
             "leaf_in_bytes": sum((v or {}).get("in_bytes", 0) for n, v in varz.items()
@@ -313,7 +330,8 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
     ids = [i for i in tasks.sent if i not in before_ids]
     lost = await tasks.wait_all(ids, 30)
     dt = s1["t"] - s0["t"]
-    cpu = {n: round((s1["cpu"][n] - s0["cpu"].get(n, 0.0)) / dt, 4) for n in s1["cpu"]}
+    cores = f.cores_between(s0, s1)
+    cpu = cores["cpu_cores"]
     nominal = f.nodes / a.interval
     tried = s1["samples"] - s0["samples"]
     stored = s1["acked"] - s0["acked"]
@@ -324,8 +342,6 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
     failed = s1["failed"] - s0["failed"]
     ended = stored + failed
     counted = s1["t_counts"] - s0["t_counts"]
-    nats_cpu = sum(cpu.get(s.name, 0.0) for s in f.topo.servers)
-    agents_cpu = sum(cpu[n] for n in f.agent_procs())
     routing = {f"p{int(q * 100)}_us": (round(v * 1e6, 2) if (v := bucket_quantile(
         s0["routing"], s1["routing"], q)) is not None else None) for q in (0.5, 0.99)}
     return {
@@ -345,15 +361,11 @@ async def _steady(f: _Fleet, bus: Any, tasks: Tasks, lag: HeartbeatLag) -> dict[
         "heartbeats_per_s": round((s1["heartbeat_seq"] - s0["heartbeat_seq"]) / dt, 1),
         "js_api_per_s": round((s1["api"] - s0["api"]) / dt, 1),
         "leaf_in_bytes_per_s": round((s1["leaf_in_bytes"] - s0["leaf_in_bytes"]) / dt),
-        "cpu_cores": cpu,
-        "nats_cpu_cores": round(nats_cpu, 4),
+        # The box is shared: how busy all of it was, and its load average, in the window.
+        **cores,
         "hub_cpu_cores": round(sum(cpu.get(s.name, 0) for s in f.topo.hub.servers), 4),  # type: ignore[union-attr]
-        "agents_cpu_cores": round(agents_cpu, 4),
         "gateway_cpu_cores": cpu.get("gateway", 0.0),
         "backlog_start": back0, "backlog_end": back1, "heartbeat_lag": lags,
-        # The box is shared: how busy all of it was, and its load average, in the window.
-        "machine_busy": round((s1["machine"][0] - s0["machine"][0])
-                              / max(1.0, s1["machine"][1] - s0["machine"][1]), 3),
         "load_avg_1m": [round(s0["load"], 2), round(s1["load"], 2)],
         "routing": routing,
         "tasks": {"offered_per_s": a.task_rate, "accepted": len(ids), "rejected": tasks.rejected,
@@ -367,7 +379,7 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
     a = f.args
     conns = [Http("127.0.0.1", f.gateway_port) for _ in range(a.burst_conns)]
     before = set(tasks.sent)
-    cpu0 = f.procs["gateway"][0].cpu_seconds()
+    s0 = f.cpu_now()
     t0 = time.perf_counter()
     deadline = t0 + a.burst_seconds
 
@@ -377,7 +389,8 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
 
     await asyncio.gather(*(hammer(c) for c in conns))
     wall = time.perf_counter() - t0
-    cpu = f.procs["gateway"][0].cpu_seconds() - cpu0
+    # What the machine did in the burst (the fleet's agents and servers go on beside it).
+    cores = f.cores_between(s0, f.cpu_now())
     for c in conns:
         await c.close()
     ids = [i for i in tasks.sent if i not in before]
@@ -387,7 +400,8 @@ async def _burst(f: _Fleet, tasks: Tasks) -> dict[str, Any]:
     return {"connections": a.burst_conns, "seconds": round(wall, 2), "accepted": len(ids),
             "accepted_per_s": round(accepted, 1),
             "completed_per_s": round((len(ids) - lost) / (last - t0), 1) if last > t0 else 0.0,
-            "not_done_60s_after": lost, "gateway_cpu_cores": round(cpu / wall, 3),
+            "not_done_60s_after": lost,
+            "gateway_cpu_cores": round(cores["cpu_cores"].get("gateway", 0.0), 3), **cores,
             "latency": ms(tasks.latencies(ids)),
             "meets_goal": accepted >= GOAL_TASKS_PER_S and lost == 0}
 

@@ -60,25 +60,31 @@ def figures(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[stats.
             tele.why = _why_window(row["steady"], args)
         if burst.met is False:
             row = stats.median_run(rows, lambda r: r["burst"]["accepted_per_s"])
-            burst.why = saturation.why(
-                {"cores": {"gateway": row["burst"]["gateway_cpu_cores"]},
-                 "cpus": os.cpu_count() or 1, "machine_busy_cores": None})
+            burst.why = _why_cores(row["burst"]) if "cpu_cores" in row["burst"] else (
+                saturation.why({"cores": {"gateway": row["burst"]["gateway_cpu_cores"]},
+                                "cpus": os.cpu_count() or 1, "machine_busy_cores": None}))
         out += [tele, schedule, burst]
     return out
 
 
-def _why_window(steady: dict[str, Any], args: argparse.Namespace) -> str:
-    """The steady window's readings as a saturation note: every process's cores, the
-    NATS servers summed, the machine's busy cores."""
+def _why_cores(window: dict[str, Any], extra: list[str] | None = None) -> str:
+    """A window's readings (the steady window's or the burst's) as a saturation note:
+    every process's cores, the NATS servers and the agent processes summed (each counted
+    once), the machine's busy cores."""
     cpus = os.cpu_count() or 1
-    cores = dict(steady["cpu_cores"])
-    cores["all NATS servers"] = steady["nats_cpu_cores"]
-    cores["all agent processes"] = steady["agents_cpu_cores"]
-    lag = steady["heartbeat_lag"]["second_half"]["p99_ms"]
+    summed = set(window.get("nats_servers", ()))
+    cores = {n: c for n, c in window["cpu_cores"].items()
+             if n not in summed and not n.startswith("agents-")}
+    cores["all NATS servers"] = window["nats_cpu_cores"]
+    cores["all agent processes"] = window["agents_cpu_cores"]
     return saturation.why({"cores": cores, "cpus": cpus,
-                           "machine_busy_cores": steady["machine_busy"] * cpus},
-                          extra=[f"heartbeat lag p99 {lag} ms at the end of the window "
-                                 f"(interval {args.interval * 1e3:g} ms)"])
+                           "machine_busy_cores": window["machine_busy"] * cpus}, extra=extra)
+
+
+def _why_window(steady: dict[str, Any], args: argparse.Namespace) -> str:
+    lag = steady["heartbeat_lag"]["second_half"]["p99_ms"]
+    return _why_cores(steady, [f"heartbeat lag p99 {lag} ms at the end of the window "
+                               f"(interval {args.interval * 1e3:g} ms)"])
 
 
 def render(r: dict[str, Any]) -> str:
