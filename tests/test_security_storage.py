@@ -46,6 +46,20 @@ def test_a_token_that_passes_can_never_widen_a_subject_or_escape_a_key(value: st
     assert not set(value) & set(". *>/\\\t\n\r\x00") and value.isascii()
 
 
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.one_of(st.text(max_size=80), st.from_regex(
+    r"[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?){1,3}",
+    fullmatch=True)))
+def test_a_node_name_that_passes_is_a_token_whatever_its_dots(value: str) -> None:
+    """``subjects.node`` maps a Kubernetes name's dots; what it returns is a token."""
+    try:
+        got = subjects.node(value)
+    except InvalidToken:
+        return
+    assert subjects.token(got) == got and got == value.replace(".", "_")
+    assert "." not in value or "_" not in value  # "a_b.c" and "a.b.c" never meet
+
+
 VALID = {"lane_": "batch", "kind": "status", "step": 3, "bucket": "b", "lineage": 1}
 
 
@@ -53,7 +67,7 @@ def _builders() -> list[tuple[str, Any]]:
     """Every builder of a subject or S3 key that takes an id."""
     fns = [(n, f) for n, f in vars(subjects).items()
            if inspect.isfunction(f) and f.__module__ == subjects.__name__
-           and n not in ("token", "token_list", "lane")]
+           and n not in ("token", "token_list", "node", "lane")]
     fns += [("ck.run_prefix", ck.run_prefix), ("ck.step_prefix", ck.step_prefix),
             ("ck.checkpoint_uri", ck.checkpoint_uri)]
     return [(n, f) for n, f in fns if set(inspect.signature(f).parameters) - set(VALID)]
