@@ -152,26 +152,40 @@ class FirstCallGated(Pipeline):
     """The first call blocks until the test opens ``go``; every call records its seeds
     and the thread it ran on."""
 
-    def __init__(self) -> None:
+    def __init__(self, concurrent: bool = False) -> None:
+        self.concurrent = concurrent
         self.reached, self.go = threading.Event(), threading.Event()
         self.calls: list[list[int]] = []
         self.threads: set[str] = set()
+        self.lock = threading.Lock()
+        self.in_call = self.most_at_once = 0
+        self.two_at_once = threading.Event()
 
     def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
-        self.calls.append([it.seed for it in items])
-        self.threads.add(threading.current_thread().name)
-        if len(self.calls) == 1:
-            self.reached.set()
-            assert self.go.wait(60)
-        on_step(1, 1)
-        return [str(it.seed).encode() for it in items]
+        with self.lock:
+            self.calls.append([it.seed for it in items])
+            self.threads.add(threading.current_thread().name)
+            self.in_call += 1
+            self.most_at_once = max(self.most_at_once, self.in_call)
+            if self.in_call == 2:
+                self.two_at_once.set()
+            first = len(self.calls) == 1
+        try:
+            if first:
+                self.reached.set()
+                assert self.go.wait(60)
+            on_step(1, 1)
+            return [str(it.seed).encode() for it in items]
+        finally:
+            with self.lock:
+                self.in_call -= 1
 
 
-async def _first_call_running(n: int) -> tuple[FirstCallGated, Batcher, list[Job],
-                                               asyncio.Task[None]]:
+async def _first_call_running(n: int, concurrent: bool = False
+                             ) -> tuple[FirstCallGated, Batcher, list[Job], asyncio.Task[None]]:
     """``n`` single-image tasks, max_batch 1: returns once call 1 runs (held) and call 2
     is formed and queued behind it."""
-    pipe = FirstCallGated()
+    pipe = FirstCallGated(concurrent)
     formed = 0
     second = asyncio.Event()
 
@@ -203,13 +217,26 @@ async def test_the_next_batch_is_queued_while_a_call_runs_and_every_call_has_its
     batcher.close()
     await loop
     assert pipe.calls == [[1], [2], [3]]
-    # One thread of the batcher's own ran them all, never the event loop's.
-    assert len(pipe.threads) == 1 and pipe.threads != {threading.current_thread().name}
+    # The batcher's own threads ran them, one call at a time, never the event loop's.
+    assert all(t.startswith("pipeline") for t in pipe.threads) and pipe.most_at_once == 1
     u = batcher.usage
     assert (u.calls, u.images) == (3, 3)
     assert u.first_start is not None and u.last_end is not None
     assert 0 < u.busy_s <= u.last_end - u.first_start + 1e-6
     assert u.json()["busy"] <= 1.0 + 1e-6
+
+
+async def test_a_concurrent_pipeline_is_handed_the_next_call_while_one_runs() -> None:
+    """``apart``'s child queues calls itself: the batcher hands the queued call over at
+    once instead of holding it until the running one ends."""
+    pipe, batcher, jobs, loop = await _first_call_running(3, concurrent=True)
+    assert await asyncio.to_thread(pipe.two_at_once.wait, 60)
+    assert batcher.usage.inflight >= 1  # the first, held
+    pipe.go.set()
+    assert await asyncio.gather(*(j.future for j in jobs)) == [[b"1"], [b"2"], [b"3"]]
+    batcher.close()
+    await loop
+    assert batcher.usage.inflight == 0 and batcher.usage.running_since is None
 
 
 async def test_a_queued_batch_whose_tasks_are_all_cancelled_never_starts() -> None:

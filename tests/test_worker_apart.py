@@ -4,9 +4,12 @@ or a dead worker leaves."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,11 +49,13 @@ def _in_process_images(name: str, items: list[Item], params: Params) -> list[byt
 def test_a_child_makes_the_images_the_worker_s_own_process_makes(
         digits: apart.ProcessPipeline) -> None:
     steps: list[tuple[int, int]] = []
-    arrays = digits.images(ITEMS, PARAMS, lambda s, t: steps.append((s, t)))
+    t0 = time.time()
+    arrays, took = digits.call(ITEMS, PARAMS, lambda s, t: steps.append((s, t)))
     assert [digits.encode(a) for a in arrays] == _in_process_images("digits", ITEMS, PARAMS)
     assert steps == [(1, 3), (2, 3), (3, 3)]  # every step reported, in order
     assert digits.pid is not None and digits.pid != os.getpid()
-    assert digits.cpu_clock() > 0  # the child's CPU in calls, not this thread's
+    # Timed in the child: its start, wall and CPU (not this thread's, which only waited).
+    assert t0 <= took.started <= time.time() and 0 < took.cpu_s and 0 < took.wall_s
 
     text = apart.ProcessPipeline(_spec("tiny-text"), "cpu", "float32", threads=1)
     try:
@@ -60,6 +65,25 @@ def test_a_child_makes_the_images_the_worker_s_own_process_makes(
         assert got == _in_process_images("tiny-text", items, params)
     finally:
         text.close()
+
+
+def test_calls_handed_over_together_run_one_after_the_other_in_the_child(
+        digits: apart.ProcessPipeline) -> None:
+    """The batcher hands the next call over while one runs: the child queues it and
+    starts it as the last ends, each call's steps and images going to its own caller."""
+    items = [[Item(seed=s, class_label=s % 10)] for s in (11, 12, 13)]
+    steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    with ThreadPoolExecutor(3) as pool:
+        calls = [pool.submit(digits.call, its, PARAMS,
+                             lambda s, t, k=k: steps[k].append(s))
+                 for k, its in enumerate(items)]
+        results = [c.result(timeout=120) for c in calls]
+    for k, (arrays, _) in enumerate(results):
+        assert [digits.encode(a) for a in arrays] == _in_process_images("digits", items[k],
+                                                                        PARAMS)
+        assert steps[k] == [1, 2, 3]
+    spans = sorted((t.started, t.started + t.wall_s) for _, t in results)
+    assert all(a[1] <= b[0] + 1e-3 for a, b in itertools.pairwise(spans))
 
 
 def test_a_hook_that_stops_the_call_stops_it_and_the_next_call_runs(

@@ -24,7 +24,10 @@ beside the next call.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -37,7 +40,15 @@ from typing import Any
 from tandem.common import log
 from tandem.common.models import ModelSpec
 
-from .pipelines import Interrupted, Item, ModelLoadError, Params, Pipeline, StepHook
+from .pipelines import (
+    CallTime,
+    Interrupted,
+    Item,
+    ModelLoadError,
+    Params,
+    Pipeline,
+    StepHook,
+)
 
 _log = log.get("tandem.inference_worker.apart")
 
@@ -59,66 +70,75 @@ class PipelineProcessDied(RuntimeError):
 
 
 class ProcessPipeline(Pipeline):
-    """A pipeline whose calls run in a child process; ``encode`` stays here."""
+    """A pipeline whose calls run in a child process; ``encode`` stays here.
+
+    ``concurrent``: the batcher hands over the next call while one runs; the child queues
+    it and starts it as the last one ends, with no round trip through the worker between.
+    """
+
+    concurrent = True
 
     def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto",
                  threads: int = 0, start_timeout: float = 600.0) -> None:
         super().__init__(spec)
         self._args = (spec, device, dtype, threads)
         self._start_timeout = start_timeout
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # (re)starting the child
         self._child: _Child | None = None
-        self._cpu_s = 0.0  # the children's CPU seconds inside calls, summed
         self._finalizer = weakref.finalize(self, _Child.close_ref, [None])
-        self._start()
+        self._live()
 
     @property
     def pid(self) -> int | None:
         child = self._child
         return child.proc.pid if child is not None else None
 
-    def cpu_clock(self) -> float:
-        return self._cpu_s
-
-    def _start(self) -> None:
-        child = _Child.start(self.spec.name, self._args, self._start_timeout)
-        self._child = child
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _Child.close_ref, [child])
+    def _live(self, dead: _Child | None = None) -> _Child:
+        """The child, started afresh if there is none, it exited, or it is ``dead``."""
+        with self._lock:
+            child = self._child
+            if child is None or child is dead or not child.alive():
+                if child is not None:
+                    child.close()
+                    _log.warning("worker.pipeline_process_restart", model=self.spec.name)
+                child = self._child = _Child.start(self.spec.name, self._args,
+                                                   self._start_timeout)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _Child.close_ref, [child])
+            return child
 
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
-        with self._lock:
-            for attempt in (1, 2):
-                if self._child is None or not self._child.alive():
-                    _log.warning("worker.pipeline_process_restart", model=self.spec.name)
-                    self._start()
-                child = self._child
-                assert child is not None
-                try:
-                    images, cpu_s = child.call(items, params, on_step)
-                except PipelineProcessDied as exc:
-                    child.close()
-                    self._child = None
-                    # Dead before its first step: most likely before this call reached it
-                    # (killed between calls, not yet reaped); once more on a fresh child.
-                    if exc.stepped or attempt == 2:
-                        raise
-                    continue
-                self._cpu_s += cpu_s
-                return images
-            raise AssertionError("unreachable")
+        return self.call(items, params, on_step)[0]
+
+    def call(self, items: list[Item], params: Params,
+             on_step: StepHook) -> tuple[list[Any], CallTime]:
+        child = self._live()
+        try:
+            return child.call(items, params, on_step)
+        except PipelineProcessDied as exc:
+            # Dead before this call's first step: most likely before it reached the child
+            # (killed between calls, not yet reaped); once more, on a fresh child.
+            if exc.stepped:
+                raise
+            return self._live(dead=child).call(items, params, on_step)
 
     def close(self) -> None:
         self._finalizer()
 
 
 class _Child:
-    """One child process and the socket to it."""
+    """One child process, the socket to it, and the thread that reads the socket and
+    hands each message to the call it belongs to."""
 
-    def __init__(self, model: str, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+    def __init__(self, model: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.model = model
         self.proc = proc
-        self.conn = conn
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+        self._send = threading.Lock()
+        self._calls: dict[int, queue.SimpleQueue[tuple[Any, ...]]] = {}
+        self._next = 0
+        self._dead: BaseException | None = None
 
     @classmethod
     def start(cls, model: str, args: tuple[Any, ...], timeout: float) -> _Child:
@@ -129,7 +149,7 @@ class _Child:
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        child = cls(model, proc, Connection(ours.detach()))
+        child = cls(model, proc, ours)
         try:
             child.conn.send(("build", *args))
             if not child.conn.poll(timeout):
@@ -146,41 +166,76 @@ class _Child:
         if reply[0] != "ready":
             child.close()
             raise ModelLoadError(model, reply[1])
+        threading.Thread(target=child._read, name=f"pipeline-process-{proc.pid}",
+                         daemon=True).start()
         _log.info("worker.pipeline_process", model=model, pid=proc.pid)
         return child
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and not self.conn.closed
+        return self._dead is None and self.proc.poll() is None
 
-    def call(self, items: list[Item], params: Params,
-             on_step: StepHook) -> tuple[list[Any], float]:
-        """One call in the child: its images and the CPU seconds it took there."""
-        stopped = stepped = False
+    def _read(self) -> None:
         try:
-            self.conn.send(("images", items, params))
             while True:
                 msg = self.conn.recv()
+                q = self._calls.get(msg[1])
+                if q is not None:
+                    q.put(msg)
+        except (EOFError, OSError) as exc:
+            self._dead = exc  # first, so a call handed over after the loop below sees it
+            for q in list(self._calls.values()):
+                q.put(("died",))
+
+    def call(self, items: list[Item], params: Params,
+             on_step: StepHook) -> tuple[list[Any], CallTime]:
+        """One call in the child: its images and how long it took there."""
+        replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        stopped = stepped = False
+        with self._send:
+            cid = self._next
+            self._next += 1
+            self._calls[cid] = replies
+        try:
+            if self._dead is None:
+                try:
+                    with self._send:
+                        self.conn.send(("images", cid, items, params))
+                except OSError:
+                    pass  # the reader sees the socket end too, and says so below
+            else:
+                replies.put(("died",))
+            while True:
+                msg = replies.get()
                 if msg[0] == "step":
                     stepped = True
                     if stopped:
                         continue
                     try:
-                        on_step(msg[1], msg[2])
+                        on_step(msg[2], msg[3])
                     except Interrupted:
                         stopped = True
-                        self.conn.send(("stop",))
+                        self._stop(cid)
                     continue
                 break
-        except (EOFError, OSError) as exc:
-            status = self._status()
-            raise PipelineProcessDied(f"the pipeline process of {self.model} died during "
-                                      f"a call (exit status {status}): {exc!r}",
-                                      stepped) from None
+        finally:
+            self._calls.pop(cid, None)
+        if msg[0] == "died":
+            raise PipelineProcessDied(
+                f"the pipeline process of {self.model} died during a call (exit status "
+                f"{self._status()}): {self._dead!r}", stepped)
         if stopped or msg[0] == "interrupted":
             raise Interrupted()
         if msg[0] == "failed":
-            raise RuntimeError(f"{msg[1]}: {msg[2]}")
-        return msg[1], msg[2]
+            raise RuntimeError(f"{msg[2]}: {msg[3]}")
+        _, _, images, started, wall_s, cpu_s = msg
+        return images, CallTime(started, wall_s, cpu_s)
+
+    def _stop(self, cid: int) -> None:
+        try:
+            with self._send:
+                self.conn.send(("stop", cid))
+        except OSError:
+            pass  # dead: the reader says so
 
     def _status(self) -> int | None:
         try:
@@ -189,13 +244,15 @@ class _Child:
             return None
 
     def close(self) -> None:
-        if not self.conn.closed:
-            self.conn.close()  # the child's next read ends: it exits
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # the reader wakes; the child reads EOF
+        self.sock.close()
         try:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.conn.close()
 
     @staticmethod
     def close_ref(ref: list[_Child | None]) -> None:
@@ -215,7 +272,7 @@ def _serve(conn: Connection) -> None:
         if threads:
             set_threads(threads)
         pipe = build(spec, device, dtype)
-        if isinstance(pipe, ProcessPipeline) or not eligible(spec):
+        if not eligible(spec):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
     except ModelLoadError as exc:
         conn.send(("error", exc.reason))
@@ -225,35 +282,48 @@ def _serve(conn: Connection) -> None:
         return
     conn.send(("ready",))
 
+    queued: collections.deque[tuple[Any, ...]] = collections.deque()
+    stopped: set[int] = set()
+    current = -1
+
+    def take(msg: tuple[Any, ...]) -> None:
+        if msg[0] == "images":
+            queued.append(msg)
+        elif msg[0] == "stop" and (msg[1] == current or any(q[1] == msg[1] for q in queued)):
+            stopped.add(msg[1])  # a stop for a call that already ended is dropped
+
     def on_step(step: int, total: int) -> None:
         while conn.poll(0):  # EOFError (the worker is gone) ends this process
-            if conn.recv()[0] == "stop":
-                raise Interrupted()
-        conn.send(("step", step, total))
+            take(conn.recv())
+        if current in stopped:
+            raise Interrupted()
+        conn.send(("step", current, step, total))
 
     while True:
+        while not queued:
+            take(conn.recv())  # EOFError: the worker is gone
+        _, current, items, params = queued.popleft()
+        if current in stopped:
+            stopped.discard(current)
+            conn.send(("interrupted", current))
+            continue
+        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
         try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg[0] != "images":
-            continue  # a stop that came after its call ended
-        cpu0 = time.thread_time()
-        try:
-            images = pipe.images(msg[1], msg[2], on_step)
+            images = pipe.images(items, params, on_step)
         except Interrupted:
-            conn.send(("interrupted",))
-        except EOFError:
-            return
+            conn.send(("interrupted", current))
         except Exception as exc:
-            conn.send(("failed", type(exc).__name__, str(exc)))
+            conn.send(("failed", current, type(exc).__name__, str(exc)))
         else:
-            conn.send(("done", images, time.thread_time() - cpu0))
+            conn.send(("done", current, images, started, time.perf_counter() - t0,
+                       time.thread_time() - cpu0))
+        stopped.discard(current)
+        current = -1
 
 
 if __name__ == "__main__":
     try:
         _serve(Connection(int(sys.argv[1])))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, OSError, KeyboardInterrupt):
         pass
     os._exit(0)  # no interpreter teardown of torch's threads

@@ -7,10 +7,12 @@ already full, then hands one pipeline call for up to ``max_batch`` images, with 
 generator per image, to its compute thread. One call runs at a time: the worker owns one
 accelerator.
 
-The compute thread is the batcher's own (one thread, nothing else runs on it), and it is
+The compute threads are the batcher's own (nothing else runs on them), and they are
 fed from a queue: while a call runs, the next batch is formed and queued behind it
-(``AHEAD`` batches at most), so the thread goes from one call straight into the next
-without waiting for the event loop. A job resolves with its images as the pipeline made
+(``AHEAD`` batches at most), so the pipeline goes from one call straight into the next
+without waiting for the event loop. A pipeline takes its calls one at a time, unless it
+is ``concurrent`` (``apart``: its child process queues the next call itself, and the
+batcher hands it over at once). A job resolves with its images as the pipeline made
 them (``Pipeline.images``); PNG encoding, upload and the bus writes happen in the
 caller, beside the next call. The price of forming ahead: a task that arrives while a
 batch waits in the queue starts one call later than it might have (an interactive task
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +40,7 @@ from typing import Any
 
 from tandem.common import metrics
 from tandem.common.events import GenerationTask
-from tandem.inference_worker.pipelines import Interrupted, Item, Params, Pipeline
+from tandem.inference_worker.pipelines import CallTime, Interrupted, Item, Params, Pipeline
 
 LANE_RANK = {"interactive": 0, "batch": 1}
 AHEAD = 1  # batches formed and queued behind the running call
@@ -96,16 +99,28 @@ class Usage:
     first_start: float | None = None  # wall clock (time.time) of the first call's start
     last_end: float | None = None  # and of the last call's end
     running_since: float | None = None  # wall clock start of the call running now
+    inflight: int = 0  # calls handed over and not ended (two with a concurrent pipeline)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin(self, at: float) -> None:
+        """A call was handed over at ``at``; it runs now unless one already does."""
+        with self._lock:
+            if self.inflight == 0:
+                self.running_since = at
+            self.inflight += 1
 
     def add(self, images: int, started: float, wall_s: float, cpu_s: float) -> None:
-        self.running_since = None
-        self.calls += 1
-        self.images += images
-        self.busy_s += wall_s
-        self.cpu_s += cpu_s
-        if self.first_start is None:
-            self.first_start = started
-        self.last_end = started + wall_s
+        with self._lock:
+            self.inflight -= 1
+            # A call queued behind this one (where the calls run) starts as it ends.
+            self.running_since = started + wall_s if self.inflight else None
+            self.calls += 1
+            self.images += images
+            self.busy_s += wall_s
+            self.cpu_s += cpu_s
+            if self.first_start is None:
+                self.first_start = started
+            self.last_end = started + wall_s
 
     def json(self) -> dict[str, Any]:
         """The sums of the calls that ended, ``running_s`` of the one running now (a
@@ -138,6 +153,7 @@ class Batcher:
         self._room = asyncio.Semaphore(1 + AHEAD)
         self._closed = False
         self._abort = False
+        self._one_call = threading.Lock()  # one accelerator: one call at a time on it
 
     # ----------------------------------------------------------------------- callers
 
@@ -203,7 +219,9 @@ class Batcher:
     async def run(self) -> None:
         """Form batches and queue them on the compute thread until ``close``; return once
         the calls taken have ended. Cancelled, it stops the running call at its next step."""
-        executor = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
+        # A thread per call handed over (the running one and AHEAD queued): a pipeline
+        # that is not ``concurrent`` takes them one at a time (``_one_call``).
+        executor = ThreadPoolExecutor(1 + AHEAD, thread_name_prefix="pipeline")
         try:
             async with asyncio.TaskGroup() as calls:
                 while not self._closed:
@@ -300,10 +318,17 @@ class Batcher:
         params = Params(width=t.width, height=t.height, steps=t.steps, guidance=t.guidance)
         loop = asyncio.get_running_loop()
 
+        first = True
+
         def on_step(step: int, total: int) -> None:
-            # Runs in the pipeline's thread: stop when nobody wants the result any more.
-            if self._abort or all(j.cancelled for j in group):
+            # Runs in the pipeline's thread: stop when nobody wants the result any more,
+            # and a call handed over ahead (``concurrent``) whose first step comes once
+            # the batcher is closed: its tasks go back, as a queued call's do.
+            nonlocal first
+            if self._abort or all(j.cancelled for j in group) or (
+                    first and self._closed and pipeline.concurrent):
                 raise Interrupted()
+            first = False
             if self.on_step is not None:
                 loop.call_soon_threadsafe(self.on_step, group, step, total)
 
@@ -341,17 +366,23 @@ class Batcher:
         """The pipeline call itself, timed into ``usage`` (on the compute thread). A call
         queued behind one that ran is not started once the batcher is closed (its tasks
         go back) or when every task in it is cancelled."""
-        if self._closed or self._abort or all(j.cancelled for j in group):
-            raise Interrupted()
-        started, t0, cpu0 = time.time(), time.perf_counter(), pipeline.cpu_clock()
-        self.usage.running_since = started
-        for job in group:
-            job.marks.update(run_start=started, batch_images=len(items))
-        try:
-            return pipeline.images(items, params, on_step)
-        finally:
-            wall, cpu = time.perf_counter() - t0, pipeline.cpu_clock() - cpu0
-            self.usage.add(len(items), started, wall, cpu)
-            BUSY_SECONDS.inc(wall)
+        with contextlib.nullcontext() if pipeline.concurrent else self._one_call:
+            if self._closed or self._abort or all(j.cancelled for j in group):
+                raise Interrupted()
+            started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+            self.usage.begin(started)
             for job in group:
-                job.marks["run_end"] = started + wall
+                job.marks.update(run_start=started, batch_images=len(items))
+            timing = None
+            try:
+                images, timing = pipeline.call(items, params, on_step)
+                return images
+            finally:
+                if timing is None:  # it raised: as this thread saw it
+                    timing = CallTime(started, time.perf_counter() - t0,
+                                      time.thread_time() - cpu0)
+                self.usage.add(len(items), timing.started, timing.wall_s, timing.cpu_s)
+                BUSY_SECONDS.inc(timing.wall_s)
+                for job in group:
+                    job.marks.update(run_start=timing.started,
+                                     run_end=timing.started + timing.wall_s)

@@ -70,6 +70,15 @@ class Params:
     guidance: float
 
 
+@dataclass(frozen=True, slots=True)
+class CallTime:
+    """When one pipeline call started (wall clock), its wall and CPU seconds."""
+
+    started: float
+    wall_s: float
+    cpu_s: float
+
+
 class Pipeline:
     """Base: a loaded model that turns items into images, and images into PNGs.
 
@@ -81,6 +90,9 @@ class Pipeline:
     """
 
     trivial = False  # no compute to amortise: no linger, no thread
+    # Calls may be handed over while one runs (they queue where they run: ``apart``'s
+    # child); otherwise the batcher hands over one call at a time.
+    concurrent = False
     checkpoint = ""
     checkpoint_step: int | None = None
     checkpoint_lineage = 0  # with checkpoint_step, which checkpoint (after a rollback)
@@ -100,10 +112,13 @@ class Pipeline:
         """``images`` then ``encode``: the PNG of each item."""
         return [self.encode(image) for image in self.images(items, params, on_step)]
 
-    def cpu_clock(self) -> float:
-        """CPU seconds of where the calls run (read before and after one): the calling
-        thread's, or a child process's sum (``apart``)."""
-        return time.thread_time()
+    def call(self, items: list[Item], params: Params,
+             on_step: StepHook) -> tuple[list[Any], CallTime]:
+        """``images``, timed where the call runs: on this thread here; a pipeline whose
+        calls run elsewhere (``apart``) reports that place's clocks."""
+        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        images = self.images(items, params, on_step)
+        return images, CallTime(started, time.perf_counter() - t0, time.thread_time() - cpu0)
 
     def close(self) -> None:
         """Free what the pipeline holds outside this process (nothing, here)."""
