@@ -260,6 +260,31 @@ async def test_cancel_running_task_stops_it_before_its_end_and_frees_the_worker(
     assert (await http.delete(f"/v1/generations/{nxt}")).status_code == 409
 
 
+async def test_a_task_cancelled_in_its_record_alone_while_it_runs_leaves_no_image(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    """A gateway that dies between writing ``cancelled`` and the cancel notice: the
+    worker never hears of it, the call runs to its end, and the record still decides."""
+    from tandem.common import tasks as moves
+
+    task_id = await submit(http, model="digits", class_label=4, steps=40, seed=8,
+                           num_images=2)
+    progress = await Progress().start(bus, task_id)
+    try:
+        await progress.wait(1)
+        kv = await bus.typed(KV_TASKS, TaskRecord)
+        await kv.update(task_id, moves.to_cancelled("the gateway died before its notice"))
+    finally:
+        await progress.stop()
+    worker = stack.children[1]
+    await asyncio.to_thread(worker.wait_healthy, lambda h: task_id not in h["running"]
+                            and not h["inflight"])
+    # What is stored, once the worker is done with it (``writes`` would also show the
+    # worker's compare-and-set that the server refused: a core subscriber sees it).
+    got = await kv.get(task_id)
+    assert got is not None and got[0].state == TaskState.cancelled and got[0].images == []
+    assert s3_keys(stack, task_id) == []
+
+
 # -------------------------------------------------------------------------------- failures
 
 

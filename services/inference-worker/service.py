@@ -404,7 +404,12 @@ class InferenceWorker(Service):
                                         {"generate_s": round(gen_s, 6)})
         if rec is None or rec.state != TaskState.succeeded:
             CANCELLED.inc()
-            return  # cancelled while it ran: the record, not the images, decides
+            if rec is not None and rec.state == TaskState.cancelled:
+                # Cancelled while it ran, and the cancel never stopped the call (it came
+                # after the last step, or its notice was never written: a gateway that
+                # died between the two): the record decides, and no image outlives it.
+                await self._delete_images(task.task_id, keys)
+            return
         SUCCEEDED.inc()
 
     def _check(self, d: Delivery[GenerationTask]) -> None:
@@ -452,6 +457,18 @@ class InferenceWorker(Service):
                 if retries.more():
                     _log.warning("worker.upload_retry", attempt=attempt, error=error)
         raise ImageUploadError(task_id, retries.attempt, error)
+
+    async def _delete_images(self, task_id: str, keys: list[str]) -> None:
+        """Best effort: a cancelled task's images; what stays is logged, not raised."""
+        if not keys:
+            return
+        try:
+            await asyncio.to_thread(self._s3.delete_objects, Bucket=self.s.s3_bucket,
+                                    Delete={"Objects": [{"Key": k} for k in keys],
+                                            "Quiet": True})
+        except Exception as exc:
+            _log.warning("worker.cancelled_images_left", task_id=task_id, keys=keys,
+                         error=repr(exc))
 
     def _put_all(self, keys: list[str], images: list[Any], pipe: Pipeline | None) -> None:
         if not self._bucket_ready:
