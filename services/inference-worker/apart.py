@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import Any
@@ -227,8 +226,8 @@ class _Child:
             raise Interrupted()
         if msg[0] == "failed":
             raise RuntimeError(f"{msg[2]}: {msg[3]}")
-        _, _, images, started, wall_s, cpu_s = msg
-        return images, CallTime(started, wall_s, cpu_s)
+        _, _, images, took = msg
+        return images, took
 
     def _stop(self, cid: int) -> None:
         try:
@@ -269,11 +268,11 @@ def _serve(conn: Connection) -> None:
     kind, spec, device, dtype, threads = conn.recv()
     assert kind == "build", kind
     try:
+        if not eligible(spec):
+            raise ModelLoadError(spec.name, "not a pipeline a child process can build")
         if threads:
             set_threads(threads)
         pipe = build(spec, device, dtype)
-        if not eligible(spec):
-            raise ModelLoadError(spec.name, "not a pipeline a child process can build")
     except ModelLoadError as exc:
         conn.send(("error", exc.reason))
         return
@@ -307,16 +306,14 @@ def _serve(conn: Connection) -> None:
             stopped.discard(current)
             conn.send(("interrupted", current))
             continue
-        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
         try:
-            images = pipe.images(items, params, on_step)
+            images, took = pipe.call(items, params, on_step)  # timed here, in the child
         except Interrupted:
             conn.send(("interrupted", current))
         except Exception as exc:
             conn.send(("failed", current, type(exc).__name__, str(exc)))
         else:
-            conn.send(("done", current, images, started, time.perf_counter() - t0,
-                       time.thread_time() - cpu0))
+            conn.send(("done", current, images, took))
         stopped.discard(current)
         current = -1
 

@@ -369,20 +369,17 @@ class Batcher:
         with contextlib.nullcontext() if pipeline.concurrent else self._one_call:
             if self._closed or self._abort or all(j.cancelled for j in group):
                 raise Interrupted()
-            started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
-            self.usage.begin(started)
-            for job in group:
-                job.marks.update(run_start=started, batch_images=len(items))
+            began = CallTime.clocks()
+            self.usage.begin(began[0])
             timing = None
             try:
                 images, timing = pipeline.call(items, params, on_step)
                 return images
             finally:
                 if timing is None:  # it raised: as this thread saw it
-                    timing = CallTime(started, time.perf_counter() - t0,
-                                      time.thread_time() - cpu0)
+                    timing = CallTime.since(began)
                 self.usage.add(len(items), timing.started, timing.wall_s, timing.cpu_s)
                 BUSY_SECONDS.inc(timing.wall_s)
                 for job in group:
-                    job.marks.update(run_start=timing.started,
+                    job.marks.update(run_start=timing.started, batch_images=len(items),
                                      run_end=timing.started + timing.wall_s)

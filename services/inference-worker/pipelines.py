@@ -78,6 +78,17 @@ class CallTime:
     wall_s: float
     cpu_s: float
 
+    @staticmethod
+    def clocks() -> tuple[float, float, float]:
+        """This thread's clocks now: what ``since`` measures from."""
+        return time.time(), time.perf_counter(), time.thread_time()
+
+    @classmethod
+    def since(cls, clocks: tuple[float, float, float]) -> CallTime:
+        """A call that began at ``clocks`` and ends now, on this thread."""
+        started, t0, cpu0 = clocks
+        return cls(started, time.perf_counter() - t0, time.thread_time() - cpu0)
+
 
 class Pipeline:
     """Base: a loaded model that turns items into images, and images into PNGs.
@@ -116,9 +127,9 @@ class Pipeline:
              on_step: StepHook) -> tuple[list[Any], CallTime]:
         """``images``, timed where the call runs: on this thread here; a pipeline whose
         calls run elsewhere (``apart``) reports that place's clocks."""
-        started, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        began = CallTime.clocks()
         images = self.images(items, params, on_step)
-        return images, CallTime(started, time.perf_counter() - t0, time.thread_time() - cpu0)
+        return images, CallTime.since(began)
 
     def close(self) -> None:
         """Free what the pipeline holds outside this process (nothing, here)."""
