@@ -27,8 +27,8 @@ judged on the median of the per-repeat ratios):
     slowest rank per checkpoint) over a synchronous ``dcp.save`` of the same state with
     the same writer options; goal <= 0.2.
 (c) ``mirror_ratio``: after training, each node's newest checkpoint folder uploaded by
-    its ``Mirror`` (SHA-256 sent with every part and file, what S3 stored verified, a
-    manifest put last) against raw boto3 (``upload_file``'s ``TransferManager``, every
+    its ``Mirror`` (a CRC32 sent with every part, each file's SHA-256 checked against
+    its manifest, what S3 stored verified, a manifest put last) against raw boto3 (``upload_file``'s ``TransferManager``, every
     file at once, the same part size, threshold and concurrency), both nodes at once
     on each side: throughput per node, averaged over the nodes; goal >= 0.9.
 
