@@ -28,9 +28,10 @@ judged on the median of the per-repeat ratios):
     the same writer options; goal <= 0.2.
 (c) ``mirror_ratio``: after training, each node's newest checkpoint folder uploaded by
     its ``Mirror`` (a CRC32 sent with every part, each file's SHA-256 checked against
-    its manifest, what S3 stored verified, a manifest put last) against raw boto3 (``upload_file``'s ``TransferManager``, every
-    file at once, the same part size, threshold and concurrency), both nodes at once
-    on each side: throughput per node, averaged over the nodes; goal >= 0.9.
+    its manifest, what S3 stored verified, a manifest put last) against raw boto3
+    (``upload_file``'s ``TransferManager``, every file at once, the same part size,
+    threshold and concurrency), both nodes at once on each side: throughput per node,
+    averaged over the nodes; goal >= 0.9.
 
 What it leaves out: each node's folder is mirrored as a file set of its own (under
 ``<run>-<node>``); the one commit of a manifest over every node's shards is one small
