@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+from prometheus_client import REGISTRY
 
 from tandem.common.events import GenerationTask
 from tandem.common.models import Registry
@@ -89,12 +90,22 @@ async def test_batcher_takes_interactive_first_then_groups_compatible_tasks_up_t
     jobs = [batcher.enqueue(t).future for t in [
         _task(10, "batch"), _task(20, "batch", n=2), _task(30, "batch"), _task(40, "batch"),
         _task(50, "interactive", steps=9), _task(60, "batch", steps=7)]]
+    calls0, images0 = _batch_images()
     loop = asyncio.create_task(batcher.run())
     results = await asyncio.gather(*jobs)
     batcher.close()
     await loop
     assert pipe.calls == [[50], [10, 20, 21, 30], [40], [60]]
     assert results[1] == [b"20", b"21"]
+    # Observed once per call with the call's images (not once per task with its own).
+    calls1, images1 = _batch_images()
+    assert (calls1 - calls0, images1 - images0) == (4, 7)
+
+
+def _batch_images() -> tuple[float, float]:
+    """``tandem_worker_batch_images``: (calls, images) so far in this process."""
+    got = [REGISTRY.get_sample_value(f"tandem_worker_batch_images_{s}") for s in ("count", "sum")]
+    return got[0] or 0.0, got[1] or 0.0
 
 
 async def test_cancelling_a_waiting_task_removes_it_from_the_batch() -> None:

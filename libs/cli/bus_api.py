@@ -119,6 +119,9 @@ FILTERS: dict[str, str] = {
     "kv_changes(bucket, key)": "`$KV.<bucket>.<key>`: every put of one KV key (no key: "
     "every key): a core subscription hears each change of a record (the worker hears a "
     "run's rollback, `forks` in KV `runs`)",
+    "kv_cluster_changes(bucket, cluster)": "`$KV.<bucket>.<cluster>.*`: every put of one "
+    "cluster's node keys in a bucket keyed by node (the trainer hears its cluster's "
+    "drains)",
 }
 
 # KV buckets: the key of an entry and the ``WIRE_TYPES`` name of its value.

@@ -218,6 +218,12 @@ def kv_changes(bucket: str, key: str | None = None) -> str:
     return f"$KV.{token(bucket, 'bucket')}.{'*' if key is None else token(key, 'key')}"
 
 
+def kv_cluster_changes(bucket: str, cluster: str) -> str:
+    """``$KV.<bucket>.<cluster>.*``: each put of any of ``cluster``'s node keys
+    (``node_key``) in a bucket keyed by node (``nodes``, ``drains``)."""
+    return f"$KV.{token(bucket, 'bucket')}.{token(cluster, 'cluster')}.*"
+
+
 def node_key(cluster: str, node: str) -> str:
     """Key of a node in KV ``nodes``: ``<cluster>.<node>``."""
     return f"{token(cluster, 'cluster')}.{token(node, 'node')}"

@@ -46,6 +46,12 @@ LANE_RANK = {"interactive": 0, "batch": 1}
 AHEAD = 1  # batches formed and queued behind the running call
 BUSY_SECONDS = metrics.Counter("tandem_worker_pipeline_busy_seconds",
                                "Seconds spent inside pipeline calls (rate: the busy fraction)")
+# Per call, where the call is made (observed per task, they counted a batch of 8 eight
+# times, and the task's own images as the batch's).
+BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
+                                 buckets=(1, 2, 4, 8, 16, 32, 64))
+GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
+                                "Pipeline call duration, seconds")
 
 
 class JobCancelled(Exception):
@@ -380,6 +386,8 @@ class Batcher:
                     timing = CallTime.since(began)
                 self.usage.add(len(items), timing.started, timing.wall_s, timing.cpu_s)
                 BUSY_SECONDS.inc(timing.wall_s)
+                GEN_SECONDS.observe(timing.wall_s)
+                BATCH_IMAGES.observe(len(items))
                 for job in group:
                     job.marks.update(run_start=timing.started, batch_images=len(items),
                                      run_end=timing.started + timing.wall_s)

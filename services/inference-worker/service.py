@@ -80,10 +80,6 @@ UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 i
 
 TASKS_DONE = metrics.Counter("tandem_worker_tasks", "Tasks finished by outcome", ["outcome"])
 SUCCEEDED, CANCELLED = TASKS_DONE.labels("succeeded"), TASKS_DONE.labels("cancelled")
-BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
-                                 buckets=(1, 2, 4, 8, 16, 32, 64))
-GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
-                                "Pipeline call duration, seconds")
 
 
 class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistrySettings):
@@ -391,8 +387,6 @@ class InferenceWorker(Service):
             raise Reject(str(exc)) from None
         images = job.future.result()
         gen_s = time.monotonic() - t0
-        GEN_SECONDS.observe(gen_s)
-        BATCH_IMAGES.observe(max(len(images), 1))
         pipe = job.pipeline  # the one that made the images, even if swapped out since
         upload_start = time.time()
         # PNG encoding and upload here, beside the next call: never on the compute thread.

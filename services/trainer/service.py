@@ -34,7 +34,7 @@ from tandem.common.events import (
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings
-from tandem.common.streams import KV_RUNS, Spec, core_streams, trainer_consumer
+from tandem.common.streams import KV_DRAINS, KV_RUNS, Spec, core_streams, trainer_consumer
 from tandem.trainer.launcher import Launcher, LocalLauncher
 from tandem.trainer.nodes import NodeLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
@@ -132,8 +132,10 @@ class Trainer(Service):
                 launch_within_s=self.s.launch_within_s, log=ctx.log)
         kv = await ctx.bus.typed(KV_RUNS, RunRecord)
         subs = [
-            await ctx.bus.nc.subscribe(f"health.{self.s.cluster}.*", cb=self._on_health),
-            await ctx.bus.nc.subscribe(f"$KV.drains.{self.s.cluster}.*", cb=self._on_drain),
+            await ctx.bus.nc.subscribe(subjects.HEALTH.filter(cluster=self.s.cluster),
+                                       cb=self._on_health),
+            await ctx.bus.nc.subscribe(subjects.kv_cluster_changes(KV_DRAINS, self.s.cluster),
+                                       cb=self._on_drain),
             await ctx.bus.nc.subscribe(subjects.kv_changes(KV_RUNS), cb=self._on_run_record),
         ]
         async with asyncio.TaskGroup() as tg:

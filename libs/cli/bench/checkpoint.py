@@ -105,10 +105,7 @@ def transfer_manager(s3: Any, part_mb: int, concurrency: int) -> Any:
         max_concurrency=concurrency))
 
 
-def _tandem(mirror: Any, directory: Path, run: str, step: int) -> float:
-    from tandem.common import checkpoints as ck
-
-    manifest = ck.scan(directory, run, step)  # the trainer's work, not the mirror's
+def _tandem(mirror: Any, directory: Path, manifest: Any) -> float:
     t = time.perf_counter()
     result = mirror.mirror(directory, manifest)
     dt = time.perf_counter() - t
@@ -169,6 +166,7 @@ async def _written_to_committed(s3_url: str, nats_url: str, bucket: str, directo
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.checkpointer.mirror import Mirror, MirrorConfig
     from tandem.cli.devstack import NatsServer, S3Server
+    from tandem.common import checkpoints as ck
     from tandem.common import log
     from tandem.common.settings import Settings, load
     from tandem.common.storage import ensure_bucket, s3_client
@@ -197,11 +195,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             procs = {"bench process": saturation.this_process, "moto (S3)": s3srv.cpu_seconds}
 
             async def side(name: str, r: int) -> dict[str, Any]:
+                if name == "tandem":  # the trainer's work, not the mirror's: not metered
+                    manifest = await asyncio.to_thread(ck.scan, source, "bench", r + 1)
                 meter = saturation.Meter(procs).start()
                 if name == "raw":
                     dt = await asyncio.to_thread(raw_upload, tm, bucket, source, f"raw/{r}")
                 else:
-                    dt = await asyncio.to_thread(_tandem, mirror, source, "bench", r + 1)
+                    dt = await asyncio.to_thread(_tandem, mirror, source, manifest)
                 used = meter.stop()
                 clear_bucket(s3, bucket)
                 return {"s": dt, "cpu": used.json()}

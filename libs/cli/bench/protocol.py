@@ -358,8 +358,8 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
     """CPU microseconds a task costs the worker, this process measured, for each thing
     it does per task that the floor does not: what explains the gap between them.
 
-    - ``metrics``: the histogram observations of a task (its five phases, its
-      generation time and its batch's size) and its outcome counter;
+    - ``metrics``: the histogram observations of a task (its phases, five at most; the
+      call's time and size are observed once per call) and its outcome counter;
     - ``log_context``: binding the task's id and model to its log lines;
     - ``trace_context``: making the task's ``traceparent`` the current context;
     - ``task``: the asyncio task each message is handled in (the floor handles a fetch
@@ -373,7 +373,7 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
     counter = metrics.CONSUMED.labels("bench", "bench")
 
     def observe() -> None:
-        for _ in range(7):
+        for _ in range(5):
             hist.observe(0.001)
         counter.inc()
 

@@ -341,7 +341,8 @@ def _result(args: argparse.Namespace, cfg: Any, out: dict[str, Any], uploads: di
         r = stats.median_run(range(args.repeat), lambda i: mirror.ratio[i])  # type: ignore[index]
         mirror.why = saturation.why(runs["tandem"][r]["cpu"], extra=[
             f"one core hashes SHA-256 at {uploads['sha256_mib_per_s_one_core']:,.0f} MiB/s "
-            "and the mirror hashes each byte twice (the file, its part); the raw side's "
+            "and the mirror hashes each byte once more than boto3 (the file against its "
+            "manifest; both send a CRC32 per part); the raw side's "
             "cores: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                   runs["raw"][r]["cpu"]["cores"].items())])
     fj = stats.figures_json([steps, blocked, mirror])
