@@ -7,18 +7,15 @@ with ``If-None-Match: *``, and only after every file verified.
 
 Verification, per file:
 
-- multipart (size > ``multipart_threshold``): each part is sent with its CRC32 (S3's own
-  default wire checksum, the one boto3 sends); the store's composite checksum of what it
-  holds (the CRC32 of the parts' CRC32s) must equal the one computed from the bytes read
-  locally. S3 and moto both compute it from the stored parts, so a part corrupted in
-  transit shows up here. SHA-256 is what names the content (the manifest's, checked on
-  every restore); the wire only has to prove the stored bytes are the bytes read, and a
-  CRC per part does that at a third of SHA-256's CPU, on the client and on the store.
-- single put: the object is sent with its SHA-256 (the manifest's own: nothing more to
-  hash). With ``verify="readback"`` it is read
-  back and hashed (moto stores whatever checksum the client claims, so only a read-back
-  proves the bytes); with ``verify="checksum"`` the store's own check is trusted
-  (AWS S3 and MinIO reject a body whose checksum does not match).
+- multipart (size > ``multipart_threshold``): each part is sent with its CRC32 (S3's
+  default, as boto3 sends); the store's composite of what it holds (the CRC32 of the
+  parts' CRC32s, computed from the stored parts) must equal the one of the bytes read,
+  so a part corrupted in transit shows up here. SHA-256 names the content (the
+  manifest's, checked on every restore); the wire needs only a CRC, a third of the CPU.
+- single put: sent with the manifest's SHA-256. With ``verify="readback"`` it is read
+  back and hashed (moto stores whatever checksum the client claims); with
+  ``verify="checksum"`` the store's own check is trusted (AWS S3 and MinIO reject a body
+  whose checksum does not match).
 
 The bytes that are hashed are the bytes that are sent (each part is read once), and the
 whole-file sha256 of those bytes must equal the manifest's: a local file that changed or
@@ -382,8 +379,7 @@ class Mirror:
 
     @staticmethod
     def _stored_checksum(head: dict[str, Any]) -> str:
-        """The store's composite of a multipart object ("" if it keeps none, or kept
-        another algorithm's: an object stored before the wire checksum was CRC32)."""
+        """The store's CRC32 composite ("" if none: no checksums, or a SHA-256 one)."""
         return str(head.get("ChecksumCRC32") or "").split("-")[0]
 
     @staticmethod
@@ -556,11 +552,12 @@ class _Multipart:
     def _part(self, number: int, block: bytes, budget: _Budget) -> dict[str, Any]:
         try:
             digest = _crc32(block)
+            crc = _b64(digest)
             resp = self.m.s3.upload_part(Bucket=self.m.cfg.bucket, Key=self.key,
                                          UploadId=self.upload_id, PartNumber=number, Body=block,
-                                         ChecksumCRC32=_b64(digest))
+                                         ChecksumCRC32=crc)
             self.m._progress(self.entry.name, len(block))
-            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _b64(digest),
+            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": crc,
                     "_digest": digest}
         except BaseException as exc:
             self.failed = exc
