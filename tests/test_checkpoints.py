@@ -333,3 +333,34 @@ def test_a_sharded_checkpoint_commits_only_whole_from_every_nodes_part(
     assert committed == last.manifest and committed.part == ""
     assert ck.same_files(committed, ck.merge_parts([p for _, p in parts.values()]))
     assert ck.restore(s3, bucket, "r", tmp_path / "restored").step == 8
+
+
+def test_the_mirror_reuses_its_part_buffers_and_stores_every_byte_as_read(
+        s3: Any, bucket: str, tmp_path: Path) -> None:
+    """Parts are read into buffers the mirror keeps (two at concurrency 1): a buffer
+    handed back before its part was sent or hashed would store or hash the next part's
+    bytes. Two checkpoints of 4-part files (the last part short), one mirror: every
+    object equals its file, and the buffers are the same two throughout."""
+    mirror = Mirror(s3, MirrorConfig(bucket=bucket, multipart_threshold=5 * MiB,
+                                     part_size=5 * MiB, concurrency=1))
+    seen: set[int] = set()
+    taken = mirror._buffer
+
+    def buffer() -> bytearray:
+        buf = taken()
+        seen.add(id(buf))
+        return buf
+
+    mirror._buffer = buffer  # type: ignore[method-assign]
+    try:
+        for step in (1, 2):
+            sizes = {"optimizer.bin": 17 * MiB + 3, "ema.bin": 15 * MiB}
+            directory, manifest = write_checkpoint(tmp_path, "reuse", step, sizes)
+            assert mirror.mirror(directory, manifest).committed
+            for name in sizes:
+                stored = s3.get_object(Bucket=bucket,
+                                       Key=ck.object_key("reuse", step, name))["Body"].read()
+                assert stored == (directory / name).read_bytes(), (step, name)
+    finally:
+        mirror.close()
+    assert 1 <= len(seen) <= 2  # 8 parts of 5 MiB went through the same buffers

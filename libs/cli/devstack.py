@@ -276,10 +276,20 @@ _WERKZEUG_LISTENING = re.compile(rb"Running on http://[^\s:]+:(\d+)")
 
 @dataclass
 class S3Server(Process):
-    """moto's standalone S3 server. In-memory: a restart starts empty."""
+    """moto's standalone S3 server. A restart starts empty.
+
+    moto keeps an object in memory up to 5 MiB and spills larger ones to temporary files.
+    ``hold_mib`` raises that bound (``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``) and has glibc
+    reuse freed blocks of up to 32 MiB (a part) instead of returning them to the kernel:
+    a benchmark's server then does about the same work for the same upload each round.
+    Without it, its system time for the same 256 MiB went 0.3-4 CPU-s between rounds
+    (spills, and fresh pages the VM faults in at 3-13 us each), which both sides of a
+    comparison took as noise. (``MALLOC_MMAP_MAX_=0`` was tried: growing a 128 MiB object
+    in the heap then copies it on every realloc, 2-8 s an upload.)"""
 
     port: int = 0
     host: str = "127.0.0.1"
+    hold_mib: int = 0
 
     @property
     def url(self) -> str:
@@ -291,8 +301,12 @@ class S3Server(Process):
         if self.port and port_in_use(self.port, self.host):
             raise ServerStartError("s3", f"port {self.host}:{self.port} is already in use")
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self._spawn([_binary("moto_server"), "-H", self.host, "-p", str(self.port)],
-                    env={"AWS_ACCESS_KEY_ID": "tandem", "AWS_SECRET_ACCESS_KEY": "tandem"})
+        env = {"AWS_ACCESS_KEY_ID": "tandem", "AWS_SECRET_ACCESS_KEY": "tandem"}
+        if self.hold_mib:
+            env |= {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(self.hold_mib << 20),
+                    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's most
+                    "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+        self._spawn([_binary("moto_server"), "-H", self.host, "-p", str(self.port)], env=env)
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         if not self.port:

@@ -176,7 +176,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-ckpt-") as tmp:
         root = Path(tmp)
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        s3srv = S3Server(name="s3", log_path=root / "s3.log").start()
+        # The server holds every object in memory (above the largest file, and its
+        # completed copy): it does the same work each round (devstack.S3Server).
+        s3srv = S3Server(name="s3", log_path=root / "s3.log",
+                         hold_mib=args.size_mb).start()
         nats = NatsServer(name="bench", log_path=root / "nats.log",
                           store_dir=root / "js").start()
         try:
