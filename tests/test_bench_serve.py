@@ -78,6 +78,9 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert math.isclose(v["drop"], 1 - v["checked_per_s"] / v["unchecked_per_s"], abs_tol=1e-3)
     assert v["noise"] is None and v["within_noise"] is None  # one round: no spread
     assert _positive(v["check_task_us"]) and v["check_task_us"] == t["overheads"]["check_task"]
+    # The verdict (JSON, table, text) is judged once, over the repeats: here one.
+    assert r["validation"] == {"drop": v["drop"], "noise": None, "within_noise": None,
+                               "check_task_us": v["check_task_us"]}
     assert set(t["overheads"]) == {"metrics", "log_context", "trace_context", "task",
                                    "check_task"}
     assert _positive(*t["overheads"].values())
