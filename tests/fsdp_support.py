@@ -6,10 +6,11 @@ matter) for the test process to compare."""
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tandem.cli.devstack import free_port
 
 # A tiny DiT on 8x8 synthetic images: a step takes milliseconds, a checkpoint ~1 MB.
 TINY_DIT = {"kind": "dit", "sample_size": 8, "num_classes": 4, "num_layers": 2,
@@ -32,12 +33,6 @@ class Job:
                 "batch_size": GLOBAL_BATCH // world, "checkpoint_every": self.checkpoint_every,
                 "warmup_steps": 1, "lr": 1e-3, "ema_decay": 0.9,
                 "data": {"kind": "synthetic", "synthetic_size": 64}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_state(loop: Any) -> dict[str, Any]:

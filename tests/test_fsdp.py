@@ -156,9 +156,9 @@ def _torchrun(tmp_path: Path, world: int, steps: int, resume: str = "") -> Path:
 
     import msgspec
 
+    from tandem.cli.devstack import free_port
     from tandem.trainer.launcher import LocalLauncher, place
     from tandem.trainer.spec import LaunchSpec
-    from tests.fsdp_support import free_port
 
     job = Job("tr", str(tmp_path / "ckpt"), steps=steps)
     spec = LaunchSpec(run_id="tr", attempt=1, config=job.config(world),

@@ -353,20 +353,20 @@ _STEPS_GE, _GUIDANCE_GE = _bound("steps", "ge"), _bound("guidance", "ge")
 _SEED_GE, _SEED_LE = _bound("seed", "ge"), _bound("seed", "le")
 _IMAGES_GE, _LABEL_GE = _bound("num_images", "ge"), _bound("class_label", "ge")
 _LANES = frozenset(get_args(GenerationRequest.model_fields["lane"].annotation))
-_SCREENS: dict[tuple[int, int], tuple[ModelSpec, JobLimits, _Screen]] = {}
+_SCREENS: dict[int, tuple[ModelSpec, JobLimits, _Screen]] = {}
 
 
 def _screen(spec: ModelSpec, limits: JobLimits) -> _Screen:
-    """The screen of ``spec`` under ``limits``, made once per pair of objects (a
-    reloaded registry makes new specs, so new screens; the entry holds both objects,
-    so their ids are not reused while it lives)."""
-    hit = _SCREENS.get((id(spec), id(limits)))
-    if hit is not None:
+    """The screen of ``spec`` under ``limits``, made once per spec object (a reloaded
+    registry makes new specs, so new screens; the entry holds its spec, so that id is not
+    reused while it lives) and kept while the limits are the same object or an equal one."""
+    hit = _SCREENS.get(id(spec))
+    if hit is not None and (hit[1] is limits or hit[1] == limits):
         return hit[2]
     if len(_SCREENS) >= 256:
         _SCREENS.clear()
     screen = _Screen.of(spec, limits)
-    _SCREENS[(id(spec), id(limits))] = (spec, limits, screen)
+    _SCREENS[id(spec)] = (spec, limits, screen)
     return screen
 
 
