@@ -304,7 +304,7 @@ class S3Server(Process):
         env = {"AWS_ACCESS_KEY_ID": "tandem", "AWS_SECRET_ACCESS_KEY": "tandem"}
         if self.hold_mib:
             env |= {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(self.hold_mib << 20),
-                    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's most
+                    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # the most glibc allows
                     "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
         self._spawn([_binary("moto_server"), "-H", self.host, "-p", str(self.port)], env=env)
         assert self.proc is not None

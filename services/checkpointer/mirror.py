@@ -35,9 +35,11 @@ part before it lists, so whichever records last sees every part and commits; two
 finish together both find it whole, and the conditional put lets exactly one write it.
 A part never aborts another node's uploads: only the multipart uploads of its own files.
 
-One module, over the usual size, because both paths (a whole checkpoint, a node's part)
-are built from the same upload, verification and commit steps and keep one invariant
-together: nothing is committed before every byte it lists is stored and verified.
+Why one module of over 600 lines, not split: both paths (a whole checkpoint, a node's
+part) are built from the same upload, verification and commit steps, and ``_Multipart``
+works on the mirror's pools, buffers and checks; together they keep one invariant that a
+split would spread over files: nothing is committed before every byte it lists is stored
+and verified.
 """
 
 from __future__ import annotations
@@ -161,18 +163,15 @@ class Mirror:
         # Feeds each file's whole-file digest its blocks in order (one thread: FIFO), beside
         # the thread that reads them, so reading and hashing overlap instead of adding up.
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-        # Part buffers, kept between parts and checkpoints: a part is read into one that
-        # the kernel has already mapped, not into fresh memory it must fault in page by
-        # page (on a VM that cost varies 2-13 us a page: 0.2-0.8 CPU-s per 256 MiB).
-        # At most the budget's worth (2 x concurrency parts) is ever held.
+        # Part buffers (bytearrays of part_size), kept between parts and checkpoints: a
+        # part is read into memory already mapped, not into fresh pages to fault in (on a
+        # VM, 2-13 us a page). At most the budget's worth (2 x concurrency) is kept.
         self._buffers: list[bytearray] = []
         self._buffers_lock = threading.Lock()
 
     def _buffer(self) -> bytearray:
         with self._buffers_lock:
-            if self._buffers and len(self._buffers[-1]) == self.cfg.part_size:
-                return self._buffers.pop()
-        return bytearray(self.cfg.part_size)
+            return self._buffers.pop() if self._buffers else bytearray(self.cfg.part_size)
 
     def _return(self, buf: bytearray) -> None:
         with self._buffers_lock:
@@ -566,15 +565,14 @@ class _Multipart:
                 if n < len(buf):  # a file's short last part: its own bytes (botocore
                     block = bytes(memoryview(buf)[:n])  # takes bytes, not a view)
                     self.m._return(buf)
-                    buf = None
                 # The hasher takes the blocks in order (one thread); a buffer goes back to
                 # the mirror once both its hash and its part are done.
                 self.hashed = self.m._hasher.submit(self.whole.update, block)
                 self.parts.append(self.m._pool.submit(self._part, number, block, budget,
-                                                      buf, self.hashed))
+                                                      self.hashed))
 
     def _part(self, number: int, block: bytes | bytearray, budget: _Budget,
-              buf: bytearray | None, hashed: Future[None]) -> dict[str, Any]:
+              hashed: Future[None]) -> dict[str, Any]:
         try:
             digest = _crc32(block)
             crc = _b64(digest)
@@ -589,8 +587,8 @@ class _Multipart:
             raise
         finally:
             wait([hashed])  # its bytes are read by the hasher until then
-            if buf is not None:
-                self.m._return(buf)
+            if isinstance(block, bytearray):  # a buffer of the mirror's (not a short part)
+                self.m._return(block)
             budget.release()
 
     def finish(self) -> None:
