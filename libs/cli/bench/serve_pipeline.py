@@ -9,7 +9,8 @@ repeats, on its servers):
     steps, size, guidance, a generator per image, and the same torch intra-op threads
     (``--threads``; the worker's ``TANDEM_TORCH_THREADS``). Tandem's side is a worker
     draining a queue filled beforehand with single-image tasks (``max_batch`` 1 or
-    ``--batch``), each task recorded, claimed, run, encoded, uploaded, committed and
+    ``--batch``; the worker held, its node drained, until its counters are read, then
+    let go), each task recorded, claimed, run, encoded, uploaded, committed and
     acked. Both sides count whole batches the same way: ``images - batch`` over the
     window from the first batch's end (bare) or first result (Tandem) to the last.
     Goal: Tandem/bare >= 0.95 for each model and batch size. Beside it, the pipeline's
@@ -137,13 +138,18 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
     tasks = tasks_of(model, args.images, args.steps, cluster)
     await b.prefill(bus, cluster, tasks)
     name = f"w-{cluster}"
+    # Held (its node drained) until its counters are read: a fresh worker pulls the moment
+    # it is ready, and a small backlog can be made before a first reading after that.
+    await fleet.drain(bus, cluster, name, reason="bench: held until its counters are read")
     w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
-                       torch_threads=str(args.threads), linger=LINGER, **apart(args))
+                       torch_threads=str(args.threads), linger=LINGER, idle_poll="0.05",
+                       **apart(args))
     before = (await asyncio.to_thread(_health, b, name))["pipeline"]
     child = before.get("processes", {}).get(model)  # the calls' process, when apart
     pids = {"worker": w.pid or 0, "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
             "bench": saturation.this_process, **({"pipeline process": child} if child else {})}
     meter = saturation.Meter(pids).start()
+    await fleet.undrain(bus, cluster, name)
     rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=batch)
     window = meter.stop()
     after = (await asyncio.to_thread(_health, b, name))["pipeline"]
