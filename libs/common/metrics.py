@@ -11,11 +11,73 @@ per process, so both import these objects rather than defining the name twice.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+
+class Phases:
+    """A histogram labelled by one label (``phase``) whose ``observe_many`` records
+    several observations under one lock: every task on the worker reports up to five
+    phases, and five ``Histogram.observe`` calls (two locked increments and a bucket
+    search in Python each) cost the task 4 us against 1.4 us here. The exposition is a
+    ``Histogram``'s (``_bucket{le}``, ``_count``, ``_sum``; no ``_created``)."""
+
+    def __init__(self, name: str, documentation: str, label: str,
+                 buckets: Iterable[float], registry: Any = REGISTRY) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.bounds = sorted(float(b) for b in buckets)
+        if self.bounds[-1] != float("inf"):
+            self.bounds.append(float("inf"))
+        self._lock = threading.Lock()
+        self._series: dict[str, tuple[list[int], list[float]]] = {}  # counts, [sum]
+        if registry is not None:
+            registry.register(self)
+
+    def observe(self, value: str, amount: float) -> None:
+        self.observe_many(((value, amount),))
+
+    def observe_many(self, pairs: Iterable[tuple[str, float]]) -> None:
+        """Each ``(label value, seconds)`` pair is one observation (a NaN is dropped)."""
+        bounds, series = self.bounds, self._series
+        with self._lock:
+            for value, amount in pairs:
+                if amount != amount:  # NaN: in no bucket
+                    continue
+                got = series.get(value)
+                if got is None:
+                    got = series[value] = ([0] * len(bounds), [0.0])
+                got[0][bisect.bisect_left(bounds, amount)] += 1
+                got[1][0] += amount
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        with self._lock:
+            series = {k: (list(c), s[0]) for k, (c, s) in self._series.items()}
+        for value, (counts, total) in series.items():  # in first-seen order, as Histogram
+            cumulative, buckets = 0, []
+            for bound, n in zip(self.bounds, counts, strict=True):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric([value], buckets, total)
+        yield family
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label])]
+
 
 PUBLISHED = Counter("tandem_bus_published", "JetStream publishes acknowledged", ["service"])
 CONSUMED = Counter(
@@ -28,8 +90,8 @@ UP = Gauge("tandem_service_up", "1 while the service runs", ["service"])
 INFLIGHT = Gauge("tandem_service_inflight", "Work items being processed", ["service"])
 # One generation's time by phase: admission (gateway), queue_wait, batching, model_load,
 # denoising, upload (worker). Each service observes the phases it sees.
-PHASE_SECONDS = Histogram(
-    "tandem_generation_phase_seconds", "Generation task time by phase, seconds", ["phase"],
+PHASE_SECONDS = Phases(
+    "tandem_generation_phase_seconds", "Generation task time by phase, seconds", "phase",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
 
@@ -64,7 +126,7 @@ __all__ = [
     "CKPT_BLOCKED", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "GOODPUT", "GPU_MEM",
     "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL", "INFLIGHT", "PHASE_SECONDS",
     "PUBLISHED", "RESTARTS", "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES", "TRAIN_STEP",
-    "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "exposition",
+    "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "Phases", "exposition",
     "forget_gpus", "forget_run", "set_gpus", "train_step",
 ]
 

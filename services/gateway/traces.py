@@ -37,7 +37,7 @@ class AdmissionTracing:
             try:
                 await self.app(scope, receive, send)
             finally:
-                metrics.PHASE_SECONDS.labels("admission").observe(time.perf_counter() - t0)
+                metrics.PHASE_SECONDS.observe("admission", time.perf_counter() - t0)
             return
         status: dict[str, int] = {}
 
@@ -54,6 +54,5 @@ class AdmissionTracing:
                 try:
                     await self.app(scope, receive, send_status)
                 finally:
-                    metrics.PHASE_SECONDS.labels("admission").observe(
-                        time.perf_counter() - t0)
+                    metrics.PHASE_SECONDS.observe("admission", time.perf_counter() - t0)
             server.set_attribute("http.response.status_code", status.get("code", 500))

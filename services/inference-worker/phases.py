@@ -23,9 +23,6 @@ from typing import Any
 from tandem.common import metrics, tracing
 from tandem.common.events import GenerationTask
 
-_OBSERVE = {label: metrics.PHASE_SECONDS.labels(label) for label in (
-    "queue_wait", "batching", "model_load", "denoising", "upload")}
-
 
 def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> None:
     """Report the phases ``marks`` allow (missing marks skip their phase). Spans only
@@ -44,9 +41,10 @@ def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> 
         ("denoising", "denoising", marks.get("run_start"), marks.get("run_end")),
         ("upload", "upload", marks.get("upload_start"), marks.get("upload_end")),
     )
-    for name, label, start, end in phases:
-        if start is None or end is None:
-            continue
-        _OBSERVE[label].observe(max(end - start, 0.0))
-        if spans:
+    seen = [(name, label, start, end) for name, label, start, end in phases
+            if start is not None and end is not None]
+    metrics.PHASE_SECONDS.observe_many([(label, max(end - start, 0.0))
+                                        for _, label, start, end in seen])
+    if spans:
+        for name, _, start, end in seen:
             tracing.span_between(name, start, end, attrs)

@@ -369,12 +369,11 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
     from tandem.common import log, metrics
     from tandem.common.bus.headers import attach_remote
 
-    hist = metrics.PHASE_SECONDS.labels("bench")
+    phases = [("bench", 0.001)] * 5
     counter = metrics.CONSUMED.labels("bench", "bench")
 
     def observe() -> None:
-        for _ in range(5):
-            hist.observe(0.001)
+        metrics.PHASE_SECONDS.observe_many(phases)
         counter.inc()
 
     def bound() -> None:
