@@ -63,7 +63,7 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert t["messages_per_task"] == a["writes_per_task"] == 3
     assert t["worker_writes_per_task"] == 1 and t["worker_wire_per_task"] >= 4
     sides = t["sides"]
-    assert set(sides) == {"tandem", "floor", "floor_unchecked"}
+    assert set(sides) == {"tandem", "tandem_unchecked", "floor", "floor_unchecked"}
     for side in [*sides.values(), t["raw"]]:
         assert _positive(side["per_s"], side["wall_s"], side["wire_per_task"])
         assert side["client_us"] >= 0 and side["server_us"] >= 0
@@ -72,15 +72,25 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert t["raw"]["writes_per_task"] == 0
     assert _quotient(t["ratio"], sides["tandem"]["per_s"], sides["floor"]["per_s"])
     assert t["cpu_us_per_task"] == sides["tandem"]["cpu_us"]
+    # Issue 19: the worker with its checks against the same worker without them (and the
+    # same pair on the floor); both unchecked sides wrote as many records as the others.
+    assert sides["tandem_unchecked"]["writes_per_task"] == sides["tandem"]["writes_per_task"]
     v = t["validation"]
-    assert (v["checked_per_s"], v["unchecked_per_s"]) == (
-        sides["floor"]["per_s"], sides["floor_unchecked"]["per_s"])
-    assert math.isclose(v["drop"], 1 - v["checked_per_s"] / v["unchecked_per_s"], abs_tol=1e-3)
-    assert v["noise"] is None and v["within_noise"] is None  # one round: no spread
+    for pair, (checked, unchecked) in ((v, ("tandem", "tandem_unchecked")),
+                                       (v["floor"], ("floor", "floor_unchecked"))):
+        assert (pair["checked_per_s"], pair["unchecked_per_s"]) == (
+            sides[checked]["per_s"], sides[unchecked]["per_s"])
+        assert math.isclose(pair["drop"], 1 - pair["checked_per_s"] / pair["unchecked_per_s"],
+                            abs_tol=1e-3)
+        assert pair["noise"] is None and pair["within_noise"] is None  # one round: no spread
     assert _positive(v["check_task_us"]) and v["check_task_us"] == t["overheads"]["check_task"]
     # The verdict (JSON, table, text) is judged once, over the repeats: here one.
-    assert r["validation"] == {"drop": v["drop"], "noise": None, "within_noise": None,
+    no_verdict = {"noise": None, "within_noise": None}
+    assert r["validation"] == {"drop": v["drop"], **no_verdict,
+                               "floor": {"drop": v["floor"]["drop"], **no_verdict},
                                "check_task_us": v["check_task_us"]}
+    assert r["figures"]["validation"]["tandem"]["runs"] == [v["checked_per_s"]]
+    assert r["figures"]["validation"]["baseline"]["runs"] == [v["unchecked_per_s"]]
     assert set(t["overheads"]) == {"metrics", "log_context", "trace_context", "task",
                                    "check_task"}
     assert _positive(*t["overheads"].values())

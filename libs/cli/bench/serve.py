@@ -15,8 +15,9 @@ processes on free loopback ports, then, in the same run:
     against the protocol floor, bare nats-py doing the same durable steps, in
     ``--rounds`` rounds interleaved ABAB within the run; goal >= 0.95. Beside them, CPU
     per task of client and nats-server (goal <= 50 us for Tandem), durable writes and
-    wire messages per task, the floor without the worker's validation (issue 19: its
-    drop against the noise of the floor's own rounds) and raw fetch + ack (context);
+    wire messages per task, the worker without its validation (issue 19: the worker's
+    drop with it, against the noise of the two sides' own rounds; the floor's the same
+    way, as context) and raw fetch + ack (context);
 (c) pipeline, (d) batching, (e) workers: the compute side, against the bare pipeline
     in a plain loop, batch 8 against batch 1, and 1, 2 and 4 workers on one stream
     (``serve_pipeline`` says how each is measured).
@@ -101,12 +102,14 @@ class Bench:
         self.procs_by_name[name] = p
         return p
 
-    async def worker(self, name: str, cluster: str, **values: str) -> Process:
+    async def worker(self, name: str, cluster: str, module: str = "tandem.inference_worker",
+                     **values: str) -> Process:
         """A worker ``name`` (its node too, unless ``values`` names one), once its models
         are loaded; its /healthz URL in ``healthz`` (a held worker is loaded but pulls
-        nothing)."""
+        nothing). ``module``: what runs it (the bench's ``unchecked_worker`` for the
+        cost of validation)."""
         env = self.env(**{"cluster": cluster, "node": name, "worker_id": name, **values})
-        p = self.spawn(name, "tandem.inference_worker", env)
+        p = self.spawn(name, module, env)
         self.healthz[name] = f"http://127.0.0.1:{env['TANDEM_METRICS_PORT']}/healthz"
         await wait_ready(self.healthz[name], p,
                          lambda h: h.get("status") == "ok" and h.get("models_loaded"))
@@ -242,24 +245,35 @@ async def _latency(b: Bench, bus: Bus, n: int) -> dict[str, Any]:
                       "ratio": round(door_ratio, 3), "meets_goal": door_ratio <= 1.0}}
 
 
-async def _protocol(b: Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
-    """(b): the sides of ``protocol.py``, interleaved over ``rounds``, then raw once."""
-    cluster, node = "tput", "w-tput"
-    # Held from its start: its node is drained before it starts, so it pulls nothing.
+async def _held_worker(b: Bench, bus: Bus, cluster: str,
+                       module: str = "tandem.inference_worker") -> tuple[Process, protocol.Held]:
+    """A no-op worker on a cluster of its own, held from its start: its node is drained
+    before it starts, so it pulls nothing until a round releases it."""
+    node = f"w-{cluster}"
     await bus.provision([streams.gen_stream(cluster), *streams.gen_consumers(cluster)])
     held = protocol.Held(bus, cluster, node, "")
     await (await bus.typed(streams.KV_DRAINS, DrainRecord)).put(
         held.key, DrainRecord(cluster=cluster, node=node, reason="bench: held"))
-    w = await b.worker(node, cluster, serve="noop", max_batch=protocol.TANDEM_BATCH)
+    w = await b.worker(node, cluster, module, serve="noop", max_batch=protocol.TANDEM_BATCH)
     held.health_url = b.healthz[node]
+    return w, held
+
+
+async def _protocol(b: Bench, bus: Bus, n: int, rounds: int) -> dict[str, Any]:
+    """(b): the sides of ``protocol.py``, interleaved over ``rounds``, then raw once."""
+    w, held = await _held_worker(b, bus, "tput")
+    wx, heldx = await _held_worker(b, bus, "tputx", "tandem.cli.bench.unchecked_worker")
     sides = {
         "tandem": lambda r: protocol.tandem_round(bus, b.nats, w, held, n, b.prefill),
+        "tandem_unchecked": lambda r: protocol.tandem_round(bus, b.nats, wx, heldx, n,
+                                                            b.prefill),
         "floor": lambda r: protocol.floor_round(bus, b.nats, n, b.seal_key, True, b.prefill),
         "floor_unchecked": lambda r: protocol.floor_round(bus, b.nats, n, b.seal_key, False,
                                                           b.prefill),
     }
     got = protocol.summary(await stats.interleaved(rounds, sides))
     w.stop(10)
+    wx.stop(10)
     got["raw"] = await protocol.raw_round(bus, b.nats, n)
     got["overheads"] = await protocol.overheads()
     got["validation"]["check_task_us"] = got["overheads"]["check_task"]
@@ -325,9 +339,10 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         digits=1)
     val = [x["validation"] for x in pro]
     validation = stats.Figure(
-        "validation", "(b) the floor with the worker's validation against without", "tasks/s",
-        [v["checked_per_s"] for v in val], [v["unchecked_per_s"] for v in val],
-        "the floor without check_task", digits=1, notes=[_validation_line(_validation(pro))])
+        "validation", "(b) no-op tasks/s of the worker with its validation against without",
+        "tasks/s", [v["checked_per_s"] for v in val], [v["unchecked_per_s"] for v in val],
+        "the same worker without its task checks", digits=1,
+        notes=[_validation_line(_validation(pro))])
     raw = stats.Figure(
         "protocol_raw", "(b) the same worker against raw fetch + ack (context)", "tasks/s",
         [s["tandem"]["per_s"] for s in sides], [x["raw"]["per_s"] for x in pro],
@@ -392,22 +407,32 @@ def _sync(fn: Any) -> Any:
 
 def _validation(pro: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 19's verdict, one statistic for the JSON, the table and the text: the median
-    over the repeats of the floor's drop with validation, against the median of the noise
-    (each repeat's spread of the floor's own rounds); None without a spread."""
+    over the repeats of the worker's drop with its validation, against the median of the
+    noise (each repeat's larger spread of the two sides' own rounds); None without a
+    spread. ``floor``: the same over the floor's pair, as context."""
+    def judged(val: list[dict[str, Any]]) -> dict[str, Any]:
+        drop = statistics.median(v["drop"] for v in val)
+        noise = (None if val[0]["noise"] is None
+                 else statistics.median(v["noise"] for v in val))
+        return {"drop": round(drop, 4), "noise": None if noise is None else round(noise, 4),
+                "within_noise": None if noise is None else drop <= noise}
+
     val = [x["validation"] for x in pro]
-    drop = statistics.median(v["drop"] for v in val)
-    noise = None if val[0]["noise"] is None else statistics.median(v["noise"] for v in val)
-    return {"drop": round(drop, 4), "noise": None if noise is None else round(noise, 4),
-            "within_noise": None if noise is None else drop <= noise,
+    return {**judged(val), "floor": judged([v["floor"] for v in val]),
             "check_task_us": statistics.median(v["check_task_us"] for v in val)}
 
 
 def _validation_line(v: dict[str, Any]) -> str:
-    verdict = (f"against a noise of {v['noise']:.1%} (the spread of the floor's own "
-               f"rounds): {'within' if v['within_noise'] else 'NOT within'} the noise"
-               if v["noise"] is not None else "against no noise (one round: no spread)")
-    return (f"the floor drops {v['drop']:.1%} with validation, {verdict}; check_task "
-            f"costs {v['check_task_us']:g} us a task (medians of the repeats)")
+    def verdict(x: dict[str, Any], whose: str) -> str:
+        return (f"against a noise of {x['noise']:.1%} (the spread of {whose} own rounds): "
+                f"{'within' if x['within_noise'] else 'NOT within'} the noise"
+                if x["noise"] is not None else "against no noise (one round: no spread)")
+
+    f = v["floor"]
+    return (f"the worker drops {v['drop']:.1%} with its validation, "
+            f"{verdict(v, 'its two sides')}; the protocol floor {f['drop']:.1%} "
+            f"{verdict(f, 'the floor sides')}; check_task costs {v['check_task_us']:g} us "
+            "a task (medians of the repeats)")
 
 
 def render(r: dict[str, Any]) -> str:
