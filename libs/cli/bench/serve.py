@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="sequential requests for (a)")
     p.add_argument("--tasks", type=int, default=5000, help="no-op tasks per side and round "
                    "of (b)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of (b) per repeat, the sides "
-                   "interleaved (A B C, C B A, ...)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of (b) per repeat, the sides "
+                   "interleaved (A B C D, D C B A, ...); each side's median round is its "
+                   "figure, and the spread of its rounds the noise issue 19 is judged by")
     serve_pipeline.add_arguments(p)
     stats.add_repeat(p, 3, what="repeats, each a whole run of (a) to (e)")
 
