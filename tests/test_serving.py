@@ -202,16 +202,33 @@ async def test_interactive_runs_before_older_batch_tasks_and_compatible_ones_sha
     urgent = await submit(http, model="digits", class_label=9, steps=7, seed=1,
                           cluster="prio")
     progress = await Progress().start(bus, urgent)
+    # Every task's steps on one subscription, in the order the worker sent them: it runs
+    # one call at a time and sends a call's steps as they run, so the order of the steps
+    # is the order of the calls. (A record's finished_at is not: a task ends after its
+    # own upload, which runs beside the next call.)
+    stepped: list[str] = []
+    ours = {urgent, *batch}
+
+    async def on_step(msg: Any) -> None:
+        task_id = msg.subject.rsplit(".", 1)[-1]
+        if task_id in ours:
+            stepped.append(task_id)
+
+    steps = await bus.nc.subscribe(subjects.GEN_PROGRESS.wildcard, cb=on_step)
     w = stack.start_worker("w-prio", "prio", serve="digits", linger="0.5")
     try:
         recs = {t: await terminal(bus, t) for t in [urgent, *batch]}
         assert all(r.state == TaskState.succeeded for r in recs.values())
-        assert all(recs[urgent].finished_at < recs[t].finished_at for t in batch)
         health = w.wait_healthy()
         assert health["batches"] == 2  # the urgent task alone, then the three batch tasks
         # Subscribed before the task ran: every step's progress, once, in order.
         assert progress.steps == list(range(1, 8))
+        await bus.nc.flush()  # every step sent before the records' ends has arrived
+        urgent_at = [i for i, t in enumerate(stepped) if t == urgent]
+        batch_at = [i for i, t in enumerate(stepped) if t != urgent]
+        assert urgent_at and batch_at and max(urgent_at) < min(batch_at), stepped
     finally:
+        await steps.unsubscribe()
         await progress.stop()
         w.kill()
 
