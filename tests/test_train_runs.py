@@ -415,8 +415,11 @@ async def test_hung_rank_is_detected_with_stacks_captured_and_run_restarted(
     assert hang["waited_s"] >= hang["limit_s"] >= 4
     assert hang["stacks"]["1"]["state"] == "T"
     assert "File " in hang["stacks"]["1"]["stack"]
-    # The healthy rank is stuck in a collective, waiting for the stopped one.
-    assert "train_step" in hang["stacks"]["0"]["stack"]
+    # The healthy rank is stuck waiting for the stopped one: in a step (DDP's gradient
+    # all-reduce runs inside backward) or, if the stop came while they checkpointed, in
+    # the checkpoint's own collective (seen under load: loop.checkpoint's all_gather).
+    healthy = hang["stacks"]["0"]["stack"]
+    assert "train_step" in healthy or "distributed_c10d.py" in healthy, healthy
     assert rec.state == RunState.succeeded, render_status(rec)
 
 
