@@ -1,5 +1,5 @@
 """``tandem bench checkpoint`` at its smallest, for real (moto and nats-server started by
-the bench): both sides upload the same files and are counted by the same formula; with
+the bench): every side uploads the same files and is counted by the same formula; with
 ``--pin-s3`` moto runs on one CPU and the uploaders on the others."""
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ def test_the_checkpoint_bench_compares_like_with_like_and_pins_s3_on_request(
     assert r["pinned"] == {"moto (S3)": cpus[:1], "bench process": cpus[1:]}
     assert sum(r["files"].values()) == 12 << 20
     m = r["figures"]["mirror"]
-    assert len(r["raw_s"]) == len(r["tandem_s"]) == 2
-    for side, secs in (("tandem", r["tandem_s"]), ("baseline", r["raw_s"])):
-        # MiB over seconds on both sides (the seconds are printed to the ms)
-        assert [12 / t for t in secs] == pytest.approx(m[side]["runs"], rel=0.01)
+    same = r["figures"]["mirror_same_check"]  # boto3 doing the mirror's SHA-256 check too
+    assert len(r["raw_s"]) == len(r["tandem_s"]) == len(r["verified_s"]) == 2
+    for fig, side, secs in ((m, "tandem", r["tandem_s"]), (m, "baseline", r["raw_s"]),
+                            (same, "tandem", r["tandem_s"]),
+                            (same, "baseline", r["verified_s"])):
+        # MiB over seconds on every side (the seconds are printed to the ms)
+        assert [12 / t for t in secs] == pytest.approx(fig[side]["runs"], rel=0.01)
+    assert same["goal"] is None and same["ratio"]["median"] == r["same_check_ratio"]
     assert m["notes"] == [f"S3 pinned: {r['pinned']}"]
