@@ -39,4 +39,9 @@ def test_sharded_train_bench_reports_its_three_ratios_from_paired_repeats(
     assert r["mirror_bytes_per_node"] == sizes
     # Every step of both tandem segments was published (2 x 2), and each checkpoint.
     assert r["events_published"] >= 2 * 2 + 2
+    # Each tandem segment's wait after its last step (saves, mirrors) is inside it.
+    tails = r["raw"]["ranks"]["tail_s"]
+    segs = [2 / x for x in r["raw"]["ranks"]["tandem_steps_per_s"]]
+    assert len(tails) == 2 and all(0 < t < s for t, s in zip(tails, segs, strict=True))
+    assert any("last step ended" in n for n in figures["sharded_steps_per_s"]["notes"])
     assert r["ok"] == all(f["met"] is not False for f in figures.values())

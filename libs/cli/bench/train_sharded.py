@@ -22,7 +22,8 @@ judged on the median of the per-repeat ratios):
     segments (``train_step`` only, no checkpoint, no event) (``train_sharded_rank``);
     goal >= 0.95. Whether it can be met depends on ``--every``: a checkpoint's save and
     mirror must fit in the compute of the ``every - 1`` steps after it, as in a run,
-    where an interval is hundreds of steps.
+    where an interval is hundreds of steps: a note gives each segment's tail (its last
+    step's end to its end, the slowest rank) and the ratio over the steps alone.
 (b) ``block_ratio``: the time a checkpoint blocks training (the staging copy; the
     slowest rank per checkpoint) over a synchronous ``dcp.save`` of the same state with
     the same writer options; goal <= 0.2.
@@ -319,6 +320,17 @@ def _result(args: argparse.Namespace, cfg: Any, out: dict[str, Any], uploads: di
     steps = stats.Figure("sharded_steps_per_s", "(a) FSDP2 steps/s with Tandem's additions",
                          "steps/s", out["tandem_steps_per_s"], out["plain_steps_per_s"],
                          "plain FSDP2 loop", goal=stats.Goal(">=", GOAL_STEPS))
+    tails = out.get("tail_s", [])
+    if tails:
+        segs = [args.steps / r for r in out["tandem_steps_per_s"]]
+        during = [args.steps / (s - t) for s, t in zip(segs, tails, strict=True)]
+        steps.notes.append(
+            "each tandem segment's last step ended " + ", ".join(f"{t:.1f}" for t in tails)
+            + " s before the segment (" + ", ".join(f"{s:.1f}" for s in segs) + " s) did: "
+            "the wait for its last checkpoint's save and mirror, which a run's next steps "
+            "would overlap; over the steps alone, " + ", ".join(
+                f"{d / p:.3f}" for d, p in zip(during, out["plain_steps_per_s"], strict=True))
+            + " of the plain segments' steps/s")
     n = len(out["blocked_s"])
     blocked = stats.Figure(
         "sharded_checkpoint_blocked", "(b) time a sharded checkpoint blocks training", "ms",

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(steps):
             loop.train_step()
 
+    tails: list[float] = []  # per tandem segment: its last step's end to the segment's
+
     def tandem() -> None:
         nonlocal node_bytes
         last = 0
@@ -101,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             if r.step % every == 0 or r.step == cfg.steps:
                 blocked.append(b)
                 last = r.step
+        t = time.perf_counter()
         writer.wait()  # committed on the node's disk
         if s3 is not None and last:
             node_bytes = _wait_mirrored(s3, extra["bucket"], node_run(spec.run_id, node),
                                         last, writer.line.owner(last))
+        tails.append(time.perf_counter() - t)
 
     times: dict[str, list[float]] = {"plain": [], "tandem": []}
     cpu = {"plain": 0.0, "tandem": 0.0}  # this rank's CPU seconds in each side's segments
@@ -113,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         (plain if side == "plain" else tandem)()
+        t1 = time.perf_counter()
         dist.barrier()  # every rank, and every node's mirror, done
         took = time.perf_counter() - t0
+        if side == "tandem":  # the wait for the slowest rank and node counts as tail too
+            tails[-1] += took - (t1 - t0)
         times[side].append(steps / took)
         cpu[side] += time.process_time() - c0
         wall[side] += took
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = _sync_saves(loop, Path(spec.checkpoint_root), max(3, len(blocked)), local_rank)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"blocked": blocked, "sync": sync, "node": node,
-                                      "node_bytes": node_bytes, "cpu": cpu})
+                                      "node_bytes": node_bytes, "cpu": cpu, "tails": tails})
     if rank == 0:
         out = {
             "plain_steps_per_s": times["plain"], "tandem_steps_per_s": times["tandem"],
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             "rank_blocked_s": [g["blocked"] for g in gathered],
             "node_bytes": {g["node"]: g["node_bytes"] for g in gathered if g["node_bytes"]},
             "checkpoints": len(blocked), "world": world,
+            # per tandem segment, the longest any rank waited after its last step for the
+            # segment's saves and mirrors (work a run's later steps would overlap)
+            "tail_s": [max(g["tails"][i] for g in gathered) for i in range(len(tails))],
             # every rank's CPU over the segments' wall time: the cores the ranks kept busy
             "rank_cores": {side: round(sum(g["cpu"][side] for g in gathered) / wall[side], 3)
                            for side in ("plain", "tandem") if wall[side]},
