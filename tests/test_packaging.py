@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,29 @@ def test_contributing_says_how_to_run_one_service_test_and_bench_and_the_rules()
                  "No copy between services", "No sleeps in tests", "A flaky test is a bug",
                  "duplicates --change"):
         assert rule in text, rule
+
+
+def test_the_wheel_ships_the_dashboard_and_the_stack_list_without_build_warnings(
+        tmp_path: Path) -> None:
+    """The images install the wheel (``pip install ".[<service>]"``, not editable): built
+    from a copy of the sources, it holds the data files the services read at run time,
+    and setuptools builds it without a warning about something it was not told of."""
+    src = tmp_path / "src"
+    src.mkdir()
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in ("libs", "services"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path / "dist"
+    built = subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-w", str(out), str(src)],
+                           capture_output=True, text=True, timeout=240, check=False)
+    said = built.stdout + built.stderr
+    assert built.returncode == 0, said[-4000:]
+    assert "Warning" not in said, said[-4000:]
+    (wheel,) = out.glob("tandem-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = [p.name for p in (ROOT / "services/gateway/static").iterdir() if p.is_file()]
+    assert static and {f"tandem/gateway/static/{n}" for n in static} <= names
+    assert {"tandem/cli/stack.toml", "tandem/gateway/dashboard.py"} <= names
