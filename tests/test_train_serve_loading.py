@@ -209,6 +209,32 @@ async def test_newer_checkpoints_that_fail_are_skipped_and_the_served_one_stays(
     assert pipelines["trained"].checkpoint == f"{trainer.run_id}/step-4"
 
 
+async def test_each_checkpoint_is_warmed_before_it_is_served_and_a_failed_warm_up_is_no_verdict(
+        trainer: TinyTrainer, s3: Any, uid: str) -> None:
+    bucket = f"ts-{uid}"
+    spec = spec_for(trainer.run_id)
+    pipelines: dict[str, Pipeline] = {}
+    warmed: list[tuple[int | None, bool]] = []  # (its step, served already?)
+    fail = False
+
+    def warm(pipe: Pipeline) -> None:
+        warmed.append((pipe.checkpoint_step, pipelines.get("trained") is pipe))
+        if fail:
+            raise RuntimeError("out of memory at a full batch")
+
+    hs = HotSwapper([spec], pipelines, {}, device="cpu", dtype="float32", s3=s3,
+                    bucket=bucket, poll=0, warm=warm)
+    mirror(s3, bucket, trainer.checkpoint(1))
+    assert await hs.check("trained") == 1
+    mirror(s3, bucket, trainer.checkpoint(1))
+    assert await hs.check("trained") == 2 and hs.swaps == 1
+    assert warmed == [(1, False), (2, False)]  # the first load and the swap, before either
+    fail = True
+    mirror(s3, bucket, trainer.checkpoint(1))
+    assert await hs.check("trained") == 3 and served(pipelines, 3)  # served all the same
+    assert warmed[-1] == (3, False) and hs.status()["trained"]["skipped"] == {}
+
+
 async def announced(s3: Any, bucket: str, trainer: TinyTrainer, bus: Bus,
                     steps: int = 1) -> int:
     """Commit the trainer's checkpoint ``steps`` on and announce it as the checkpointer

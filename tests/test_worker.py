@@ -275,6 +275,30 @@ async def test_close_hands_back_the_queued_batch_and_lets_the_running_call_finis
     assert pipe.calls == [[1]]
 
 
+async def test_between_calls_waits_for_the_running_call_and_no_call_runs_beside_it(
+        ) -> None:
+    """A new pipeline's warm-up (a hot swap's) goes between two calls, never beside one."""
+    pipe, batcher, jobs, loop = await _first_call_running(2)  # call 1 held, call 2 queued
+    ran = threading.Event()
+    seen: list[int] = []
+
+    def warm() -> str:
+        seen.append(pipe.in_call)  # calls running while it runs
+        ran.set()
+        return "warmed"
+
+    warming = asyncio.create_task(asyncio.to_thread(batcher.between_calls, warm))
+    # Call 1 is held: the warm-up must not start within this window (unlocked, it would
+    # start at once and see the held call).
+    assert not await asyncio.to_thread(ran.wait, 1.0)
+    pipe.go.set()
+    assert await warming == "warmed"
+    assert await asyncio.gather(*(j.future for j in jobs)) == [[b"1"], [b"2"]]
+    batcher.close()
+    await loop
+    assert seen == [0] and pipe.most_at_once == 1
+
+
 def test_images_are_the_call_alone_and_encode_gives_generates_pngs() -> None:
     spec = Registry.parse("").get("digits")
     assert spec is not None

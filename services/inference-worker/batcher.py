@@ -36,12 +36,13 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tandem.common import metrics
 from tandem.common.events import GenerationTask
 from tandem.inference_worker.pipelines import CallTime, Interrupted, Item, Params, Pipeline
 
+R = TypeVar("R")
 LANE_RANK = {"interactive": 0, "batch": 1}
 AHEAD = 1  # batches formed and queued behind the running call
 BUSY_SECONDS = metrics.Counter("tandem_worker_pipeline_busy_seconds",
@@ -219,6 +220,13 @@ class Batcher:
 
     def task_ids(self) -> list[str]:
         return [j.task.task_id for j in self.running + self.pending]
+
+    def between_calls(self, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` with no pipeline call running beside it (blocking: call it from a
+        thread): it waits for the running call to end, and the next call waits for it. A
+        pipeline's warm-up goes here, so it never shares the accelerator with a call."""
+        with self._one_call:
+            return fn(*args)
 
     # ----------------------------------------------------------------------- the loop
 

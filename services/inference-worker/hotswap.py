@@ -14,8 +14,9 @@ in S3 (``tandem.common.checkpoints``):
   ``ckpt.<run>.mirrored`` event, whose step is loaded directly without listing S3. A
   poll of the committed steps every ``checkpoint_poll`` seconds verifies and catches
   what a subscription misses (a reconnect, a worker started after the event).
-- **swap**: a newer checkpoint is loaded in a thread while batches go on, verified, and
-  then replaces the model's entry in the worker's ``pipelines``. The batcher looks a
+- **swap**: a newer checkpoint is loaded in a thread while batches go on, verified,
+  warmed up between two calls (one step at one image and at a full batch, as a first
+  load is), and then replaces the model's entry in the worker's ``pipelines``. The batcher looks a
   model's pipeline up once per batch and every job keeps the pipeline that ran it, so
   the swap happens between batches: a running batch finishes on the old weights and its
   results record the old step; the next batch uses the new one. No task is touched.
@@ -38,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,10 @@ class HotSwapper:
     never race. ``poll`` seconds between checks without an event (0: events only).
     ``load_missing``: a model not loaded yet is loaded once a checkpoint exists
     (the worker preloads); otherwise its first task loads it. ``runs``: KV ``runs``
-    (``attach``), read on start for the newest committed step of each run.
+    (``attach``), read on start for the newest committed step of each run. ``warm``
+    (the worker's: the pipeline's warm-up between two calls) runs on a loaded pipeline
+    before it is served, so the first batch on new weights does not pay the one-time
+    costs of a first call; one that fails is logged and the pipeline served all the same.
 
     S3 is listed only to verify: on start when KV ``runs`` has no record, at each poll,
     after an event that could not be decoded, and when the step an event named fails to
@@ -111,7 +115,8 @@ class HotSwapper:
 
     def __init__(self, specs: Iterable[ModelSpec], pipelines: dict[str, Pipeline],
                  locks: dict[str, asyncio.Lock], *, device: str, dtype: str, s3: Any,
-                 bucket: str, poll: float, load_missing: bool = True) -> None:
+                 bucket: str, poll: float, load_missing: bool = True,
+                 warm: Callable[[Pipeline], None] | None = None) -> None:
         self.watched = {s.name: _Watched(s) for s in specs if s.source_kind == "run"}
         self.pipelines = pipelines
         self.locks = locks
@@ -121,6 +126,7 @@ class HotSwapper:
         self.bucket = bucket
         self.poll = poll
         self.load_missing = load_missing
+        self.warm = warm
         self.runs: TypedKV[RunRecord] | None = None
         self.swaps = 0
 
@@ -334,6 +340,16 @@ class HotSwapper:
                          step=c.step, lineage=c.lineage, error=repr(exc),
                          serving=have.step if have is not None else None)
             return None
+        warmed = self.warm is not None
+        if self.warm is not None:
+            try:
+                await asyncio.to_thread(self.warm, pipe)
+            except Exception as exc:
+                # Logged, not a verdict: the checkpoint loaded and verified; a full batch
+                # may fit once the weights it replaces are freed (as on a first load).
+                warmed = False
+                _log.error("worker.warm_failed", model=model, run=w.run_id, step=c.step,
+                           error=repr(exc))
         if have is not None:
             self.swaps += 1
             SWAPS.labels(model).inc()
@@ -341,7 +357,7 @@ class HotSwapper:
                   model=model, run=w.run_id, step=c.step, lineage=c.lineage,
                   previous=have.step if have is not None else None,
                   previous_lineage=have.lineage if have is not None else None,
-                  seconds=round(time.monotonic() - t0, 3))
+                  warmed=warmed, seconds=round(time.monotonic() - t0, 3))
         return pipe
 
 

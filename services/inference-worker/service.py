@@ -182,7 +182,7 @@ class InferenceWorker(Service):
             [s for m in served if (s := self.registry.get(m)) is not None], self.pipelines,
             self._loading, device=settings.device, dtype=settings.dtype, s3=None,
             bucket=settings.s3_bucket, poll=settings.checkpoint_poll,
-            load_missing=settings.preload)
+            load_missing=settings.preload, warm=self._warm)
 
     def streams(self) -> Sequence[Spec]:
         out: list[Spec] = list(core_streams(self.s.stream_replicas))
@@ -235,7 +235,7 @@ class InferenceWorker(Service):
                     pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
                                                    self.s.fault_injection, line)
                 try:
-                    await asyncio.to_thread(pipe.warm, self.s.max_batch)
+                    await asyncio.to_thread(self._warm, pipe)
                 except Exception as exc:
                     # Logged, not fatal: the registry's default size may be one tasks never
                     # use, and a task's own call reports its own error.
@@ -245,6 +245,11 @@ class InferenceWorker(Service):
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))
         return self.pipelines[model]
+
+    def _warm(self, pipe: Pipeline) -> None:
+        """A new pipeline's first-call costs, paid between two calls of the running ones
+        (blocking: from a thread), so a warm-up never shares the accelerator with a call."""
+        self.batcher.between_calls(pipe.warm, self.s.max_batch)
 
     # ---------------------------------------------------------------------------- life
 
