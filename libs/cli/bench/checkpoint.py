@@ -118,10 +118,7 @@ def verified_upload(tm: Any, bucket: str, directory: Path, prefix: str, manifest
     with ThreadPoolExecutor(1, thread_name_prefix="bench-hash") as hasher:
         hashed = {e.name: hasher.submit(ck.sha256_file, directory / e.name)
                   for e in sorted(manifest.files, key=lambda e: -e.size)}
-        futures = [tm.upload(str(directory / e.name), bucket, f"{prefix}/{e.name}")
-                   for e in manifest.files]
-        for fut in futures:
-            fut.result()
+        raw_upload(tm, bucket, directory, prefix)
         bad = [e.name for e in manifest.files if hashed[e.name].result() != e.sha256]
     if bad:
         raise RuntimeError(f"bench: files differ from their manifest: {bad}")
