@@ -162,10 +162,10 @@ async def test_each_node_mirrors_only_its_own_part_and_the_last_part_commits_eve
     assert [p.lacks == [] for p in parts] == [False, True]  # the second part completed it
     assert mirrored.step == STEP
 
-    # The commit lists every shard of every node with its sha256, as written on the nodes.
+    # The commit lists every shard of every node with its CRC32, as written on the nodes.
     committed = ck.read_manifest(s3, bucket, run, STEP)
-    want = {f.name: f.sha256 for _, m in nodes.parts.values() for f in m.files}
-    assert {f.name: f.sha256 for f in committed.files} == want
+    want = {f.name: f.crc32 for _, m in nodes.parts.values() for f in m.files}
+    assert {f.name: f.crc32 for f in committed.files} == want
     assert (committed.world_size, committed.part, ck.missing(committed)) == (4, "", [])
     recorded = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(
         Bucket=bucket, Prefix=ck.parts_prefix(run, STEP, 1))["Contents"]}
@@ -259,12 +259,12 @@ async def test_a_rollbacks_sharded_step_commits_from_its_own_lineages_parts_besi
     assert sorted(parts) == [("na", 1, 0), ("na", 2, 1), ("nb", 1, 0), ("nb", 2, 1)]
     # The commit is the merge of lineage 1's parts only: every shard as rewritten.
     committed = ck.read_manifest(s3, bucket, run, STEP, 1)
-    want = {f.name: f.sha256 for _, m in new_parts.values() for f in m.files}
-    assert {f.name: f.sha256 for f in committed.files} == want
+    want = {f.name: f.crc32 for _, m in new_parts.values() for f in m.files}
+    assert {f.name: f.crc32 for f in committed.files} == want
     assert (committed.lineage, committed.world_size, ck.missing(committed)) == (1, 4, [])
     old_meta = next(f for _, m in nodes.parts.values() for f in m.files
                     if f.name == ck.DCP_METADATA)
-    assert old_meta.sha256 != want[ck.DCP_METADATA]
+    assert old_meta.crc32 != want[ck.DCP_METADATA]
     recorded = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(
         Bucket=bucket, Prefix=ck.parts_prefix(run, STEP, 2, lineage=1))["Contents"]}
     assert recorded == {"na.json", "nb.json"}

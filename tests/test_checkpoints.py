@@ -1,20 +1,29 @@
 """The S3 checkpoint layout, listing and verified restore (``tandem.common.checkpoints``),
-and the ``tandem checkpoints`` commands, against a real S3 endpoint (moto)."""
+a checkpoint file's checksum (CRC32 in the manifests written now, SHA-256 in those written
+before, each checked on the way to S3, on restore and on the local disk), and the
+``tandem checkpoints`` commands, against a real S3 endpoint (moto)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import random
+import zlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from tandem.checkpointer.mirror import Mirror, MirrorConfig
+from tandem.checkpointer.mirror import LocalCheckpointError, Mirror, MirrorConfig
 from tandem.cli import checkpoints as cli
 from tandem.cli.devstack import S3Server
 from tandem.common import checkpoints as ck
+from tandem.common.checkpoints import checksum
 from tandem.common.errors import CheckpointCorrupt, CheckpointNotFound
+from tandem.common.events import CheckpointManifest, FileEntry
 from tandem.common.settings import Settings, load
 from tandem.common.storage import ensure_bucket, s3_client
 from tests.checkpoint_support import MiB, write_checkpoint
@@ -140,7 +149,7 @@ def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
     restored = ck.restore(s3, bucket, run, tmp_path / "out")
     assert restored.step == 100
     assert [s for s, _ in restored.skipped] == [300, 200]
-    assert "optimizer.bin: sha256" in restored.skipped[0][1]
+    assert "optimizer.bin: crc32" in restored.skipped[0][1]
     assert "rng.bin: missing" in restored.skipped[1][1]
     assert restored.path == tmp_path / "out" / "step-100"
     assert ck.scan(restored.path, run, 100).files == restored.manifest.files
@@ -148,7 +157,7 @@ def test_restore_verifies_every_file_and_falls_back_past_a_corrupt_checkpoint(
     assert not (tmp_path / "out" / "step-300.incomplete").exists()
     assert load_file(str(restored.path / "model.safetensors"))["b"][0] == 100
 
-    with pytest.raises(CheckpointNotFound, match=r"step 300: optimizer\.bin: sha256"):
+    with pytest.raises(CheckpointNotFound, match=r"step 300: optimizer\.bin: crc32"):
         ck.restore(s3, bucket, run, tmp_path / "out", step=300, fallback=False)
     with pytest.raises(CheckpointNotFound, match=r"committed steps: \[100, 200, 300\]"):
         ck.restore(s3, bucket, run, tmp_path / "out", step=400)
@@ -221,7 +230,7 @@ def test_cli_lists_committed_checkpoints_and_restores_with_fallback(
     assert _cli(["checkpoints", "restore", run, "-o", str(out)]) == 0
     text = capsys.readouterr()
     assert "restored step-5 " in text.out
-    assert "skipped step 10" in text.err and "model.safetensors: sha256" in text.err
+    assert "skipped step 10" in text.err and "model.safetensors: crc32" in text.err
     assert (out / "step-5" / "rng.bin").stat().st_size == 1000
 
     assert _cli(["checkpoints", "restore", run, "--step", "10", "--no-fallback",
@@ -364,3 +373,109 @@ def test_the_mirror_reuses_its_part_buffers_and_stores_every_byte_as_read(
     finally:
         mirror.close()
     assert 1 <= len(seen) <= 2  # 8 parts of 5 MiB went through the same buffers
+
+
+def test_crc32_of_parts_combines_into_the_crc32_of_the_whole() -> None:
+    """The mirror never reads a file twice: its CRC32 is combined from its parts'."""
+    rnd = random.Random(7)
+    for _ in range(50):
+        a, b = rnd.randbytes(rnd.randint(0, 4096)), rnd.randbytes(rnd.randint(0, 4096))
+        assert checksum.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    parts = [os.urandom(5 * MiB), os.urandom(5 * MiB), os.urandom(123)]
+    whole = checksum.PartsCheck(FileEntry(name="f", size=sum(map(len, parts)),
+                                          crc32=checksum.crc32_hex(zlib.crc32(b"".join(parts)))),
+                                None)
+    for p in parts:
+        assert whole.feed(p).done()  # a CRC32 entry reads no block: the parts' CRCs do
+        whole.part(zlib.crc32(p).to_bytes(4, "big"), len(p))
+    assert whole.problem() == ""
+    swapped = checksum.PartsCheck(whole.entry, None)
+    for p in (parts[1], parts[0], parts[2]):  # the same bytes in another order
+        swapped.part(zlib.crc32(p).to_bytes(4, "big"), len(p))
+    assert swapped.problem().startswith("crc32 ")
+
+
+def test_a_manifest_without_a_well_formed_checksum_is_refused_naming_the_file() -> None:
+    def manifest(**entry: Any) -> bytes:
+        return ck.encode_manifest(CheckpointManifest(run_id="r", step=1, files=[
+            FileEntry(name="a.bin", size=1, **entry)]))
+
+    for entry, why in (({}, r"a\.bin: no checksum \(crc32 or sha256\)"),
+                       ({"crc32": "ABCDEF01"}, r"a\.bin: crc32 must be 8 lowercase hex"),
+                       ({"crc32": "abc"}, r"a\.bin: crc32 must be 8 lowercase hex"),
+                       ({"sha256": "0" * 63}, r"a\.bin: sha256 must be 64 lowercase hex")):
+        with pytest.raises(ValueError, match=why):
+            ck.parse_manifest(manifest(**entry))
+    # What is written now records CRC32 alone; a manifest written before, SHA-256 alone.
+    assert b'"sha256"' not in manifest(crc32="0badc0de")
+    assert ck.parse_manifest(manifest(sha256="0" * 64)).files[0].crc32 == ""
+
+
+def as_sha256(directory: Path, manifest: CheckpointManifest) -> CheckpointManifest:
+    """``manifest`` as a trainer wrote it before CRC32: each file's SHA-256 alone."""
+    files = [FileEntry(name=f.name, size=f.size,
+                       sha256=hashlib.sha256((directory / f.name).read_bytes()).hexdigest())
+             for f in manifest.files]
+    return msgspec.structs.replace(manifest, files=files)
+
+
+def flip(path: Path) -> bytes:
+    """Flip one bit in the middle of ``path`` (same size); returns what it held."""
+    data = path.read_bytes()
+    rotted = bytearray(data)
+    rotted[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(rotted))
+    return data
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_only_bytes_that_match_the_manifest_are_committed_restored_or_resumed(
+        s3: Any, bucket: str, tmp_path: Path, algorithm: str) -> None:
+    """A file that rotted on the node's disk after its manifest was written, a multipart
+    one (its CRC32 combined from the parts', or its SHA-256 hashed beside them) or a
+    single put, is never committed; the same checkpoint whole is. A byte flipped in S3
+    is caught on restore, one flipped on disk by the local check: under a CRC32
+    manifest as under a SHA-256 one written before."""
+    run = f"sum-{algorithm}"
+    sizes = {"optimizer.bin": 12 * MiB + 5, "rng.bin": 1000}
+
+    def written(step: int) -> tuple[Path, CheckpointManifest]:
+        directory, manifest = write_checkpoint(tmp_path / "local", run, step, sizes)
+        if algorithm == "sha256":
+            manifest = as_sha256(directory, manifest)
+        assert {checksum.algorithm(f) for f in manifest.files} == {algorithm}
+        return directory, manifest
+
+    mirror = Mirror(s3, MirrorConfig(bucket=bucket, multipart_threshold=5 * MiB,
+                                     part_size=5 * MiB))
+    try:
+        for step, name in ((1, "optimizer.bin"), (2, "rng.bin")):
+            directory, manifest = written(step)
+            flip(directory / name)
+            with pytest.raises(LocalCheckpointError,
+                               match=f"{name}: local file differs from the manifest: "
+                                     f"{algorithm} "):
+                mirror.mirror(directory, manifest)
+        assert ck.committed_steps(s3, bucket, run) == []
+        directory, manifest = written(4)
+        assert mirror.mirror(directory, manifest).committed
+    finally:
+        mirror.close()
+    assert ck.read_manifest(s3, bucket, run, 4) == manifest
+    restored = ck.restore(s3, bucket, run, tmp_path / "restored")
+    assert restored.step == 4
+    for name in sizes:
+        assert (restored.path / name).read_bytes() == (directory / name).read_bytes()
+
+    key = ck.object_key(run, 4, "optimizer.bin")
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 3] ^= 0x80
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(CheckpointNotFound, match=rf"step 4: optimizer\.bin: {algorithm} "):
+        ck.restore(s3, bucket, run, tmp_path / "again", step=4, fallback=False)
+
+    (directory / ck.MANIFEST).write_bytes(ck.encode_manifest(manifest))
+    assert ck.verify(directory) == manifest
+    flip(directory / "rng.bin")
+    with pytest.raises(ck.CorruptCheckpoint, match=f"rng.bin {algorithm} "):
+        ck.verify(directory)

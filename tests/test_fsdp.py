@@ -87,11 +87,11 @@ def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-def test_every_rank_writes_its_shards_and_the_manifest_lists_each_with_its_sha256(
+def test_every_rank_writes_its_shards_and_the_manifest_lists_each_with_its_checksum(
         runs: dict[str, Any]) -> None:
     for name, world in (("ref2", 2), ("ref4", 4)):
         path = ck.step_dir(runs["root"] / name, name, 4)
-        manifest = ck.verify(path)  # every file against its size and sha256
+        manifest = ck.verify(path)  # every file against its size and checksum
         assert (manifest.kind, manifest.world_size, manifest.part) == (ck.SHARDED, world, "")
         shards = sorted(f.name for f in manifest.files if ck.shard_rank(f.name) is not None)
         assert shards == [f"shards/__{r}_0.distcp" for r in range(world)]

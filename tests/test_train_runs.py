@@ -396,7 +396,7 @@ async def test_corrupt_newest_checkpoint_is_reported_and_previous_one_used(
     got = await scenarios["kill"]
     rec, newest = got["record"], got["corrupted"]
     assert [c["step"] for c in rec.corrupt_checkpoints] == [newest]
-    assert "model.safetensors sha256" in rec.corrupt_checkpoints[0]["reason"]
+    assert "model.safetensors crc32" in rec.corrupt_checkpoints[0]["reason"]
     assert (stack.ckpt_root / rec.run_id / f"step-{newest}.corrupt").is_dir()
     expect = f"resuming from step {got['previous']}" if got["previous"] else "from scratch"
     reported = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)

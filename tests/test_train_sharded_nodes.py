@@ -19,7 +19,7 @@ shared by the tests below, each of which checks one behaviour of it:
    and does not bring it back;
 5. the coordinator restarts on the remaining node and the spare (``node-2``, whose disk
    is empty); each node fetches the newest committed checkpoint that every node
-   verifies from S3: step 6 was never committed, step 4 fails its sha256, so step 2;
+   verifies from S3: step 6 was never committed, step 4 fails its CRC32, so step 2;
    the run then completes.
 """
 
@@ -243,7 +243,7 @@ async def test_each_node_writes_and_mirrors_only_its_own_ranks_shards_on_its_own
             (node, handled)  # every node trained in one attempt or the other
         launched = {root for root, _ in launch_specs(d, node)}
         assert launched == {str(d.root(node))}, (node, launched)
-    # The final checkpoint's commit lists every shard of every rank with its sha256.
+    # The final checkpoint's commit lists every shard of every rank with its CRC32.
     final = ck.read_manifest(d.s3, d.bucket, RUN, STEPS)
     shards = sorted(f.name for f in final.files if ck.shard_rank(f.name) is not None)
     assert shards == [f"shards/__{r}_0.distcp" for r in range(4)]
@@ -288,14 +288,14 @@ async def test_a_corrupted_shard_in_s3_is_found_on_restore_and_the_previous_chec
     d = ran
     corrupt = [c for c in d.record.corrupt_checkpoints if c["step"] == 4]
     assert corrupt, d.record.corrupt_checkpoints
-    assert f"{CORRUPT}: sha256 " in corrupt[0]["reason"]
+    assert f"{CORRUPT}: crc32 " in corrupt[0]["reason"]
     skipped = [r for r in statuses(d, RunState.starting)
                if r.startswith("corrupt checkpoint(s) skipped: step 4: ")]
     assert skipped, statuses(d, RunState.starting)
     # Every node of attempt 2 found it corrupt (each fetches the whole checkpoint), so
     # all of them took step 2, the previous committed one.
     for node in (d.survivor, "node-2"):
-        assert f"{node}: {CORRUPT}: sha256 " in skipped[0], skipped
+        assert f"{node}: {CORRUPT}: crc32 " in skipped[0], skipped
     resumed = [r for r in statuses(d, RunState.starting) if " resumed from step " in r]
     assert re.fullmatch(r"attempt \d+ resumed from step 2, fetched from S3 by every node",
                         resumed[-1]), resumed

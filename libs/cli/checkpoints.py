@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoints", help="list and restore a run's checkpoints in S3",
                        description="Only committed checkpoints (manifest.json stored) are "
                        "listed or restored; every restored file is checked against the "
-                       "manifest's sha256.")
+                       "manifest's checksum.")
     csub = p.add_subparsers(dest="action", metavar="<action>", required=True)
 
     ls = csub.add_parser("list", help="committed checkpoints of a run, oldest first")

@@ -361,10 +361,15 @@ class TrainStep(Event, kw_only=True, tag="step", tag_field="kind"):
     at: float = msgspec.field(default_factory=now)
 
 
-class FileEntry(msgspec.Struct, kw_only=True):
+class FileEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One file of a checkpoint's manifest: its size and checksum, ``crc32`` (S3's CRC32
+    of the whole file, 8 lowercase hex digits) or, in manifests written before 2026-12-05,
+    ``sha256`` (64 lowercase hex digits)."""
+
     name: str  # relative to the checkpoint directory, '/'-separated
     size: int
-    sha256: str
+    crc32: str = ""  # S3's CRC32 of the whole file, 8 hex digits: what manifests record
+    sha256: str = ""  # 64 hex digits: what manifests written before 2026-12-05 record
 
 
 class CheckpointManifest(msgspec.Struct, kw_only=True):

@@ -1,7 +1,7 @@
 """One attempt at mirroring a local checkpoint to S3 and committing it (blocking, boto3).
 
 ``Mirror.mirror(directory, manifest)`` guarantees, when it returns, that every file is
-stored whole and verified against the manifest's sha256 and that ``manifest.json`` is
+stored whole and verified against the manifest's checksum and that ``manifest.json`` is
 stored (the commit). When it raises, nothing is committed: the manifest is put last,
 with ``If-None-Match: *``, and only after every file verified.
 
@@ -10,16 +10,18 @@ Verification, per file:
 - multipart (size > ``multipart_threshold``): each part is sent with its CRC32 (S3's
   default, as boto3 sends); the store's composite of what it holds (the CRC32 of the
   parts' CRC32s, computed from the stored parts) must equal the one of the bytes read,
-  so a part corrupted in transit shows up here. SHA-256 names the content (the
-  manifest's, checked on every restore); the wire needs only a CRC, a third of the CPU.
-- single put: sent with the manifest's SHA-256. With ``verify="readback"`` it is read
-  back and hashed (moto stores whatever checksum the client claims); with
+  so a part corrupted in transit shows up here.
+- single put: sent with the manifest's checksum. With ``verify="readback"`` it is read
+  back and checked (moto stores whatever checksum the client claims); with
   ``verify="checksum"`` the store's own check is trusted (AWS S3 and MinIO reject a body
   whose checksum does not match).
 
-The bytes that are hashed are the bytes that are sent (each part is read once), and the
-whole-file sha256 of those bytes must equal the manifest's: a local file that changed or
-rotted since the manifest was written fails with ``LocalCheckpointError``, not retried.
+The bytes that are checked are the bytes that are sent (each part is read once), and the
+whole file's checksum of those bytes must equal the manifest's: a local file that changed
+or rotted since the manifest was written fails with ``LocalCheckpointError``, not retried.
+A manifest's CRC32 (``checkpoints.checksum``) is combined from the parts' CRC32s, the ones
+S3 needs anyway: every byte is checksummed once, as boto3 does. A SHA-256 one (manifests
+written before CRC32) is fed the blocks in order by one hasher thread beside the reads.
 
 Idempotence: a file already stored whole and verified is not uploaded again; a
 committed checkpoint is recognised (same files) and nothing is written; leftover
@@ -124,6 +126,13 @@ def _crc32(data: bytes) -> bytes:
     return zlib.crc32(data).to_bytes(4, "big")
 
 
+def _as_in_manifest(entry: FileEntry, problem: str) -> None:
+    """``LocalCheckpointError`` when the bytes read of ``entry`` have a ``problem``."""
+    if problem:
+        raise LocalCheckpointError(entry.name, f"local file differs from the manifest: "
+                                   f"{problem}")
+
+
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -160,8 +169,8 @@ class Mirror:
         # never holds a thread those parts need.
         self._completer = ThreadPoolExecutor(max(1, config.concurrency),
                                              thread_name_prefix="ckpt-complete")
-        # Feeds each file's whole-file digest its blocks in order (one thread: FIFO), beside
-        # the thread that reads them, so reading and hashing overlap instead of adding up.
+        # Feeds a SHA-256 manifest's whole-file check its blocks in order (one thread:
+        # FIFO), beside the thread that reads them, so reading and hashing overlap.
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         # Part buffers (bytearrays of part_size), kept between parts and checkpoints: a
         # part is read into memory already mapped, not into fresh pages to fault in (on a
@@ -380,19 +389,18 @@ class Mirror:
         return self._verified_single(key, entry, head)
 
     def _verified_single(self, key: str, entry: FileEntry, head: dict[str, Any]) -> bool:
-        if self.cfg.verify == "checksum" and head.get("ChecksumSHA256"):
-            return head["ChecksumSHA256"] == ck.b64(entry.sha256)
+        if self.cfg.verify == "checksum" and \
+                (same := ck.checksum.stored_matches(entry, head)) is not None:
+            return same
         return self._read_back(key, entry)
 
     def _read_back(self, key: str, entry: FileEntry) -> bool:
-        """Download ``key`` and compare its size and sha256 with ``entry``."""
-        h = hashlib.sha256()
-        size = 0
+        """Download ``key`` and compare its size and checksum with ``entry``."""
+        check = ck.checksum.Check(entry)
         body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]
         for chunk in body.iter_chunks(ck.CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-        return size == entry.size and h.hexdigest() == entry.sha256
+            check.update(chunk)
+        return check.ok()
 
     @staticmethod
     def _stored_checksum(head: dict[str, Any]) -> str:
@@ -415,14 +423,15 @@ class Mirror:
         return path
 
     def _hash_parts(self, path: Path, entry: FileEntry) -> list[bytes]:
-        whole = hashlib.sha256()
+        """The CRC32s of the local file's parts, once its whole is checked."""
+        whole = ck.checksum.PartsCheck(entry, None)
         digests = []
         with open(path, "rb") as f:
             while block := f.read(self.cfg.part_size):
-                whole.update(block)
+                whole.feed(block)
                 digests.append(_crc32(block))
-        if whole.hexdigest() != entry.sha256:
-            raise LocalCheckpointError(entry.name, "local file's sha256 differs from manifest")
+                whole.part(digests[-1], len(block))
+        _as_in_manifest(entry, whole.problem())
         return digests
 
     # ---------------------------------------------------------------------------- uploads
@@ -499,10 +508,11 @@ class Mirror:
             data = path.read_bytes()
         finally:
             budget.release()
-        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise LocalCheckpointError(entry.name, "local file's sha256 differs from manifest")
+        check = ck.checksum.Check(entry)
+        check.update(data)
+        _as_in_manifest(entry, check.problem())
         self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=data,
-                           ChecksumSHA256=ck.b64(entry.sha256))
+                           **ck.checksum.s3_checksum(entry))
         self._progress(entry.name, len(data))
         if self.cfg.verify == "readback":
             ok = self._read_back(key, entry)
@@ -513,7 +523,7 @@ class Mirror:
         if not ok:
             self._discard(key)
             raise VerifyError(entry.name, "stored object differs from the local file "
-                              "(sha256 mismatch after upload)")
+                              f"({ck.checksum.algorithm(entry)} mismatch after upload)")
 
     def _discard(self, key: str) -> None:
         try:
@@ -536,10 +546,9 @@ class _Multipart:
         self.path = path
         self.upload_id: str | None = None
         self.parts: list[Future[dict[str, Any]]] = []
-        self.whole = hashlib.sha256()
+        self.whole = ck.checksum.PartsCheck(entry, mirror._hasher)
         self.failed: BaseException | None = None
         self.done: Future[None] | None = None  # finish(), run by the mirror's completer
-        self.hashed: Future[None] | None = None  # the last block fed to ``whole``
 
     def start(self, budget: _Budget) -> None:
         cfg = self.m.cfg
@@ -565,11 +574,10 @@ class _Multipart:
                 if n < len(buf):  # a file's short last part: its own bytes (botocore
                     block = bytes(memoryview(buf)[:n])  # takes bytes, not a view)
                     self.m._return(buf)
-                # The hasher takes the blocks in order (one thread); a buffer goes back to
-                # the mirror once both its hash and its part are done.
-                self.hashed = self.m._hasher.submit(self.whole.update, block)
-                self.parts.append(self.m._pool.submit(self._part, number, block, budget,
-                                                      self.hashed))
+                # A SHA-256 check takes the blocks in order (one thread); a buffer goes
+                # back to the mirror once both its check and its part are done.
+                fed = self.whole.feed(block)
+                self.parts.append(self.m._pool.submit(self._part, number, block, budget, fed))
 
     def _part(self, number: int, block: bytes | bytearray, budget: _Budget,
               hashed: Future[None]) -> dict[str, Any]:
@@ -581,7 +589,7 @@ class _Multipart:
                                          ChecksumCRC32=crc)
             self.m._progress(self.entry.name, len(block))
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": crc,
-                    "_digest": digest}
+                    "_digest": digest, "_size": len(block)}
         except BaseException as exc:
             self.failed = exc
             raise
@@ -592,13 +600,11 @@ class _Multipart:
             budget.release()
 
     def finish(self) -> None:
-        if self.hashed is not None:
-            self.hashed.result()
-        if self.whole.hexdigest() != self.entry.sha256:
-            raise LocalCheckpointError(self.entry.name,
-                                       "local file's sha256 differs from manifest")
         parts = [f.result() for f in self.parts]
         digests = [p.pop("_digest") for p in parts]
+        for p, digest in zip(parts, digests, strict=True):
+            self.whole.part(digest, p.pop("_size"))
+        _as_in_manifest(self.entry, self.whole.problem())
         self.m.s3.complete_multipart_upload(
             Bucket=self.m.cfg.bucket, Key=self.key, UploadId=self.upload_id,
             MultipartUpload={"Parts": parts})

@@ -90,8 +90,8 @@ class CheckpointerSettings(Settings):
     verify: Literal["readback", "checksum"] = Field(
         "readback",
         description="How a single-request upload is verified: 'readback' downloads and "
-        "hashes it (needed for stores that do not check checksums, such as moto); "
-        "'checksum' trusts the store's check of the SHA-256 sent (AWS S3, MinIO).")
+        "checks it (needed for stores that do not check checksums, such as moto); "
+        "'checksum' trusts the store's check of the checksum sent (AWS S3, MinIO).")
     attempts: int = Field(
         5, ge=1, le=100, description="Mirror attempts before ckpt.<run>.failed.")
     retry_backoff: float = Field(

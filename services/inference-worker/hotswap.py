@@ -3,7 +3,7 @@
 A registry model whose source is ``run:<run_id>`` is served from the run's checkpoints
 in S3 (``tandem.common.checkpoints``):
 
-- **load** (``pipelines.load_run_pipeline``): every byte is checked against the manifest's sha256;
+- **load** (``pipelines.load_run_pipeline``): every byte is checked against the manifest's checksum;
   the architecture is the checkpoint's own ``model_config.json`` and a field the registry
   declares differently, or a conditioning the checkpoint cannot take, is a
   ``CheckpointError`` naming it; weights come from safetensors only (model, then EMA);

@@ -11,7 +11,7 @@ collective (every rank calls it, before training):
   current history (``LaunchSpec.forks`` say which lineage owns each step, so a
   checkpoint a rollback abandoned is never fetched), on this node's disk: a
   copy already there is kept if it verifies against the committed manifest, else the
-  step is downloaded and every byte checked against the manifest's sha256
+  step is downloaded and every byte checked against the manifest's checksum
   (``checkpoints.download``: renamed into place only when whole);
 - every rank learns every node's outcome (``all_gather_object`` on a gloo group of its
   own, with a timeout long enough for a download); the first step that every node

@@ -14,6 +14,7 @@ Imports only ``tandem.common``; never a service. The names below are the public 
 (``from tandem.common import checkpoints as ck``; ``ck.restore(...)``).
 """
 
+from . import checksum
 from .layout import (
     CHUNK,
     CORRUPT,
@@ -26,7 +27,6 @@ from .layout import (
     SHARDED,
     SHARDED_STATE,
     CheckpointId,
-    b64,
     check_commit,
     check_name,
     checkpoint_uri,
@@ -54,7 +54,6 @@ from .layout import (
     run_prefix,
     same_files,
     scan,
-    sha256_file,
     shard_rank,
     sharded,
     step_dir,
@@ -104,7 +103,7 @@ __all__ = [
     "MODEL_CONFIG", "MODEL_WEIGHTS", "PARTS", "SHARDED", "SHARDED_STATE", "SHARD_DIR",
     "CheckpointId", "CorruptCheckpoint", "FileChoice", "Lineage", "Rejected", "Restored",
     "Resume", "ServingModel",
-    "b64", "check_commit", "check_name", "checkpoint_uri", "checkpoints_in_listing", "commit",
+    "check_commit", "check_name", "checkpoint_uri", "checkpoints_in_listing", "checksum", "commit",
     "committed_steps", "complete_steps", "config_mismatch", "corrupt_dir", "covers",
     "decode_manifest", "delete", "download", "encode_manifest", "incomplete_dir", "lacking",
     "list_checkpoints", "list_steps", "load_serving", "load_serving_model",
@@ -112,7 +111,6 @@ __all__ = [
     "missing", "newest_committed", "newest_valid", "object_key", "parse_checkpoint",
     "parse_manifest", "parse_step", "part_key", "parts_prefix", "prepare_incomplete",
     "read_manifest", "remove_incomplete", "remove_steps", "restore", "retention", "run_dir",
-    "run_prefix", "same_files", "scan", "serving_files", "sha256_file", "shard_rank",
-    "sharded", "step_dir", "step_name", "step_prefix", "steps_in_listing",
-    "validate_manifest", "verify",
+    "run_prefix", "same_files", "scan", "serving_files", "shard_rank", "sharded", "step_dir",
+    "step_name", "step_prefix", "steps_in_listing", "validate_manifest", "verify",
 ]

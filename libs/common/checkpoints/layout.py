@@ -23,10 +23,11 @@ lineage 0's), on which a step number names one checkpoint again.
 In S3 (``run`` and file names are validated; nothing can escape the prefix)::
 
     runs/<run>/checkpoints/step-<N>/<file>            every file of the checkpoint
-    runs/<run>/checkpoints/step-<N>/manifest.json     names, sizes, sha256; written LAST
+    runs/<run>/checkpoints/step-<N>/manifest.json     names, sizes, CRC32s; written LAST
     runs/<run>/checkpoints/step-<N>-l<L>/...          the same, of lineage L >= 1
 
-``manifest.json`` lists every other file with its size and sha256. Locally it is
+``manifest.json`` lists every other file with its size and CRC32 (``checksum``: why
+CRC32; manifests written before record SHA-256, still verified). Locally it is
 written before the rename, so a folder named ``step-<N>`` always has one; in S3 it is
 the commit: a step without one is an upload in progress (or abandoned) and is never
 listed as committed or loaded.
@@ -58,8 +59,6 @@ file is named under it.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,6 +71,7 @@ from tandem.common.events import CheckpointManifest, FileEntry
 from tandem.common.storage import s3_uri
 from tandem.common.subjects import token
 
+from . import checksum
 from .lineage import Lineage
 
 MANIFEST = "manifest.json"
@@ -79,7 +79,6 @@ INCOMPLETE = ".incomplete"
 CORRUPT = ".corrupt"
 CHUNK = 1 << 20
 _STEP = re.compile(r"step-(0|[1-9][0-9]{0,17})(?:-l([1-9][0-9]{0,8}))?")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME_PART = re.compile(r"[A-Za-z0-9_.+=-]{1,128}")
 MAX_NAME = 512
 FULL = "full"
@@ -271,8 +270,7 @@ def validate_manifest(manifest: CheckpointManifest, run_id: str | None = None,
         seen.add(f.name)
         if f.size < 0:
             raise ValueError(f"{f.name}: negative size {f.size}")
-        if not _SHA256.fullmatch(f.sha256):
-            raise ValueError(f"{f.name}: sha256 must be 64 lowercase hex digits, got {f.sha256!r}")
+        checksum.validate(f)
     if manifest.kind == SHARDED:
         _validate_sharded(manifest)
     elif manifest.part or manifest.world_size:
@@ -351,7 +349,7 @@ def _union(parts: Iterable[CheckpointManifest]) -> CheckpointManifest:
                              f"{p.world_size} ranks)")
         for f in p.files:
             seen = files.setdefault(f.name, f)
-            if (seen.size, seen.sha256) != (f.size, f.sha256):
+            if checksum.identity(seen) != checksum.identity(f):
                 raise ValueError(f"{f.name} differs between parts")
     return CheckpointManifest(
         run_id=first.run_id, step=first.step, files=sorted(files.values(), key=lambda f: f.name),
@@ -396,32 +394,19 @@ def check_commit(manifest: CheckpointManifest) -> CheckpointManifest:
 
 
 def covers(whole: CheckpointManifest, part: CheckpointManifest) -> bool:
-    """Whether ``whole`` lists every file of ``part`` with the same size and sha256 (a
+    """Whether ``whole`` lists every file of ``part`` with the same size and checksum (a
     node's part of a checkpoint already committed with these bytes)."""
-    listed = {f.name: (f.size, f.sha256) for f in whole.files}
+    listed = {f.name: checksum.identity(f) for f in whole.files}
     return (whole.run_id, whole.step, whole.lineage) == (
         part.run_id, part.step, part.lineage) and all(
-        listed.get(f.name) == (f.size, f.sha256) for f in part.files)
+        listed.get(f.name) == checksum.identity(f) for f in part.files)
 
 
 def same_files(a: CheckpointManifest, b: CheckpointManifest) -> bool:
     """Whether two manifests describe the same bytes (timestamps aside)."""
     key = lambda m: (m.run_id, m.step, m.lineage, m.kind, m.world_size, m.part,  # noqa: E731
-                     sorted((f.name, f.size, f.sha256) for f in m.files))
+                     sorted((f.name, *checksum.identity(f)) for f in m.files))
     return key(a) == key(b)
-
-
-def sha256_file(path: Path, chunk: int = 8 * CHUNK) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def b64(hex_digest: str) -> str:
-    """A hex sha256 as S3's ``ChecksumSHA256`` (base64 of the raw digest)."""
-    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
 def scan(directory: Path, run_id: str, step: int, lineage: int = 0) -> CheckpointManifest:
@@ -433,7 +418,7 @@ def scan(directory: Path, run_id: str, step: int, lineage: int = 0) -> Checkpoin
             if name == MANIFEST:
                 continue
             files.append(FileEntry(name=check_name(name), size=p.stat().st_size,
-                                   sha256=sha256_file(p)))
+                                   crc32=checksum.file_crc32(p)))
     return validate_manifest(CheckpointManifest(run_id=run_id, step=step, files=files,
                                                 lineage=lineage))
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tandem.common.events import CheckpointManifest
 
+from . import checksum
 from .layout import (
     INCOMPLETE,
     MANIFEST,
@@ -35,7 +36,6 @@ from .layout import (
     parse_manifest,
     run_dir,
     scan,
-    sha256_file,
     sharded,
     step_name,
 )
@@ -109,10 +109,8 @@ def verify(path: Path) -> CheckpointManifest:
         if f.stat().st_size != entry.size:
             raise CorruptCheckpoint(path, f"{entry.name} has {f.stat().st_size} bytes, "
                                           f"manifest says {entry.size}")
-        digest = sha256_file(f)
-        if digest != entry.sha256:
-            raise CorruptCheckpoint(path, f"{entry.name} sha256 {digest[:12]}… does not match "
-                                          f"the manifest's {entry.sha256[:12]}…")
+        if problem := checksum.check_file(f, entry).problem():
+            raise CorruptCheckpoint(path, f"{entry.name} {problem}")
     return manifest
 
 

@@ -7,7 +7,7 @@ The checkpointer writes it once, with a conditional put, and never overwrites it
 
 Readers (``tandem checkpoints restore``, the trainer resuming without local copies, the
 inference worker loading a run's weights) call ``restore`` or ``download``: every byte
-is checked against the manifest's size and sha256 before the directory is handed over,
+is checked against the manifest's size and checksum before the directory is handed over,
 and ``restore`` falls back to the previous committed checkpoint when one is corrupt.
 A reader that already knows the step (the worker, told by ``ckpt.<run>.mirrored``)
 passes it with ``fallback=False`` and nothing is listed.
@@ -22,7 +22,6 @@ what loads them uses safetensors (tensors) or ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from typing import Any
 from tandem.common.errors import CheckpointCorrupt, CheckpointNotFound
 from tandem.common.events import CheckpointManifest, FileEntry
 
+from . import checksum
 from .layout import (
     CHUNK,
     INCOMPLETE,
@@ -122,8 +122,7 @@ def read_manifest(s3: Any, bucket: str, run_id: str, step: int,
 def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
                    entry: FileEntry, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
-    size = 0
+    check = checksum.Check(entry)
     try:
         body = s3.get_object(Bucket=bucket,
                              Key=object_key(run_id, step, entry.name, lineage))["Body"]
@@ -133,16 +132,10 @@ def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
         raise
     with open(dest, "wb") as f:
         for chunk in body.iter_chunks(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+            check.update(chunk)
             f.write(chunk)
-    if size != entry.size:
-        raise CheckpointCorrupt(run_id, step, entry.name,
-                                f"size {size} bytes, manifest says {entry.size}")
-    got = h.hexdigest()
-    if got != entry.sha256:
-        raise CheckpointCorrupt(run_id, step, entry.name,
-                                f"sha256 {got}, manifest says {entry.sha256}")
+    if problem := check.problem():
+        raise CheckpointCorrupt(run_id, step, entry.name, problem)
 
 
 def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
@@ -152,7 +145,7 @@ def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
     ``dest/step-<N>/`` (``step-<N>-l<L>/``) and verify every byte.
 
     Files land in ``step-<N>.incomplete/`` first and the directory is renamed only when
-    every file matches the manifest's size and sha256, so ``dest/step-<N>`` is always
+    every file matches the manifest's size and checksum, so ``dest/step-<N>`` is always
     whole (a previous copy there is replaced). ``files`` limits the download to some
     names (the inference worker needs only the weights). Writes the manifest beside the
     files. Raises ``CheckpointNotFound`` or ``CheckpointCorrupt`` (naming the file).
