@@ -159,12 +159,23 @@ def test_the_python_client_answers_the_same_over_nats_and_http(jobs: Jobs,
                                                                 transport: str) -> None:
     with jobs.client(transport) as tandem:
         assert {m["name"] for m in tandem.models()} >= {"digits", "tiny-text"}
+        # Progress goes to whoever follows while the steps run (core NATS): the task waits
+        # behind a long one until the test follows it, so every step is seen.
+        long = tandem.generate(model="digits", class_label=1, steps=1000, seed=1)
+        following_long = tandem.events(long["id"])
+        assert next(e for e in following_long if e["event"] == "progress")
+        following_long.close()
         task = tandem.generate(model="digits", class_label=4, steps=3, seed=11)
-        events = list(tandem.events(task["id"]))
+        following = tandem.events(task["id"])
+        first = next(following)  # the task's state: the follow is subscribed
+        assert first["event"] == "state" and first["state"] in ("queued", "running")
+        tandem.cancel(long["id"])
+        assert tandem.wait(long["id"], timeout=60)["state"] == "cancelled"
+        events = [first, *following]
         assert events[-1]["event"] == "final"
         record = events[-1]["record"]
         assert record["state"] == "succeeded" and record["params"]["seed"] == 11
-        assert [e["step"] for e in events if e["event"] == "progress"][-1] == 3
+        assert [e["step"] for e in events if e["event"] == "progress"] == [1, 2, 3]
         assert tandem.wait(task["id"], timeout=60)["state"] == "succeeded"
         [png] = tandem.images(record)
         assert png.startswith(b"\x89PNG")

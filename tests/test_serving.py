@@ -25,6 +25,7 @@ from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, TaskRecord, TaskState
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_TASKS
+from tests.checkpoint_support import FaultProxy
 from tests.conftest import PYTHON
 from tests.serving_stack import (
     DEADLINE,
@@ -59,7 +60,8 @@ class Stack(ServingStack):
         self.gateway: Child | None = None
 
     def start_gateway(self) -> Child:
-        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart"])
+        clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart",
+                             "held"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
@@ -280,26 +282,35 @@ async def test_cancel_running_task_stops_it_before_its_end_and_frees_the_worker(
 async def test_a_task_cancelled_in_its_record_alone_while_it_runs_leaves_no_image(
         stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
     """A gateway that dies between writing ``cancelled`` and the cancel notice: the
-    worker never hears of it, the call runs to its end, and the record still decides."""
+    worker never hears of it, the call runs to its end, and the record still decides.
+    The worker's S3 goes through a proxy that parks its image uploads: the cancel is
+    written once the call has ended and its first image is on its way (and the task not
+    yet finished: it cannot be, its images are not stored), so the worker's commit of
+    ``succeeded`` is refused and the images it stored are deleted."""
     from tandem.common import tasks as moves
 
-    task_id = await submit(http, model="digits", class_label=4, steps=40, seed=8,
-                           num_images=2)
-    progress = await Progress().start(bus, task_id)
+    proxy = FaultProxy(stack.s3.url).start()
+    proxy.hold(lambda method, path: method == "PUT" and "/images/" in path)
+    w = stack.start_worker("w-held", "held", serve="digits", s3_endpoint=proxy.url)
     try:
-        await progress.wait(1)
+        task_id = await submit(http, model="digits", class_label=4, steps=4, seed=8,
+                               num_images=2, cluster="held")
+        assert await asyncio.to_thread(proxy.holding.wait, DEADLINE), "no image upload"
         kv = await bus.typed(KV_TASKS, TaskRecord)
-        await kv.update(task_id, moves.to_cancelled("the gateway died before its notice"))
+        rec = await kv.update(task_id, moves.to_cancelled("the gateway died before its notice"))
+        assert rec is not None and rec.state == TaskState.cancelled
+        proxy.release()
+        await asyncio.to_thread(w.wait_healthy, lambda h: h["running"] == []
+                                and not h["inflight"])
+        # What is stored, once the worker is done with it.
+        got = await kv.get(task_id)
+        assert got is not None and got[0].state == TaskState.cancelled and got[0].images == []
+        assert s3_keys(stack, task_id) == []
+        # The images were stored, then deleted (one DeleteObjects request).
+        assert ("POST", f"/{stack.bucket}?delete") in proxy.requests
     finally:
-        await progress.stop()
-    worker = stack.children[1]
-    await asyncio.to_thread(worker.wait_healthy, lambda h: task_id not in h["running"]
-                            and not h["inflight"])
-    # What is stored, once the worker is done with it (``writes`` would also show the
-    # worker's compare-and-set that the server refused: a core subscriber sees it).
-    got = await kv.get(task_id)
-    assert got is not None and got[0].state == TaskState.cancelled and got[0].images == []
-    assert s3_keys(stack, task_id) == []
+        w.kill()
+        proxy.stop()
 
 
 # -------------------------------------------------------------------------------- failures

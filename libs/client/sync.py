@@ -34,12 +34,18 @@ class SyncClient:
         return call
 
     def events(self, task_id: str) -> Iterator[dict[str, Any]]:
-        it = self._client.events(task_id).__aiter__()
-        while True:
-            try:
-                yield self._loop.run_until_complete(it.__anext__())
-            except StopAsyncIteration:
-                return
+        it = self._client.events(task_id)
+        try:
+            while True:
+                try:
+                    yield self._loop.run_until_complete(it.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            # Left before the end (a break, close()): the follow is closed on this
+            # client's loop, not by the garbage collector outside any loop.
+            if not self._loop.is_closed():
+                self._loop.run_until_complete(it.aclose())
 
     def close(self) -> None:
         if not self._loop.is_closed():
