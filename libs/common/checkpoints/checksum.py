@@ -22,6 +22,7 @@ import base64
 import hashlib
 import re
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,26 @@ def crc32_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
+def _blocks(path: Path, chunk: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            yield block
+
+
+def _problem(algo: str, size: int, digest: str, entry: FileEntry) -> str:
+    """What differs between bytes read (``size``, ``digest``) and ``entry`` ("" if none)."""
+    if size != entry.size:
+        return f"size {size} bytes, manifest says {entry.size}"
+    if digest != expected(entry):
+        return f"{algo} {digest}, manifest says {expected(entry)}"
+    return ""
+
+
 def file_crc32(path: Path, chunk: int = CHUNK) -> str:
     """The hex CRC32 of the file at ``path`` (what a new manifest records)."""
     crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+    for block in _blocks(path, chunk):
+        crc = zlib.crc32(block, crc)
     return crc32_hex(crc)
 
 
@@ -97,19 +112,14 @@ class Check:
 
     def problem(self) -> str:
         """What differs, for an error message ("" when nothing does)."""
-        if self.size != self.entry.size:
-            return f"size {self.size} bytes, manifest says {self.entry.size}"
-        if self.digest() != expected(self.entry):
-            return f"{self.algo} {self.digest()}, manifest says {expected(self.entry)}"
-        return ""
+        return _problem(self.algo, self.size, self.digest(), self.entry)
 
 
 def check_file(path: Path, entry: FileEntry, chunk: int = CHUNK) -> Check:
     """``Check`` of the whole file at ``path`` against ``entry``."""
     check = Check(entry)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            check.update(block)
+    for block in _blocks(path, chunk):
+        check.update(block)
     return check
 
 
@@ -153,11 +163,7 @@ class PartsCheck:
         if self._check is not None:
             self.fed.result()
             return self._check.problem()
-        if self._size != self.entry.size:
-            return f"size {self._size} bytes, manifest says {self.entry.size}"
-        if (got := crc32_hex(self._crc)) != self.entry.crc32:
-            return f"crc32 {got}, manifest says {self.entry.crc32}"
-        return ""
+        return _problem("crc32", self._size, crc32_hex(self._crc), self.entry)
 
 
 def s3_checksum(entry: FileEntry) -> dict[str, str]:
