@@ -224,3 +224,22 @@ def test_gateway_imports_without_torch_or_diffusers() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_gateway_keeps_idle_connections_open_longer_than_clients_do() -> None:
+    """A server that closes an idle connection first races the client's next request on
+    it, which then fails without a response (found in a suite run: uvicorn's 5 s default
+    against httpx's 5 s keep-alive). The gateway outlives httpx's and AWS ALB's (60 s)."""
+    from tandem.gateway.service import GatewaySettings, _Server, bind
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    settings = load(GatewaySettings, "gateway")
+    sock = bind("127.0.0.1", 0)
+    try:
+        server = _Server(app, sock, keep_alive=settings.http_keep_alive)
+        assert server.config.timeout_keep_alive == settings.http_keep_alive
+        assert settings.http_keep_alive > max(httpx.Limits().keepalive_expiry or 0, 60)
+    finally:
+        sock.close()

@@ -50,6 +50,11 @@ class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, SealSetti
     s3_public_endpoint: str | None = Field(
         None, description="S3 endpoint clients reach (presigned URLs); default s3_endpoint.")
     sse_ping: float = Field(15.0, gt=0, description="Seconds between SSE keep-alive comments.")
+    http_keep_alive: float = Field(
+        75.0, gt=0, le=3600, description="Seconds an idle HTTP connection is kept open. "
+        "Longer than any client's or load balancer's idle timeout (httpx 5, AWS ALB 60): "
+        "a server that closes first races the client's next request on that connection, "
+        "which then fails without a response.")
 
     @field_validator("clusters")
     @classmethod
@@ -66,7 +71,7 @@ class _Server:
     """uvicorn without its signal handlers: the runner owns SIGTERM."""
 
     def __init__(self, app: Any, sock: socket.socket, ssl_certfile: str | None = None,
-                 ssl_keyfile: str | None = None) -> None:
+                 ssl_keyfile: str | None = None, keep_alive: float = 75.0) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -76,7 +81,8 @@ class _Server:
 
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ssl_certfile=ssl_certfile,
-                                ssl_keyfile=ssl_keyfile)
+                                ssl_keyfile=ssl_keyfile, timeout_keep_alive=keep_alive)
+        self.config = config
         self.server = Server(config)
         self.sock = sock
 
@@ -166,7 +172,7 @@ class GatewayService(Service):
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
         tls = (s.http_tls_cert, s.http_tls_key) if s.tls else (None, None)
-        server = self._server = _Server(asgi, sock, *tls)
+        server = self._server = _Server(asgi, sock, *tls, keep_alive=s.http_keep_alive)
         scheme = "https" if s.tls else "http"
         ctx.log.info("gateway.listening", url=f"{scheme}://{s.http_host}:{self.port}",
                      docs=f"{scheme}://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
