@@ -29,10 +29,9 @@ from typing import Any, TypeVar
 
 import msgspec
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
-from nats.js.kv import KeyValue
 
 from tandem.common import log, subjects
-from tandem.common.bus import Bus, KeyWatch
+from tandem.common.bus import Bus, KeyWatch, snapshot
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DrainRecord, GpuBrief, Health, ModelsLoaded, NodeHeartbeat, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
@@ -156,22 +155,6 @@ def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
 # ------------------------------------------------------------------------------ snapshots
 
 
-async def _snapshot(kv: KeyValue) -> dict[str, bytes]:
-    """Every live key of a bucket in one ordered-consumer pass (not one get per key)."""
-    watcher = await kv.watchall(ignore_deletes=True)
-    out: dict[str, bytes] = {}
-    try:
-        while True:
-            entry = await watcher.updates(timeout=5.0)
-            if entry is None:
-                break
-            if entry.value:
-                out[entry.key] = entry.value
-    finally:
-        await watcher.stop()
-    return out
-
-
 def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
     out = []
     for key, data in raw.items():
@@ -183,11 +166,11 @@ def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
 
 
 async def read_drains(bus: Bus) -> list[DrainRecord]:
-    return _decode_all(await _snapshot(await bus.kv(KV_DRAINS)), DrainRecord)
+    return _decode_all(await snapshot(await bus.kv(KV_DRAINS)), DrainRecord)
 
 
 async def read_heartbeats(bus: Bus) -> list[NodeHeartbeat]:
-    return _decode_all(await _snapshot(await bus.kv(KV_NODES)), NodeHeartbeat)
+    return _decode_all(await snapshot(await bus.kv(KV_NODES)), NodeHeartbeat)
 
 
 async def read_fleet(bus: Bus, ttl: float = HEARTBEAT_TTL) -> FleetView:

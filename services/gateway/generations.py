@@ -22,7 +22,7 @@ import msgspec
 
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV, retry_transient
+from tandem.common.bus import Bus, TypedKV, retry_transient, watch
 from tandem.common.events import (
     CancelNotice,
     GenerationTask,
@@ -287,7 +287,7 @@ class Gateway:
                 queue.put_nowait(("progress", msg.data))
 
         sub = await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=on_progress)
-        watcher = await self.tasks.kv.watch(task_id)
+        watcher = await watch(self.tasks.kv, task_id)
 
         async def pump() -> None:
             async for entry in watcher:

@@ -37,7 +37,7 @@ from tandem.cli.bench import saturation, stats
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common import subjects
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, watch
 from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_TASKS
 from tandem.common.tasks import succeeded
@@ -109,7 +109,7 @@ class Drill:
         self._writes = await self.bus.nc.subscribe(subjects.TASK_RECORD.wildcard,
                                                    cb=self._on_write)
         kv = await self.bus.kv(KV_TASKS)
-        watcher = await kv.watchall()
+        watcher = await watch(kv)
         self._watch = asyncio.create_task(self._follow(watcher))
         self.http = httpx.AsyncClient(base_url=self.stack.url("gateway") or "", timeout=30)
         return self

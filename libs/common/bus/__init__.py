@@ -8,7 +8,7 @@ One concern per module:
 ``pull``      the fetch of a durable pull consumer, one timer per fetch
 ``consumer``  ``Consumer`` (decode, handle, settle) and ``Poller``, the one pull loop
 ``acks``      the acknowledgement policy and its table (last delivery kept for the DLQ)
-``kv``        ``TypedKV`` (compare-and-set) and ``KeyWatch``/``MapWatch``
+``kv``        ``TypedKV`` (compare-and-set), ``watch``/``snapshot``, ``KeyWatch``/``MapWatch``
 ``headers``   every header name, once; the trace context they carry
 ``retry``     which errors are transient, and retrying through them
 ============  ===========================================================================
@@ -21,7 +21,7 @@ from tandem.common.bus.acks import AckPolicy, DeadHook, delivered_count
 from tandem.common.bus.connect import Bus, DomainJetStream
 from tandem.common.bus.consumer import Consumer, Delivery, Poller
 from tandem.common.bus.headers import EXPECTED_LAST, MSG_ID, TRACEPARENT
-from tandem.common.bus.kv import KeyWatch, MapWatch, TypedKV
+from tandem.common.bus.kv import KeyWatch, MapWatch, TypedKV, Watch, snapshot, watch
 from tandem.common.bus.retry import retry_transient, transient
 
 __all__ = [
@@ -38,7 +38,10 @@ __all__ = [
     "MapWatch",
     "Poller",
     "TypedKV",
+    "Watch",
     "delivered_count",
     "retry_transient",
+    "snapshot",
     "transient",
+    "watch",
 ]

@@ -2,6 +2,8 @@
 
 - ``TypedKV``: a bucket whose values are events of one type; ``update`` applies a
   function by compare-and-set until it sticks.
+- ``watch``: one watch of a key pattern whose end of the current values can be trusted
+  (nats-py's can come early); ``snapshot``: every key's value, read by one.
 - ``KeyWatch``: follows one key pattern (current values, then changes) and watches again
   when the server lost the watch; ``MapWatch`` feeds every key of a bucket to a callback.
 """
@@ -140,18 +142,131 @@ class TypedKV(Generic[E]):
         raise RuntimeError(f"compare-and-set on {key} lost {attempts} races")
 
     async def items(self) -> dict[str, E]:
-        from nats.js.errors import NoKeysError
+        """Every key's value, read in one pass (``snapshot``)."""
+        return {k: decode(v, self.event_type) for k, v in (await snapshot(self.kv)).items()}
 
-        out: dict[str, E] = {}
+
+# --------------------------------------------------------------------------------- watches
+
+
+class Watch:
+    """One watch of a KV key pattern: the current values, ``None`` after them, then each
+    change, from ``updates(timeout)`` or ``async for``. ``watch`` starts one.
+
+    Not nats-py's ``KeyValue.watch``: that one may put its ``None`` before values the
+    server had already sent (nats-io/nats.py#842): it compares the consumer's pending
+    count with the messages its client has read, not with those still on the wire, and a
+    message's own pending count can read 0 early in a cluster (nats-io/nats.py#995). A
+    snapshot taken with it can miss keys that were there all along (the gateway's
+    ``/metrics`` lost a node that way in CI). Here the current values end once as many
+    messages have been handled as the consumer's info said it had sent and had still to
+    send. While they are still coming, a quiet spell asks the server again: a value that
+    expired on its way is never delivered.
+    """
+
+    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool) -> None:
+        self.kv, self.pattern, self.ignore_deletes = kv, pattern, ignore_deletes
+        self.current_done = False  # the None after the current values is queued
+        self._queue: asyncio.Queue[KeyValue.Entry | None] = asyncio.Queue()
+        self._sub: Any = None
+        self._handled = 0  # messages handed to _on_msg, in delivery order
+        self._due: int | None = None  # sent and still to send, at the consumer's last info
+
+    async def _start(self) -> Watch:
+        from nats.js.api import DeliverPolicy
+
+        self._sub = await self.kv._js.subscribe(
+            f"{self.kv._pre}{self.pattern}", stream=self.kv._stream, cb=self._on_msg,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            inactive_threshold=300.0)
         try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return out
-        for k in keys:
-            got = await self.get(k)
-            if got is not None:
-                out[k] = got[0]
-        return out
+            await self.check()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def check(self) -> None:
+        """Ask the server about the watch's consumer; raises once the server has lost
+        it (a restarted server). Ends the current values if the answer shows they have
+        all been handled."""
+        info = await self._sub.consumer_info()
+        self._due = info.delivered.consumer_seq + info.num_pending
+        self._maybe_done()
+
+    async def _on_msg(self, msg: Any) -> None:
+        self._handled += 1
+        op = _operation(msg.headers)
+        if op is not None and not (self.ignore_deletes and op in _DELETED):
+            self._queue.put_nowait(KeyValue.Entry(
+                bucket=self.kv._name, key=msg.subject[len(self.kv._pre):], value=msg.data,
+                revision=msg.metadata.sequence.stream, delta=msg.metadata.num_pending,
+                created=msg.metadata.timestamp, operation=op or None))
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if not self.current_done and self._due is not None and self._handled >= self._due:
+            self.current_done = True
+            self._queue.put_nowait(None)
+
+    async def updates(self, timeout: float | None = 5.0) -> KeyValue.Entry | None:
+        """The next entry (None once, after the current values); raises nats-py's
+        ``TimeoutError`` after ``timeout`` seconds without one."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - loop.time())
+            if not self.current_done:
+                wait = _QUIET if wait is None else min(wait, _QUIET)
+            try:
+                return await asyncio.wait_for(self._queue.get(), wait)
+            except TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise NatsTimeout from None
+                await self.check()  # quiet before the current values ended
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> KeyValue.Entry | None:
+        return await self.updates(timeout=None)
+
+    async def stop(self) -> None:
+        await self._sub.unsubscribe()
+
+
+_QUIET = 0.5  # seconds without a message before a watch asks whether its values ended
+
+
+def _operation(headers: dict[str, str] | None) -> str | None:
+    """"" for a value, "DEL" or "PURGE", None for a marker no reader needs."""
+    if not headers:
+        return ""
+    if "KV-Operation" in headers:
+        return headers["KV-Operation"]
+    reason = headers.get("Nats-Marker-Reason")  # nats-server 2.11+'s expiry markers
+    if reason is None:
+        return ""
+    return {"MaxAge": "PURGE", "Purge": "PURGE", "Remove": "DEL"}.get(reason)
+
+
+async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False) -> Watch:
+    """Watch the keys of ``kv`` matching ``pattern`` (see ``Watch``)."""
+    return await Watch(kv, pattern, ignore_deletes)._start()
+
+
+async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
+    """Every live key of a bucket and its value, in one ordered-consumer pass (not one
+    get per key)."""
+    watcher = await watch(kv, ignore_deletes=True)
+    out: dict[str, bytes] = {}
+    try:
+        while (entry := await watcher.updates(timeout=timeout)) is not None:
+            if entry.value:
+                out[entry.key] = entry.value
+    finally:
+        await watcher.stop()
+    return out
 
 
 class KeyWatch:
@@ -195,7 +310,7 @@ class KeyWatch:
             watcher = None
             try:
                 kv = await self.bus.kv(self.bucket)
-                watcher = await kv.watch(self.pattern)
+                watcher = await watch(kv, self.pattern)
                 await self._follow(watcher)
             except asyncio.CancelledError:
                 raise
@@ -208,7 +323,7 @@ class KeyWatch:
                     with contextlib.suppress(Exception):
                         await watcher.stop()
 
-    async def _follow(self, watcher: Any) -> None:
+    async def _follow(self, watcher: Watch) -> None:
         initial: dict[str, bytes] = {}
         live = False
         while not self._stop.is_set():
@@ -216,7 +331,7 @@ class KeyWatch:
                 entry = await watcher.updates(timeout=self.resync)
             except NatsTimeout:
                 # Quiet: is the watch still there? Raises once the server has lost it.
-                await watcher._sub.consumer_info()
+                await watcher.check()
                 continue
             if entry is None:  # the end of the current values
                 if not live:

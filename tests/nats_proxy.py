@@ -1,0 +1,144 @@
+"""A proxy between a NATS client and nats-server that can reorder what the server sends.
+
+nats-server sends a consumer's pushed messages and its answers to API requests on the
+same connection, in no fixed order between the two: a consumer's info can reach the
+client before messages the server had already pushed (and counts as delivered). On one
+box that is rare; on a busy one or across a cluster it happens. ``hold_deliveries(n)``
+makes it happen every time: the next ``n`` pushed JetStream messages (their reply
+subject is a ``$JS.ACK``) are held, the client's next consumer-info request waits until
+the server has pushed all ``n``, its answer reaches the client (``answered`` is set),
+and the held messages follow once the client has acted on it: when it next sends
+anything, or when the test calls ``release()``.
+
+The proxy parses the server's frames (``MSG``/``HMSG`` with their payloads, other
+lines as they are) and passes the client's bytes through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from urllib.parse import urlsplit
+
+_INFO_REQUEST = b"$JS.API.CONSUMER.INFO."
+_INFO_ANSWER = b"consumer_info_response"
+
+
+class NatsProxy:
+    def __init__(self, upstream: str) -> None:
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname or "127.0.0.1", u.port or 4222)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._hold = 0  # deliveries still to hold
+        self._held: list[bytes] = []
+        self._all_held = asyncio.Event()
+        self._all_held.set()
+        self._client_w: asyncio.StreamWriter | None = None
+        self.answered = asyncio.Event()  # a consumer-info answer passed the held messages
+        self.reordered = 0  # times held messages were sent on behind an answer
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def start(self) -> NatsProxy:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        return self
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    def hold_deliveries(self, n: int) -> None:
+        self._hold, self._held = n, []
+        self._all_held.clear()
+        self.answered.clear()
+
+    def release(self) -> None:
+        """Send the held messages on, behind the answer."""
+        assert self.answered.is_set() and self._client_w is not None
+        for frame in self._held:
+            self._client_w.write(frame)
+        self._held = []
+        self.reordered += 1
+
+    # ------------------------------------------------------------------------ pumps
+
+    async def _connection(self, client_r: asyncio.StreamReader,
+                          client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(*self.upstream)
+        pumps = [asyncio.create_task(self._from_client(client_r, server_w)),
+                 asyncio.create_task(self._from_server(server_r, client_w))]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pumps:
+                task.cancel()
+                self._tasks.discard(task)
+            for w in (client_w, server_w):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+
+    async def _from_client(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while chunk := await r.read(65536):
+            if self._held and self.answered.is_set():
+                self.release()  # the client spoke after the answer: it has read it
+            at = chunk.find(_INFO_REQUEST)  # nats-py writes a command whole
+            if at >= 0:
+                line = chunk.rfind(b"\r\n", 0, at) + 2 if b"\r\n" in chunk[:at] else 0
+                w.write(chunk[:line])  # what came before (the watch's SUB) goes now
+                await w.drain()
+                chunk = chunk[line:]
+                await self._all_held.wait()  # the server has pushed them all by now
+            w.write(chunk)
+            await w.drain()
+
+    async def _from_server(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        buf = b""
+        while chunk := await r.read(65536):
+            buf += chunk
+            while (frame := _frame(buf)) is not None:
+                buf = buf[len(frame):]
+                self._forward(frame, w)
+            await w.drain()
+
+    def _forward(self, frame: bytes, w: asyncio.StreamWriter) -> None:
+        if self._hold and _is_delivery(frame):
+            self._held.append(frame)
+            self._hold -= 1
+            if not self._hold:
+                self._all_held.set()
+            return
+        w.write(frame)
+        if self._held and self._all_held.is_set() and _INFO_ANSWER in frame:
+            self._client_w = w
+            self.answered.set()
+
+
+def _frame(buf: bytes) -> bytes | None:
+    """The first whole frame in ``buf``, or None while it is incomplete."""
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None
+    op = buf[:4].upper()
+    if op.startswith((b"MSG ", b"HMSG")):
+        size = int(buf[:end].split()[-1])
+        whole = end + 2 + size + 2
+        return buf[:whole] if len(buf) >= whole else None
+    return buf[:end + 2]
+
+
+def _is_delivery(frame: bytes) -> bool:
+    line = frame[:frame.find(b"\r\n")].split()
+    reply_at = {b"MSG": 3, b"HMSG": 3}.get(line[0].upper())
+    with_reply = {b"MSG": 5, b"HMSG": 6}.get(line[0].upper())
+    return (reply_at is not None and len(line) == with_reply
+            and line[reply_at].startswith(b"$JS.ACK."))

@@ -1,0 +1,116 @@
+"""A KV watch's current values are all there before it says they ended.
+
+nats-server may answer a consumer's info before the messages it has already pushed reach
+the client; nats-py's ``KeyValue.watch`` then ends the current values before any of them
+(nats-io/nats.py#842), and whatever read a snapshot with it saw an empty bucket: the
+gateway's ``/metrics`` dropped a live node that way in CI (test_observer, at f54ed78).
+``tests.nats_proxy`` makes that order happen every time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tandem.cli.devstack import NatsServer
+from tandem.common import streams
+from tandem.common.bus import Bus, MapWatch, snapshot, watch
+from tandem.common.events import DrainRecord, encode
+from tandem.common.settings import Settings, load
+from tests.nats_proxy import NatsProxy
+
+KEYS = {f"c.n{i}": f"value {i}".encode() for i in range(3)}
+
+
+@pytest.fixture
+async def proxy(nats_server: NatsServer) -> AsyncIterator[NatsProxy]:
+    p = await NatsProxy(nats_server.url).start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture
+async def proxied(proxy: NatsProxy, uid: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(load(Settings, nats_url=proxy.url, cluster=f"c{uid}", node="n0"),
+                          "test")
+    yield b
+    await b.drain()
+
+
+async def filled_bucket(bus: Bus, uid: str) -> str:
+    bucket = f"w{uid}"
+    await bus.provision([streams.KVSpec(bucket)])
+    kv = await bus.kv(bucket)
+    await kv.put("c.gone", b"x")
+    for key, value in KEYS.items():
+        await kv.put(key, value)
+    await kv.delete("c.gone")
+    return bucket
+
+
+async def test_the_proxy_reproduces_nats_pys_early_end_of_the_current_values(
+        proxied: Bus, proxy: NatsProxy, uid: str) -> None:
+    kv = await proxied.kv(await filled_bucket(proxied, uid))
+    proxy.hold_deliveries(len(KEYS) + 1)  # the deleted key's marker is delivered too
+    watcher = await kv.watchall()
+    assert proxy.answered.is_set()
+    proxy.release()
+    try:
+        # nats-py ends the current values before any of them: what went wrong in CI.
+        assert await watcher.updates(timeout=5.0) is None
+        assert (await watcher.updates(timeout=5.0)).key in KEYS
+    finally:
+        await watcher.stop()
+
+
+async def test_a_snapshot_has_every_key_the_server_sent_behind_its_consumer_info(
+        proxied: Bus, proxy: NatsProxy, uid: str) -> None:
+    kv = await proxied.kv(await filled_bucket(proxied, uid))
+    proxy.hold_deliveries(len(KEYS) + 1)
+    assert await snapshot(kv) == KEYS
+    assert proxy.reordered == 1
+
+    proxy.hold_deliveries(len(KEYS) + 1)  # a watch: the values, the delete, then None
+    watcher = await watch(kv)
+    try:
+        got = [await watcher.updates(timeout=5.0) for _ in range(len(KEYS) + 2)]
+    finally:
+        await watcher.stop()
+    assert proxy.reordered == 2
+    assert got[-1] is None
+    assert {e.key: e.value for e in got[:-1] if e is not None and e.operation is None} == KEYS
+    assert [e.key for e in got[:-1] if e is not None and e.operation == "DEL"] == ["c.gone"]
+
+
+async def test_a_typed_buckets_items_and_a_map_watch_start_with_every_key(
+        proxied: Bus, proxy: NatsProxy, uid: str) -> None:
+    bucket = f"d{uid}"
+    await proxied.provision([streams.KVSpec(bucket)])
+    records = {f"c.n{i}": DrainRecord(cluster="c", node=f"n{i}", reason="r", by="t", at=1.0)
+               for i in range(3)}
+    kv = await proxied.kv(bucket)
+    for key, rec in records.items():
+        await kv.put(key, encode(rec))
+
+    proxy.hold_deliveries(len(records))
+    typed = await proxied.typed(bucket, DrainRecord)
+    assert await typed.items() == records
+    assert proxy.reordered == 1
+
+    proxy.hold_deliveries(len(records))
+    seen: dict[str, bytes | None] = {}
+    mw = MapWatch(proxied, bucket, lambda key, value, initial: seen.__setitem__(key, value))
+    await mw.start()  # ready: its picture whole, not filled in afterwards
+    try:
+        assert mw.keys == set(records)
+        assert seen == {key: encode(rec) for key, rec in records.items()}
+    finally:
+        await mw.stop()
+    assert proxy.reordered == 2
+
+
+async def test_a_snapshot_of_an_empty_bucket_ends_at_once(bus: Bus, uid: str) -> None:
+    bucket = f"e{uid}"
+    await bus.provision([streams.KVSpec(bucket)])
+    assert await snapshot(await bus.kv(bucket), timeout=5.0) == {}
