@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cli.devstack import free_port
 from tandem.cli.stack import Stack, built_services
 from tandem.cli.stack_config import StackConfig
 from tandem.cli.supervise import Child, Output, ProcessSpec, stop_children
@@ -117,6 +118,19 @@ def test_clusters_are_added_by_config_not_code(tmp_path: Path) -> None:
             assert spec.env["TANDEM_NODE"] == "node-0"
     assert {"gateway", "trainer", "checkpointer"} <= set(names)
     assert names["gateway"].env["TANDEM_CLUSTERS"] == "east,west,north"
+
+
+def test_no_two_processes_of_a_stack_are_given_one_port(tmp_path: Path) -> None:
+    # The kernel picks each probe at random: a thousand probes from its few ten thousand
+    # ephemeral ports repeat dozens of times; a port handed out is never handed out again.
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
+    config = StackConfig.load().with_clusters([f"c{i}" for i in range(8)]).free_ports()
+    stack = Stack(config, tmp_path)
+    claimed = stack._claim_ports()
+    metrics = [s.env["TANDEM_METRICS_PORT"] for s in stack.specs()]
+    assert len(metrics) >= 19
+    assert len(set(metrics) | {str(p) for p in claimed.values()}) == len(metrics) + len(claimed)
 
 
 def test_a_stack_file_sets_nodes_ports_and_settings(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,11 +31,27 @@ from typing import Any
 from tandem.cli import http
 from tandem.common.errors import ServerStartError
 
+_HANDED_OUT: set[int] = set()  # every port free_port returned in this process
+_HANDED_OUT_LOCK = threading.Lock()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a child to bind, and never one this process
+    handed out before. The kernel picks each probe at random and the probe's socket is
+    closed before the child binds, so two probes can return the same port: a dev stack
+    of a dozen processes got one metrics port twice (suite run at 6c44973) and its second
+    child died binding it. Another process can still take a port between the probe and
+    the child's bind; servers the tests start themselves bind port 0 instead."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port: int = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise ServerStartError("free_port", f"no port on {host} left that this process "
+                           f"has not handed out already ({len(_HANDED_OUT)} so far)")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
