@@ -357,7 +357,10 @@ async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses
         pid = w.wait_healthy()["pipeline"]["processes"]["digits"]
         assert pid != w.proc.pid
 
-        task_id = await submit(http, model="digits", class_label=7, steps=300, seed=2,
+        # 100 steps: at rest ~6.6 ms each, so the kill, sent on step 2, lands mid-call
+        # (attempts == 2 below says it did); the attempt after it runs them all again,
+        # and a loaded box took over 0.25 s a step (300 steps outlasted the deadline).
+        task_id = await submit(http, model="digits", class_label=7, steps=100, seed=2,
                                cluster="apart")
         progress = await Progress().start(bus, task_id)
         try:
