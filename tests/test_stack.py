@@ -133,6 +133,24 @@ def test_no_two_processes_of_a_stack_are_given_one_port(tmp_path: Path) -> None:
     assert len(set(metrics) | {str(p) for p in claimed.values()}) == len(metrics) + len(claimed)
 
 
+def test_two_processes_are_never_given_one_port() -> None:
+    # Two test workers starting stacks at once: each probes the kernel, which may pick a
+    # port the other probed a moment ago and whose child has not bound it yet. Nothing
+    # binds here, so with probes alone about ten of 2 x 400 would repeat; the leases
+    # that every process shares keep them apart.
+    take = "from tandem.cli.devstack import free_port; print(*(free_port() for _ in range(400)))"
+    procs = [subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    got = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        got.append({int(x) for x in out.split()})
+    assert len(got[0]) == len(got[1]) == 400
+    assert not got[0] & got[1]
+    assert not (got[0] | got[1]) & {free_port() for _ in range(100)}
+
+
 def test_a_stack_file_sets_nodes_ports_and_settings(tmp_path: Path) -> None:
     path = tmp_path / "stack.toml"
     path.write_text(
