@@ -54,10 +54,11 @@ STEP = 40
 
 
 def write_part(root: Path, run: str, node: str, big: int = 0,
-               lineage: int = 0) -> tuple[Path, CheckpointManifest]:
-    """``node``'s part of a 4-rank sharded checkpoint (of ``lineage``), committed locally
-    as the node's first rank commits it; ``big``: the size of its first shard."""
-    tmp = ck.prepare_incomplete(root, run, STEP, lineage)
+               lineage: int = 0, step: int = STEP) -> tuple[Path, CheckpointManifest]:
+    """``node``'s part of a 4-rank sharded checkpoint of ``step`` (of ``lineage``),
+    committed locally as the node's first rank commits it; ``big``: the size of its
+    first shard."""
+    tmp = ck.prepare_incomplete(root, run, step, lineage)
     (tmp / ck.SHARD_DIR).mkdir()
     for i, rank in enumerate(RANKS[node]):
         size = big if big and i == 0 else 4096
@@ -65,7 +66,7 @@ def write_part(root: Path, run: str, node: str, big: int = 0,
     if 0 in RANKS[node]:
         for name in (ck.DCP_METADATA, *ck.SHARDED_STATE):
             (tmp / name).write_bytes(os.urandom(200))
-    return ck.commit(run, STEP, tmp, world_size=4, node=node, lineage=lineage)
+    return ck.commit(run, step, tmp, world_size=4, node=node, lineage=lineage)
 
 
 class Nodes:
@@ -288,3 +289,37 @@ async def test_a_fleet_checkpointer_beside_per_node_ones_is_refused_by_the_serve
     with pytest.raises(BadRequestError) as refused:
         await bus.provision([checkpointer_consumer()])
     assert refused.value.description == "filtered consumer not unique on workqueue stream"
+
+
+async def test_a_part_retention_has_passed_is_not_mirrored_and_a_stranded_one_is_swept(
+        bus: Bus, nodes: Nodes, s3: Any) -> None:
+    # Step 40: na's part is mirrored, nb's is not (its checkpointer was down). The run
+    # goes on and commits step 50 on both nodes; with keep_last=1 nothing older is worth
+    # keeping. na's stranded part of 40 would never be whole: the commit of 50 deletes
+    # it. nb's part of 40, handed over at last, is not uploaded, and its local copy goes.
+    run, bucket = nodes.run, nodes.bucket
+    events = await ckpt_events(bus, run)
+    later = {n: write_part(nodes.roots[n], run, n, step=50) for n in RANKS}
+    async with running(bus, **nodes.config("na", keep_last=1)), \
+            running(bus, **nodes.config("nb", keep_last=1)):
+        await nodes.publish("na")
+        first = await events.next(CheckpointPartMirrored)
+        assert (first.step, first.node, first.lacks != []) == (STEP, "na", True)
+        assert ck.list_steps(s3, bucket, run) == {STEP: False}
+        for n in RANKS:
+            await nodes.publish(n, written(*later[n], cluster=nodes.cluster, node=n))
+            await events.next(CheckpointPartMirrored)
+        assert (await events.next(CheckpointMirrored)).step == 50
+        pruned = await events.next(CheckpointPruned)
+        seq = await nodes.publish("nb")
+        await nodes.settled("nb", seq)
+
+    assert pruned.steps == [STEP] and "never committed" in pruned.reason
+    assert ck.list_steps(s3, bucket, run) == {50: True}
+    assert not s3.list_objects_v2(Bucket=bucket, Prefix=ck.step_prefix(run, STEP)).get(
+        "Contents")
+    assert not [e for e in events.seen + [events.queue.get_nowait() for _ in
+                                          range(events.queue.qsize())]
+                if isinstance(e, CheckpointPartMirrored) and e.step == STEP and e.node == "nb"]
+    assert not nodes.parts["nb"][0].exists()  # nb's local part of 40: nothing will load it
+    assert later["nb"][0].exists()  # the newest, committed, stays (local_keep)

@@ -18,7 +18,9 @@ node's folder):
    committed checkpoints beyond ``local_keep`` are deleted (``delete_local``: the only
    service that deletes a whole local checkpoint);
    not committed after ``attempts`` → ``ckpt.<run>.failed`` with the reason; the local
-   copy is kept.
+   copy is kept. Retention also deletes a checkpoint never committed that it has passed
+   (``checkpoints.passed``), and one handed over after retention passed it is not
+   mirrored at all (a node's part come after the rest was pruned: never whole).
 
 A redelivered event (a crash between commit and ack) finds the manifest, uploads
 nothing, and finishes steps 3 (the event ids make the publishes idempotent); a crash
@@ -39,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -189,6 +191,13 @@ class Checkpointer(Service):
             lg.info("checkpoint.abandoned", forks=line.json())
             await asyncio.to_thread(delete_local, directory.parent, set(), 0, lg, line)
             return
+        if await self._passed(ev, line, lg):
+            # Retention has kept newer checkpoints since it was written (a node's part
+            # come late, a redelivery after a long outage): committed, it would be
+            # deleted at once; a part of it would never be whole. Nothing goes to S3.
+            await asyncio.to_thread(delete_local, directory.parent, set(), 0, lg, line,
+                                    {ev.step})
+            return
         async with d.keepalive():
             result, error, attempts = await self._mirror(ev, directory, lg)
         if result is not None and ev.manifest.part:
@@ -282,6 +291,25 @@ class Checkpointer(Service):
             await asyncio.to_thread(delete_local, directory.parent, set(committed),
                                     self.settings.local_keep, lg, line)
 
+    async def _passed(self, ev: CheckpointWritten, line: ck.Lineage, lg: Any) -> bool:
+        """Whether retention has passed ``ev``'s checkpoint (``checkpoints.passed``) over
+        the run's committed history in S3. S3 unreachable: not known here, so False (the
+        mirror's own retries wait for S3)."""
+        s = self.settings
+        try:
+            listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, s.s3_bucket,
+                                             ev.run_id)
+        except Exception as exc:
+            lg.warning("checkpoint.listing_failed", error=repr(exc))
+            return False
+        committed = _history(listed, line)
+        if ev.step in committed or not ck.passed(ev.step, committed, s.keep_last,
+                                                 s.keep_every):
+            return False
+        lg.info("checkpoint.passed", committed=sorted(committed), keep_last=s.keep_last,
+                keep_every=s.keep_every, part=ev.manifest.part or None)
+        return True
+
     async def _lineage(self, run: str) -> ck.Lineage:
         """The run's current history, from its record (lineage 0 without one)."""
         got = await self.runs.get(run)
@@ -318,22 +346,28 @@ class Checkpointer(Service):
 
     async def _prune(self, run: str, listed: dict[ck.CheckpointId, bool], line: ck.Lineage,
                      lg: Any) -> None:
-        """Retention over the committed checkpoints of the run's history, and every
-        checkpoint (committed or not) a rollback abandoned."""
+        """Retention over the committed checkpoints of the run's history; every checkpoint
+        of it never committed that retention has passed (the parts of a node whose others
+        never came, or that came after the rest was pruned); every checkpoint (committed
+        or not) a rollback abandoned."""
         s = self.settings
         history = sorted(_history(listed, line))
         drop = [ck.CheckpointId(step, line.owner(step))
                 for step in ck.retention(history, s.keep_last, s.keep_every)]
+        partial = [c for c, done in listed.items() if not done and line.holds(*c)
+                   and ck.passed(c.step, history, s.keep_last, s.keep_every)]
         abandoned = [c for c in listed if line.abandoned(*c)]
-        if not drop and not abandoned:
+        if not drop and not partial and not abandoned:
             return
-        for c in drop + abandoned:
+        for c in drop + partial + abandoned:
             await asyncio.to_thread(ck.delete, self.s3, s.s3_bucket, run, c.step, c.lineage)
         reason = (f"retention: keep the newest {s.keep_last}" + (
             f" and every multiple of {s.keep_every}" if s.keep_every else "")) if drop else ""
+        if partial:
+            reason += ("; " if reason else "") + "never committed, older than retention keeps"
         if abandoned:
             reason += ("; " if reason else "") + "abandoned by a rollback"
-        gone = sorted(drop + abandoned)
+        gone = sorted(drop + partial + abandoned)
         names = [c.name for c in gone]
         digest = hashlib.sha256(",".join(names).encode()).hexdigest()[:16]
         await self.ctx.bus.publish(subjects.ckpt(run, "pruned"),
@@ -368,12 +402,14 @@ def _record_latest(rec: RunRecord | None, run: str, step: int, lineage: int,
 
 
 def delete_local(parent: Path, committed: set[int], keep: int, lg: Any,
-                 line: ck.Lineage | None = None) -> list[ck.CheckpointId]:
+                 line: ck.Lineage | None = None,
+                 passed: Collection[int] = ()) -> list[ck.CheckpointId]:
     """Delete the checkpoint folders in ``parent`` of ``line``'s history (default:
     lineage 0's) beyond the newest ``keep`` — only those whose commit this checkpointer
     has seen (``committed``, steps of that history, was listed before pruning, so a
-    pruned step counts) — and every one a rollback abandoned. A checkpoint of the
-    history that failed to mirror is never deleted here.
+    pruned step counts) — those retention has ``passed`` (newer ones are kept in S3:
+    this one would be deleted there as it was committed), and every one a rollback
+    abandoned. A checkpoint of the history that failed to mirror is never deleted here.
 
     NOTE: this is the one place that decides a whole local checkpoint may go (the rule
     is ``checkpoints.local_retention``). It is the checkpointer's because only the
@@ -385,8 +421,8 @@ def delete_local(parent: Path, committed: set[int], keep: int, lg: Any,
     line = line or ck.Lineage()
     local = ck.local_checkpoints(parent)
     history = [c.step for c, _ in local if line.holds(*c)]
-    old = [ck.CheckpointId(s, line.owner(s))
-           for s in ck.local_retention(history, committed, keep)]
+    steps = set(ck.local_retention(history, committed, keep)) | (set(history) & set(passed))
+    old = [ck.CheckpointId(s, line.owner(s)) for s in sorted(steps)]
     gone = ck.remove_steps(parent, old + [c for c, _ in local if line.abandoned(*c)])
     if gone:
         lg.info("checkpoint.local_deleted", checkpoints=[c.name for c in gone],

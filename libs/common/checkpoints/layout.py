@@ -437,6 +437,13 @@ def retention(steps: Iterable[int], keep_last: int, keep_every: int = 0) -> list
     return [s for s in ordered if s not in keep]
 
 
+def passed(step: int, committed: Iterable[int], keep_last: int, keep_every: int = 0) -> bool:
+    """Whether retention, over the ``committed`` steps with ``step`` among them, removes
+    ``step``: a checkpoint it has passed is not worth mirroring (it would be deleted as it
+    is committed) and one of its parts left in S3 will never be whole."""
+    return step in retention([*committed, step], keep_last, keep_every)
+
+
 def local_retention(local: Iterable[int], committed: set[int], keep: int) -> list[int]:
     """The local steps that may go: all but the newest ``keep`` on disk (0: none kept),
     and of those only the ones committed in S3. A step that never committed (a mirror
