@@ -7,6 +7,8 @@ and each answers a 4xx naming the limit. No worker runs: tasks stay queued.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -231,27 +233,30 @@ def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: 
 # ------------------------------------------------------------------- training runs per key
 
 
-@pytest.fixture
-async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
-    """The Guard in front of the gateway's training-run routes, on a real bus."""
-    await bus.provision(core_streams())
-    runs = await bus.typed(KV_RUNS, RunRecord)
-
-    async def state(run_id: str) -> str | None:
-        got = await runs.get(run_id)
-        return None if got is None else got[0].state.value
-
-    keys = {"a": new_key(), "b": new_key()}
+@contextlib.asynccontextmanager
+async def runs_gateway(bus: Bus, max_runs: int,
+                       keys: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
+    """One gateway's Guard in front of its training-run routes, on a real bus: its own
+    ``Limits``, as each replica (or a restarted one) has; ``keys``: name -> key."""
     entries = [{"name": n, "sha256": hash_key(k), "scopes": ["train"]}
                for n, k in keys.items()]
-    settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=2)
+    settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=max_runs,
+                    rate_limit=1000.0, rate_burst=1000)
     keyring = Keyring(parse_keys(settings.api_keys))
-    limits = Limits(keyring, settings, run_state=state)
+    limits = Limits(keyring, settings)
     app = FastAPI()
     add_training_routes(app, bus, caller, limits)  # the gateway's own route, submitting for real
     guard = Guard.wrap(app, keyring, limits)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard),
                                  base_url="http://gw") as client:
+        yield client
+
+
+@pytest.fixture
+async def runs_app(bus: Bus) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str]]]:
+    await bus.provision(core_streams())
+    keys = {"a": new_key(), "b": new_key()}
+    async with runs_gateway(bus, 2, keys) as client:
         yield client, keys
 
 
@@ -275,6 +280,51 @@ async def test_unfinished_training_runs_per_key_are_bounded_until_one_finishes(
                       lambda r: None if r is None else struct_replace(r, state=RunState.failed))
     fourth = await http.post("/v1/training-runs", json=config, headers=a)
     assert fourth.status_code == 202, fourth.text
+
+
+async def test_a_keys_unfinished_runs_are_bounded_across_gateways_and_restarts(
+        bus: Bus, settings: Settings, uid: str) -> None:
+    """Two replicas, then a third started later (a restarted one): the key's limit of
+    unfinished runs is the fleet's. Submissions racing through both replicas never get
+    more than the limit through, and a refused run leaves no record behind."""
+    await bus.provision(core_streams())
+    name = f"fleet-{uid}"
+    keys = {name: new_key()}
+    a = {"Authorization": f"Bearer {keys[name]}"}
+    config = {"steps": 10, "cluster": settings.cluster}
+    runs = await bus.typed(KV_RUNS, RunRecord)
+
+    async def unfinished() -> list[str]:
+        return sorted(k for k, v in (await runs.items()).items()
+                      if v.owner == name and not v.state.terminal)
+
+    async with runs_gateway(bus, 2, keys) as one, runs_gateway(bus, 2, keys) as two:
+        first = await one.post("/v1/training-runs", json=config, headers=a)
+        second = await two.post("/v1/training-runs", json=config, headers=a)
+        assert first.status_code == second.status_code == 202
+        third = await two.post("/v1/training-runs", json=config, headers=a)
+        assert third.status_code == 429 and "the limit is 2" in third.json()["detail"]
+        assert first.json()["run_id"] in third.json()["detail"]
+        # One finishes; eight submissions race through both replicas for its slot.
+        await runs.update(first.json()["run_id"],
+                          lambda r: None if r is None else struct_replace(r, state=RunState.failed))
+        raced = await asyncio.gather(*(
+            gw.post("/v1/training-runs", json=config, headers=a)
+            for gw in (one, two) * 4))
+        codes = sorted(r.status_code for r in raced)
+        assert codes.count(202) <= 1 and set(codes) <= {202, 429}, codes
+        assert len(await unfinished()) == 1 + codes.count(202)
+        refused = [r for r in raced if r.status_code == 429]
+        assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+
+    # A gateway started now knows nothing in memory: the limit still holds.
+    async with runs_gateway(bus, 2, keys) as restarted:
+        if len(await unfinished()) < 2:
+            took = await restarted.post("/v1/training-runs", json=config, headers=a)
+            assert took.status_code == 202
+        late = await restarted.post("/v1/training-runs", json=config, headers=a)
+        assert late.status_code == 429, late.text
+        assert len(await unfinished()) == 2
 
 
 def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Server,

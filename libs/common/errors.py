@@ -174,6 +174,15 @@ class InvalidRunConfig(TandemError, ValueError):
         super().__init__(f"invalid run config: {lines}")
 
 
+class TooManyRuns(TandemError):
+    """``owner`` has ``limit`` training runs or more not finished (``unfinished``)."""
+
+    def __init__(self, owner: str, unfinished: list[str], limit: int) -> None:
+        self.owner, self.unfinished, self.limit = owner, unfinished, limit
+        super().__init__(f"key {owner!r} has {len(unfinished)} training runs not finished "
+                         f"({', '.join(unfinished)}); the limit is {limit}")
+
+
 class RunExists(TandemError):
     """``run_id`` is already used by a run with a different config."""
 

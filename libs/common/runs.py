@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.common import subjects
-from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound
+from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound, TooManyRuns
 from tandem.common.events import RunRecord, RunState, TrainStatus, now, struct_replace
 
 
@@ -264,13 +264,20 @@ async def get_run(bus: Any, run_id: str) -> RunRecord:
 
 
 async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
-                     owner: str = "") -> RunRecord:
+                     owner: str = "", max_unfinished: int | None = None) -> RunRecord:
     """Validate ``config``, record the run as pending (created by API key ``owner``) and
     announce it.
 
     Returns the stored record. Idempotent: the same config under the same run id by the
     same owner returns the existing record (and re-announces it if it is still pending);
     a different config or another owner under an existing run id raises ``RunExists``.
+
+    ``max_unfinished``: a new run is refused (``TooManyRuns``) when ``owner`` has that many
+    runs not finished besides it, counted in KV ``runs`` after its record is written,
+    and its record is deleted before anything was announced. Every gateway counts the
+    same records, so the limit holds across replicas and restarts: of two submissions
+    that race, the one that writes second sees the first (each reads after its own
+    write), so both are never let through; both may be refused (``Retry-After``).
     """
     from tandem.common.streams import KV_RUNS
 
@@ -283,13 +290,20 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     kv = await bus.typed(KV_RUNS, RunRecord)
     record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
                        nodes=list(cfg.nodes), owner=owner)
-    if await kv.create(run_id, record) is None:
+    revision = await kv.create(run_id, record)
+    if revision is None:
         got = await kv.get(run_id)
         if got is None or got[0].config != as_dict or got[0].owner != owner:
             raise RunExists(run_id)
         record = got[0]
         if record.state != RunState.pending:
             return record
+    elif max_unfinished is not None:
+        others = sorted(k for k, (rec, _) in (await kv.entries()).items()
+                        if k != run_id and rec.owner == owner and not rec.state.terminal)
+        if len(others) >= max_unfinished:
+            await kv.delete(run_id, last=revision)  # moved meanwhile (cancelled): leave it
+            raise TooManyRuns(owner, others, max_unfinished)
     await bus.publish(subjects.train(run_id, "status"),
                       TrainStatus(run_id=run_id, state=RunState.pending, reason="submitted"),
                       msg_id=f"{run_id}-pending", retry_for=10.0)

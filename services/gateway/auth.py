@@ -28,7 +28,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
+from tandem.common.errors import TooManyRuns
 from tandem.common.jobs import OPEN, Caller
 from tandem.common.settings import Settings
 from tandem.common.subjects import token
@@ -257,15 +258,10 @@ class Bucket:
         return (1.0 - self.tokens) / self.rate
 
 
-RunState = Callable[[str], Awaitable[str | None]]  # run id -> state, None if unknown
-FINISHED = {"succeeded", "failed", "cancelled"}
-
-
 @dataclass
 class KeyState:
     bucket: Bucket
     streams: int = 0
-    runs: set[str] = field(default_factory=set)
     run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -274,18 +270,19 @@ class Limits:
 
     The HTTP Guard and the NATS job service take from the same token bucket per key
     (``admit``), and a training run submitted by either door counts against the same
-    unfinished runs of its key (``run_slot``), so neither door is a way around the
+    unfinished runs of its key (``run_limit``), so neither door is a way around the
     other's limits. SSE streams (``stream``) exist over HTTP only. The open caller (no
     keys configured) has no limits. Each refusal is ``Denied(429)`` with its
-    ``retry_after`` and a message naming the limit. ``run_state`` looks a run up (KV
-    ``runs``) so a finished run stops counting.
+    ``retry_after`` and a message naming the limit.
+
+    The rate and the streams are this process's: each gateway replica enforces them on
+    what it serves. The unfinished runs are the fleet's: counted in KV ``runs`` as each
+    run is submitted (``runs.submit_run``), so no replica, and no restart, adds to them.
     """
 
-    def __init__(self, keys: Keyring, settings: AuthSettings,
-                 run_state: RunState | None = None) -> None:
+    def __init__(self, keys: Keyring, settings: AuthSettings) -> None:
         self.keys = keys
         self.s = settings
-        self.run_state = run_state
         self.state: dict[str, KeyState] = {}
 
     def _state(self, key: ApiKey) -> KeyState:
@@ -328,36 +325,22 @@ class Limits:
             st.streams -= 1
 
     @contextlib.asynccontextmanager
-    async def run_slot(self, caller: Caller) -> AsyncIterator[Callable[[str], None]]:
-        """Check the caller's unfinished runs and submit as one step per key: the body
-        gets ``taken(run_id)`` to call once its run is recorded. ``Denied(429)`` naming
-        the unfinished runs when the key is at its limit."""
+    async def run_limit(self, caller: Caller) -> AsyncIterator[int | None]:
+        """The caller's limit of unfinished runs (None: the open caller has none), for the
+        body to submit within (``runs.submit_run(max_unfinished=...)``), one submission
+        per key at a time in this process. The body's ``TooManyRuns`` becomes
+        ``Denied(429)`` naming the unfinished runs."""
         key = self.keys.named(caller.key)
         if key is None:
-            yield lambda run_id: None
+            yield None
             return
         st = self._state(key)
-        limit = key.max_runs or self.s.max_runs_per_key
         async with st.run_lock:
-            await self._forget_finished(st)
-            if len(st.runs) >= limit:
-                AUTH.labels("run_limited").inc()
-                raise Denied(429, f"key {key.name!r} has {len(st.runs)} training runs not "
-                             f"finished ({', '.join(sorted(st.runs))}); the limit is {limit}",
-                             retry_after=60)
-            yield st.runs.add
-
-    async def _forget_finished(self, st: KeyState) -> None:
-        if self.run_state is None:
-            return
-        for run in list(st.runs):
             try:
-                state = await self.run_state(run)
-            except Exception as exc:  # the bus is down: keep counting the run
-                _log.warning("auth.run_lookup_failed", run_id=run, error=repr(exc))
-                continue
-            if state is None or state in FINISHED:
-                st.runs.discard(run)
+                yield key.max_runs or self.s.max_runs_per_key
+            except TooManyRuns as exc:
+                AUTH.labels("run_limited").inc()
+                raise Denied(429, str(exc), retry_after=60) from None
 
 
 class Guard:

@@ -135,19 +135,6 @@ class GatewayService(Service):
         # Ready once uvicorn listens: before that a client would get "connection refused".
         return self._server is not None and bool(self._server.server.started)
 
-    @staticmethod
-    def _run_state(ctx: Context) -> Any:
-        """A run's state from KV ``runs``, for the per-key training run limit."""
-
-        async def state(run_id: str) -> str | None:
-            from tandem.common.events import RunRecord
-            from tandem.common.streams import KV_RUNS
-
-            got = await (await ctx.bus.typed(KV_RUNS, RunRecord)).get(run_id)
-            return None if got is None else got[0].state.value
-
-        return state
-
     async def run(self, ctx: Context) -> None:
         s = self.s
         presign = s.model_copy(update={"s3_endpoint": s.s3_public_endpoint or s.s3_endpoint})
@@ -159,7 +146,7 @@ class GatewayService(Service):
                      router=self.router, limits=s.job_limits, seal_key=s.seal_key)
         await gw.start()
         keys = Keyring(parse_keys(s.api_keys))
-        limits = Limits(keys, s, run_state=self._run_state(ctx))  # both doors share them
+        limits = Limits(keys, s)  # both doors share them
         jobs = JobService(gw, keys, limits)
         await jobs.start(ctx.bus.nc)
         asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits)

@@ -40,10 +40,8 @@ async def submit_training(bus: Any, config: Any, caller: Caller,
     try:
         if limits is None:
             return await runs.submit_run(bus, config, owner=caller.key)
-        async with limits.run_slot(caller) as taken:
-            rec = await runs.submit_run(bus, config, owner=caller.key)
-            taken(rec.run_id)
-            return rec
+        async with limits.run_limit(caller) as limit:
+            return await runs.submit_run(bus, config, owner=caller.key, max_unfinished=limit)
     except Denied as exc:
         raise JobRefused(exc.status, exc.message, retry_after=exc.retry_after) from None
     except InvalidRunConfig as exc:

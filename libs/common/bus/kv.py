@@ -145,6 +145,25 @@ class TypedKV(Generic[E]):
         """Every key's value, read in one pass (``snapshot``)."""
         return {k: decode(v, self.event_type) for k, v in (await snapshot(self.kv)).items()}
 
+    async def entries(self) -> dict[str, tuple[E, int]]:
+        """Every key's value and revision, read in one pass (``entries``)."""
+        return {k: (decode(e.value, self.event_type), e.revision or 0)
+                for k, e in (await entries(self.kv)).items() if e.value}
+
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        """Delete ``key`` (if its revision is still ``last``, when given); whether it was."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            await self.kv.delete(key, last=last)
+        except KeyWrongLastSequenceError:
+            return False
+        except APIError as err:
+            if err.err_code in WRONG_LAST:
+                return False
+            raise
+        return True
+
 
 # --------------------------------------------------------------------------------- watches
 
@@ -258,12 +277,17 @@ async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = Fals
 async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
     """Every live key of a bucket and its value, in one ordered-consumer pass (not one
     get per key)."""
+    return {k: e.value for k, e in (await entries(kv, timeout)).items() if e.value}
+
+
+async def entries(kv: KeyValue, timeout: float = 5.0) -> dict[str, KeyValue.Entry]:
+    """``snapshot`` with each key's entry (its revision too)."""
     watcher = await watch(kv, ignore_deletes=True)
-    out: dict[str, bytes] = {}
+    out: dict[str, KeyValue.Entry] = {}
     try:
         while (entry := await watcher.updates(timeout=timeout)) is not None:
             if entry.value:
-                out[entry.key] = entry.value
+                out[entry.key] = entry
     finally:
         await watcher.stop()
     return out
