@@ -10,6 +10,11 @@ the server has pushed all ``n``, its answer reaches the client (``answered`` is 
 and the held messages follow once the client has acted on it: when it next sends
 anything, or when the test calls ``release()``.
 
+``drop_then_hold(nth, n)`` loses the ``nth`` pushed message and passes the next, so an
+ordered consumer sees the gap and recreates itself from the last message it got; the
+new consumer's first ``n`` messages are then held the same way, behind the answer to
+the first consumer-info request the client sends once they are all held.
+
 The proxy parses the server's frames (``MSG``/``HMSG`` with their payloads, other
 lines as they are) and passes the client's bytes through untouched.
 """
@@ -30,13 +35,16 @@ class NatsProxy:
         self.upstream = (u.hostname or "127.0.0.1", u.port or 4222)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._hold = 0  # deliveries still to hold
+        self._plan: list[str] = []  # what to do with each next delivery: pass, drop, hold
+        self._late = False  # only an info request sent once all are held is answered first
+        self._asked = False  # such a request went to the server
         self._held: list[bytes] = []
         self._all_held = asyncio.Event()
         self._all_held.set()
         self._client_w: asyncio.StreamWriter | None = None
         self.answered = asyncio.Event()  # a consumer-info answer passed the held messages
         self.reordered = 0  # times held messages were sent on behind an answer
+        self.dropped = 0  # deliveries lost on purpose
 
     @property
     def url(self) -> str:
@@ -56,7 +64,13 @@ class NatsProxy:
         await self._server.wait_closed()
 
     def hold_deliveries(self, n: int) -> None:
-        self._hold, self._held = n, []
+        self._arm(["hold"] * n, late=False)
+
+    def drop_then_hold(self, nth: int, n: int) -> None:
+        self._arm(["pass"] * (nth - 1) + ["drop", "pass"] + ["hold"] * n, late=True)
+
+    def _arm(self, plan: list[str], late: bool) -> None:
+        self._plan, self._late, self._asked, self._held = plan, late, False, []
         self._all_held.clear()
         self.answered.clear()
 
@@ -97,7 +111,10 @@ class NatsProxy:
                 w.write(chunk[:line])  # what came before (the watch's SUB) goes now
                 await w.drain()
                 chunk = chunk[line:]
-                await self._all_held.wait()  # the server has pushed them all by now
+                if not self._late:
+                    await self._all_held.wait()  # the server has pushed them all by now
+                elif self._held and self._all_held.is_set():
+                    self._asked = True
             w.write(chunk)
             await w.drain()
 
@@ -111,14 +128,19 @@ class NatsProxy:
             await w.drain()
 
     def _forward(self, frame: bytes, w: asyncio.StreamWriter) -> None:
-        if self._hold and _is_delivery(frame):
-            self._held.append(frame)
-            self._hold -= 1
-            if not self._hold:
-                self._all_held.set()
-            return
+        if self._plan and _is_delivery(frame):
+            action = self._plan.pop(0)
+            if action == "drop":
+                self.dropped += 1
+                return
+            if action == "hold":
+                self._held.append(frame)
+                if "hold" not in self._plan:
+                    self._all_held.set()
+                return
         w.write(frame)
-        if self._held and self._all_held.is_set() and _INFO_ANSWER in frame:
+        if self._held and self._all_held.is_set() and _INFO_ANSWER in frame \
+                and (self._asked or not self._late):
             self._client_w = w
             self.answered.set()
 

@@ -114,3 +114,20 @@ async def test_a_snapshot_of_an_empty_bucket_ends_at_once(bus: Bus, uid: str) ->
     bucket = f"e{uid}"
     await bus.provision([streams.KVSpec(bucket)])
     assert await snapshot(await bus.kv(bucket), timeout=5.0) == {}
+
+
+async def test_a_snapshot_whose_ordered_consumer_was_recreated_still_has_every_key(
+        proxied: Bus, proxy: NatsProxy, uid: str) -> None:
+    # The third value is lost on the wire and the fourth shows the gap: nats-py recreates
+    # the watch's consumer from the second. The new consumer counts from 1 and has two
+    # to send; the server says so before they arrive. Counted across both consumers, the
+    # two values already handled looked like all the new one had to send.
+    bucket = f"r{uid}"
+    await proxied.provision([streams.KVSpec(bucket)])
+    kv = await proxied.kv(bucket)
+    values = {f"c.n{i}": f"value {i}".encode() for i in range(4)}
+    for key, value in values.items():
+        await kv.put(key, value)
+    proxy.drop_then_hold(3, 2)
+    assert await snapshot(kv) == values
+    assert (proxy.dropped, proxy.reordered) == (1, 1)

@@ -180,7 +180,10 @@ class Watch:
     ``/metrics`` lost a node that way in CI). Here the current values end once as many
     messages have been handled as the consumer's info said it had sent and had still to
     send. While they are still coming, a quiet spell asks the server again: a value that
-    expired on its way is never delivered.
+    expired on its way is never delivered. The count is the consumer's own (each
+    message's consumer sequence), of the consumer the server's answer is about: nats-py
+    recreates an ordered consumer that skipped a message, from the last one it
+    delivered, and the new one counts from 1 again and delivers only the rest.
     """
 
     def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool) -> None:
@@ -188,8 +191,10 @@ class Watch:
         self.current_done = False  # the None after the current values is queued
         self._queue: asyncio.Queue[KeyValue.Entry | None] = asyncio.Queue()
         self._sub: Any = None
-        self._handled = 0  # messages handed to _on_msg, in delivery order
-        self._due: int | None = None  # sent and still to send, at the consumer's last info
+        # (consumer, its sequence) of the last message handed to _on_msg, and (consumer,
+        # messages it had sent and still had to send) at the server's last answer.
+        self._handled: tuple[str, int] = ("", 0)
+        self._due: tuple[str, int] | None = None
 
     async def _start(self) -> Watch:
         from nats.js.api import DeliverPolicy
@@ -210,21 +215,25 @@ class Watch:
         it (a restarted server). Ends the current values if the answer shows they have
         all been handled."""
         info = await self._sub.consumer_info()
-        self._due = info.delivered.consumer_seq + info.num_pending
+        self._due = (info.name, info.delivered.consumer_seq + info.num_pending)
         self._maybe_done()
 
     async def _on_msg(self, msg: Any) -> None:
-        self._handled += 1
+        meta = msg.metadata
+        self._handled = (meta.consumer, meta.sequence.consumer)
         op = _operation(msg.headers)
         if op is not None and not (self.ignore_deletes and op in _DELETED):
             self._queue.put_nowait(KeyValue.Entry(
                 bucket=self.kv._name, key=msg.subject[len(self.kv._pre):], value=msg.data,
-                revision=msg.metadata.sequence.stream, delta=msg.metadata.num_pending,
-                created=msg.metadata.timestamp, operation=op or None))
+                revision=meta.sequence.stream, delta=meta.num_pending,
+                created=meta.timestamp, operation=op or None))
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if not self.current_done and self._due is not None and self._handled >= self._due:
+        if self.current_done or self._due is None:
+            return
+        consumer, due = self._due
+        if due == 0 or (self._handled[0] == consumer and self._handled[1] >= due):
             self.current_done = True
             self._queue.put_nowait(None)
 
