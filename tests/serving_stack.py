@@ -236,10 +236,11 @@ async def stream_messages(bus: Bus, stream: str, subject: str) -> list[Any]:
 
 
 class Writes:
-    """Every write of every task record, as it is made: a core subscription on
-    ``$KV.tasks.*`` (a KV watch keeps only the latest value of each). ``states(task)``
-    is each state a task's record was written with, in order, so a second success, or a
-    write the protocol does not make, would show."""
+    """Every write of every task record, as the bucket stored it: an ordered consumer on
+    the bucket's stream from now on (a KV watch keeps only the latest value of each; a
+    core subscription would also see a compare-and-set the stream refused, which is no
+    write). ``states(task)`` is each state a task's record was written with, in order,
+    so a second success, or a write the protocol does not make, would show."""
 
     def __init__(self) -> None:
         self.by_task: dict[str, list[TaskRecord]] = {}
@@ -247,13 +248,19 @@ class Writes:
         self._sub: Any = None
 
     async def start(self, bus: Bus) -> Writes:
+        from nats.js.api import DeliverPolicy
+
         async def on(msg: Any) -> None:
+            if not msg.data:  # a delete or purge marker
+                return
             rec = decode(msg.data, TaskRecord)
             self.by_task.setdefault(rec.task.task_id, []).append(rec)
             self._changed.set()
 
-        self._sub = await bus.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on)
-        await bus.nc.flush()  # the server has the subscription before anything is sent
+        # Created before this returns: every write stored after it is delivered.
+        self._sub = await bus.js.subscribe(
+            subjects.TASK_RECORD.wildcard, stream=f"KV_{KV_TASKS}", cb=on,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         return self
 
     def states(self, task_id: str) -> list[str]:
