@@ -332,6 +332,19 @@ def _result(args: argparse.Namespace, cfg: Any, out: dict[str, Any], uploads: di
             "would overlap; over the steps alone, " + ", ".join(
                 f"{d / p:.3f}" for d, p in zip(during, out["plain_steps_per_s"], strict=True))
             + " of the plain segments' steps/s")
+    # A checkpoint's cost to training is a time, not a ratio: the ratio follows from the
+    # interval (``--every``) the bench runs. What each checkpoint took from the ranks, and
+    # the interval at which that would leave the goal's share of the plain loop's steps.
+    lost = [(args.steps / t - args.steps / p) / (args.steps // args.every)
+            for t, p in zip(out["tandem_steps_per_s"], out["plain_steps_per_s"], strict=True)]
+    need = [GOAL_STEPS / (1 - GOAL_STEPS) * x for x in lost]
+    steps.notes.append(
+        "each checkpoint cost the ranks " + ", ".join(f"{x:.1f}" for x in lost) + " s of "
+        f"training (the tandem segments' time over the plain ones', per checkpoint): "
+        f"{GOAL_STEPS:g} of the plain steps/s needs checkpoints at least "
+        + ", ".join(f"{x:.0f} s ({x * p:.0f} steps)" for x, p in
+                    zip(need, out["plain_steps_per_s"], strict=True))
+        + f" of training apart; this run checkpoints every {args.every} steps")
     n = len(out["blocked_s"])
     blocked = stats.Figure(
         "sharded_checkpoint_blocked", "(b) time a sharded checkpoint blocks training", "ms",
