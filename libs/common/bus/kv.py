@@ -148,7 +148,7 @@ class TypedKV(Generic[E]):
     async def entries(self) -> dict[str, tuple[E, int]]:
         """Every key's value and revision, read in one pass (``entries``)."""
         return {k: (decode(e.value, self.event_type), e.revision or 0)
-                for k, e in (await entries(self.kv)).items() if e.value}
+                for k, e in (await entries(self.kv)).items()}
 
     async def delete(self, key: str, last: int | None = None) -> bool:
         """Delete ``key`` (if its revision is still ``last``, when given); whether it was."""
@@ -286,11 +286,12 @@ async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = Fals
 async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
     """Every live key of a bucket and its value, in one ordered-consumer pass (not one
     get per key)."""
-    return {k: e.value for k, e in (await entries(kv, timeout)).items() if e.value}
+    return {k: e.value for k, e in (await entries(kv, timeout)).items()}
 
 
 async def entries(kv: KeyValue, timeout: float = 5.0) -> dict[str, KeyValue.Entry]:
-    """``snapshot`` with each key's entry (its revision too)."""
+    """``snapshot`` with each key's entry (its revision too); keys without a value are
+    left out."""
     watcher = await watch(kv, ignore_deletes=True)
     out: dict[str, KeyValue.Entry] = {}
     try:
