@@ -45,7 +45,7 @@ from tandem.common.events import (
     TrainStatus,
     TrainStep,
 )
-from tandem.common.runs import submit_run
+from tandem.common.runs import parse_run_config, submit_run
 from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS
 from tandem.trainer.launcher import proc_state
@@ -549,6 +549,39 @@ async def test_an_fsdp_run_rolls_back_through_its_sharded_checkpoint_and_succeed
     assert ck.verify(final).files == written.manifest.files
     trainer = torch.load(final / "trainer.pt", weights_only=True)
     assert trainer["data_pos"] == 10 and trainer["skipped"] == [[4, 5]]
+
+
+async def test_a_run_recorded_but_never_announced_is_claimed_from_kv_and_runs(
+        stack: Stack, tbus: Bus) -> None:
+    """A gateway that died between writing a run's record and announcing it: a
+    coordinator (of a cluster of its own) claims the record once it stayed pending
+    ``unclaimed_after_s`` (2 s here) and runs it. A refused submission's record, deleted
+    at once, is never claimed."""
+    cluster = f"{stack.cluster}u"
+    run, refused = f"unannounced-{uuid.uuid4().hex[:8]}", f"refused-{uuid.uuid4().hex[:8]}"
+    kv = await tbus.typed(KV_RUNS, RunRecord)
+    for run_id in (refused, run):
+        cfg = parse_run_config(tiny(run_id, cluster=cluster, ranks=1, steps=2,
+                                    checkpoint_every=2))
+        revision = await kv.create(run_id, RunRecord(
+            run_id=run_id, config=cfg.model_dump(mode="json"), state=RunState.pending))
+        assert revision is not None
+        if run_id == refused:
+            await kv.delete(run_id, last=revision)
+    root, log = stack.ckpt_root.parent / "unclaimed", stack.ckpt_root.parent / "unclaimed.log"
+    proc = start_coordinator(stack.nats, cluster, root, log, unclaimed_after_s="2")
+    try:
+        rec = await finished(tbus, run)
+    finally:
+        stop_process(proc)
+    assert rec.state == RunState.succeeded and rec.coordinator == f"{cluster}.n0"
+    assert rec.latest_step == 2
+    statuses = [e for e in await events_of(tbus, run) if isinstance(e, TrainStatus)]
+    assert statuses and all(e.state != RunState.pending for e in statuses)  # never announced
+    claimed = [line for line in log.read_text().splitlines()
+               if "trainer.claim_unannounced" in line]
+    assert any(run in line for line in claimed) and not any(refused in line for line in claimed)
+    assert await kv.get(refused) is None
 
 
 async def test_goodput_is_recorded_and_shown_in_status(stack: Stack, tbus: Bus) -> None:

@@ -266,7 +266,9 @@ async def get_run(bus: Any, run_id: str) -> RunRecord:
 async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
                      owner: str = "", max_unfinished: int | None = None) -> RunRecord:
     """Validate ``config``, record the run as pending (created by API key ``owner``) and
-    announce it.
+    announce it. A run recorded but never announced (a caller that died between the two,
+    or a publish refused past its retries) is claimed by a coordinator of its cluster
+    ``unclaimed_after_s`` later all the same (``tandem.trainer.service``).
 
     Returns the stored record. Idempotent: the same config under the same run id by the
     same owner returns the existing record (and re-announces it if it is still pending);
@@ -302,7 +304,9 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
         others = sorted(k for k, (rec, _) in (await kv.entries()).items()
                         if k != run_id and rec.owner == owner and not rec.state.terminal)
         if len(others) >= max_unfinished:
-            await kv.delete(run_id, last=revision)  # moved meanwhile (cancelled): leave it
+            # Moved meanwhile (cancelled; or claimed by a coordinator that found it
+            # unannounced, unclaimed_after_s later: a stall no submission lasts): leave it.
+            await kv.delete(run_id, last=revision)
             raise TooManyRuns(owner, others, max_unfinished)
     await bus.publish(subjects.train(run_id, "status"),
                       TrainStatus(run_id=run_id, state=RunState.pending, reason="submitted"),

@@ -9,6 +9,11 @@
   torchrun children, or each node's trainer agent ordered over the bus (``nodes.py``).
 - On start, runs this coordinator owned that are not finished are adopted (their ranks
   died with the previous coordinator process) and resume from their newest checkpoint.
+- A pending run of this cluster that nobody claimed ``unclaimed_after_s`` after it was
+  recorded is claimed from KV ``runs`` directly (``Unclaimed``): its announcement never
+  went out (a gateway that died between writing the record and publishing, or a stream
+  that refused the publish for longer than the gateway retried), and without this it
+  would wait forever, counting against its key's limit of unfinished runs.
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ class TrainerSettings(Settings):
     agent_lost_after_s: float = Field(
         10.0, gt=0, le=600, description="Coordinator, launcher=nodes: a node agent silent "
         "this long is lost; its attempt restarts from the newest valid checkpoint.")
+    unclaimed_after_s: float = Field(
+        30.0, gt=0, le=3600, description="Coordinator: a pending run of this cluster still "
+        "unclaimed this long after it was recorded (its announcement never went out) is "
+        "claimed from KV runs.")
     launch_within_s: float = Field(
         30.0, gt=0, le=3600, description="Coordinator, launcher=nodes: how long a launch "
         "order is retried while a node has no agent (a pod restarting) before the attempt "
@@ -102,6 +111,10 @@ class Trainer(Service):
         self.supervisors: dict[str, RunSupervisor] = {}
         self.launcher: Launcher = LocalLauncher(python=settings.python)
         self._slots = asyncio.Semaphore(settings.max_runs)
+        # Pending runs of this cluster nobody claimed yet: run id -> when to claim it
+        # (loop time, unclaimed_after_s after this coordinator first saw it pending).
+        self._unclaimed: dict[str, float] = {}
+        self._unclaimed_changed = asyncio.Event()
 
     def streams(self) -> Sequence[Spec]:
         return [*core_streams(self.settings.stream_replicas),
@@ -144,9 +157,13 @@ class Trainer(Service):
                 if rec.coordinator == self.me and rec.state not in TERMINAL:
                     ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
                     self._start(run_id, rec, adopted=True)
+                else:
+                    self._note(run_id, rec)
+            unclaimed = tg.create_task(self._claim_unclaimed())
             consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
                                         self._on_status)
             await consumer.run(ctx.stopping)
+            unclaimed.cancel()
         for sub in subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -154,15 +171,15 @@ class Trainer(Service):
     # ------------------------------------------------------------------------ claiming
 
     async def _on_status(self, d: Delivery[TrainStatus]) -> None:
-        ev = d.event
-        if ev.state != RunState.pending:
-            return
+        if d.event.state == RunState.pending:
+            await self._claim(d.event.run_id)
+
+    async def _claim(self, run_id: str, unannounced: bool = False) -> None:
+        """Claim a pending run of this cluster (compare-and-set: of several coordinators
+        exactly one gets it) and supervise it."""
         kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
-        got = await kv.get(ev.run_id)
-        if got is None:
-            return
-        cfg_cluster = got[0].config.get("cluster")
-        if cfg_cluster not in (None, "", self.s.cluster):
+        got = await kv.get(run_id)
+        if got is None or not self._ours(got[0]):
             return
 
         def claim(cur: RunRecord | None) -> RunRecord | None:
@@ -171,9 +188,50 @@ class Trainer(Service):
             return struct_replace(cur, coordinator=self.me, state=RunState.starting,
                                   updated_at=events.now())
 
-        rec = await kv.update(ev.run_id, claim)
-        if rec is not None and rec.coordinator == self.me and ev.run_id not in self.supervisors:
-            self._start(ev.run_id, rec)
+        rec = await kv.update(run_id, claim)
+        if rec is not None and rec.coordinator == self.me and run_id not in self.supervisors:
+            if unannounced:
+                self.ctx.log.warning("trainer.claim_unannounced", run_id=run_id,
+                                     after_s=self.s.unclaimed_after_s)
+            self._start(run_id, rec)
+
+    def _ours(self, rec: RunRecord) -> bool:
+        return rec.config.get("cluster") in (None, "", self.s.cluster)
+
+    def _note(self, run_id: str, rec: RunRecord | None) -> None:
+        """Track ``run_id`` while it is pending, unclaimed and this cluster's; forget it
+        once it is not (claimed, cancelled, deleted: a refused submission's record)."""
+        if (rec is None or rec.state != RunState.pending or rec.coordinator or rec.cancel
+                or not self._ours(rec)):
+            self._unclaimed.pop(run_id, None)
+        elif run_id not in self._unclaimed:
+            # Timed from when this coordinator saw it, not the record's created_at: no
+            # other host's clock decides, and a refused submission's record (deleted
+            # within milliseconds) is never claimed.
+            due = asyncio.get_running_loop().time() + self.s.unclaimed_after_s
+            self._unclaimed[run_id] = due
+            self._unclaimed_changed.set()
+
+    async def _claim_unclaimed(self) -> None:
+        """Claim each run still pending and unclaimed ``unclaimed_after_s`` after it was
+        first seen so: nobody announced it (``_on_status`` claims announced ones)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._unclaimed_changed.clear()
+            for run_id, due in list(self._unclaimed.items()):
+                if due > loop.time():
+                    continue
+                del self._unclaimed[run_id]
+                try:
+                    await self._claim(run_id, unannounced=True)
+                except Exception as exc:  # NATS away: try again later
+                    self.ctx.log.warning("trainer.claim_failed", run_id=run_id,
+                                         error=repr(exc))
+                    self._unclaimed[run_id] = loop.time() + min(5.0, self.s.unclaimed_after_s)
+            first = min(self._unclaimed.values(), default=None)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if first is None else first - loop.time()):
+                    await self._unclaimed_changed.wait()
 
     def _start(self, run_id: str, rec: RunRecord, adopted: bool = False) -> None:
         try:
@@ -220,15 +278,17 @@ class Trainer(Service):
 
     async def _on_run_record(self, msg: Any) -> None:
         """A run record changed: a cancel asked for a run this coordinator supervises
-        stops it (``runs.cancel_run``)."""
-        sup = self.supervisors.get(msg.subject.rsplit(".", 1)[-1])
-        if sup is None or not msg.data:
-            return
-        try:
-            rec = events.decode(msg.data, RunRecord)
-        except Exception:
-            return
-        if rec.cancel:
+        stops it (``runs.cancel_run``); a pending one is tracked until claimed."""
+        run_id = msg.subject.rsplit(".", 1)[-1]
+        rec = None
+        if msg.data:
+            try:
+                rec = events.decode(msg.data, RunRecord)
+            except Exception:
+                return
+        self._note(run_id, rec)
+        sup = self.supervisors.get(run_id)
+        if sup is not None and rec is not None and rec.cancel:
             sup.request_cancel(rec.cancel)
 
     async def _on_drain(self, msg: Any) -> None:
