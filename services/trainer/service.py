@@ -9,11 +9,12 @@
   torchrun children, or each node's trainer agent ordered over the bus (``nodes.py``).
 - On start, runs this coordinator owned that are not finished are adopted (their ranks
   died with the previous coordinator process) and resume from their newest checkpoint.
-- A pending run of this cluster that nobody claimed ``unclaimed_after_s`` after it was
-  recorded is claimed from KV ``runs`` directly (``Unclaimed``): its announcement never
-  went out (a gateway that died between writing the record and publishing, or a stream
-  that refused the publish for longer than the gateway retried), and without this it
-  would wait forever, counting against its key's limit of unfinished runs.
+- A pending run of this cluster still unclaimed ``unclaimed_after_s`` after this
+  coordinator saw it is claimed from KV ``runs`` directly (``_claim_unclaimed``): its
+  announcement never went out (a gateway that died between writing the record and
+  publishing, or a stream that refused the publish for longer than the gateway
+  retried), and without this it would wait forever, counting against its key's limit
+  of unfinished runs.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class TrainerSettings(Settings):
         "this long is lost; its attempt restarts from the newest valid checkpoint.")
     unclaimed_after_s: float = Field(
         30.0, gt=0, le=3600, description="Coordinator: a pending run of this cluster still "
-        "unclaimed this long after it was recorded (its announcement never went out) is "
-        "claimed from KV runs.")
+        "unclaimed this long after this coordinator saw it (its announcement never went "
+        "out) is claimed from KV runs.")
     launch_within_s: float = Field(
         30.0, gt=0, le=3600, description="Coordinator, launcher=nodes: how long a launch "
         "order is retried while a node has no agent (a pod restarting) before the attempt "
