@@ -82,4 +82,16 @@ def service_env(**values: str) -> dict[str, str]:
     return env
 
 
+def thread_cpus(pid: int) -> set[int]:
+    """The CPUs every thread of process ``pid`` may run on (one set, or the test fails)."""
+    seen = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            seen.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            pass  # a thread that ended while read
+    assert len(seen) == 1, f"threads of {pid} on different CPUs: {seen}"
+    return set(next(iter(seen)))
+
+
 PYTHON = sys.executable

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 import pytest
@@ -36,8 +37,10 @@ def _quotient(ratio: float, a: float, b: float) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~15 services and pipeline processes started, one at a time
 async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient() -> None:
-    # The smoke sizes, with (b)'s tasks cut to 40 a side (the last --tasks wins).
-    r = await bench_serve.run(_args(*bench_serve.SMOKE, "--tasks", "40", "--repeat", "1"))
+    # The smoke sizes, with (b)'s tasks cut to 40 a side (the last --tasks wins), and (c)
+    # pinned: the calls in child processes on a CPU of their own, the bare loop there too.
+    r = await bench_serve.run(_args(*bench_serve.SMOKE, "--tasks", "40", "--repeat", "1",
+                                    "--pin"))
     a, t, c = r["latency"], r["protocol"], r["batching"]
     assert set(r["figures"]) == {
         "latency", "doors", "protocol", "protocol_messages", "protocol_cpu", "validation",
@@ -112,6 +115,8 @@ def _pipeline_counts_add_up(r: dict[str, Any]) -> None:
     """(c)-(d) of the smoke run: 4 images, batch 2, both models, both sides."""
     p = r["pipeline"]
     assert (p["images"], p["batch"], p["threads"]) == (4, 2, 1)
+    cpus = sorted(os.sched_getaffinity(0))
+    assert p["pinned"] == {"pipeline": cpus[:1], "others": cpus[1:]} and p["pipeline_process"]
     for model, cells in p["models"].items():
         assert set(cells) == {"b1", "b2"}, model
         for key, cell in cells.items():
@@ -126,6 +131,8 @@ def _pipeline_counts_add_up(r: dict[str, Any]) -> None:
             assert t["torch_threads"] == bare["torch_threads"] == 1  # the same on both sides
             assert 0 < t["busy"] <= 1.0
             assert t["cpu_per_image"]["compute_ms"] > 0
+            # The calls ran in a child, on the pinned CPU, and the bare loop on it too.
+            assert t["apart"] and t["pipeline_cpus"] == bare["cpus"] == cpus[:1]
     # Each goal's key is the lowest model's figure.
     assert p["ratio_b1"] == min(cells["b1"]["ratio"] for cells in p["models"].values())
     assert p["ratio_b8"] == min(cells["b2"]["ratio"] for cells in p["models"].values())

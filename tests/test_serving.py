@@ -26,7 +26,7 @@ from tandem.common.events import GenerationTask, TaskRecord, TaskState
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_TASKS
 from tests.checkpoint_support import FaultProxy
-from tests.conftest import PYTHON
+from tests.conftest import PYTHON, thread_cpus
 from tests.serving_stack import (
     DEADLINE,
     Child,
@@ -343,8 +343,12 @@ async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one
 
 async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses_no_task(
         stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
-    """TANDEM_PIPELINE_PROCESS: the calls run in a child process of the worker's."""
-    w = stack.start_worker("w-apart", "apart", serve="digits", pipeline_process="1")
+    """TANDEM_PIPELINE_PROCESS: the calls run in a child process of the worker's, pinned
+    (TANDEM_PIPELINE_CPUS) to a CPU the worker's own threads leave to it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, f"pinning needs 2 CPUs to be told apart; this process may use {cpus}"
+    w = stack.start_worker("w-apart", "apart", serve="digits", pipeline_process="1",
+                           pipeline_cpus=str(cpus[-1]))
     try:
         body = dict(model="digits", class_label=3, steps=8, seed=5)
         same = [await submit(http, **body), await submit(http, **body, cluster="apart")]
@@ -354,8 +358,11 @@ async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses
             view = (await http.get(f"/v1/generations/{task_id}")).json()
             pngs.append((await images_of(http, view))[0])
         assert pngs[0] == pngs[1]  # the worker's own process and the child: the same bits
-        pid = w.wait_healthy()["pipeline"]["processes"]["digits"]
+        health = w.wait_healthy()["pipeline"]
+        pid = health["processes"]["digits"]
         assert pid != w.proc.pid
+        assert health["cpus"] == cpus[-1:] and health["worker_cpus"] == cpus[:-1]
+        assert thread_cpus(pid) == {cpus[-1]} and thread_cpus(w.proc.pid) == set(cpus[:-1])
 
         # 100 steps: at rest ~6.6 ms each, so the kill, sent on step 2, lands mid-call
         # (attempts == 2 below says it did); the attempt after it runs them all again,
@@ -373,7 +380,8 @@ async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses
         assert rec.worker == "w-apart" and rec.attempts == 2  # delivered again, here
         assert (await writes.until_terminal(task_id)).count("succeeded") == 1
         assert s3_keys(stack, task_id) == [f"images/{task_id}/0.png"]
-        assert w.wait_healthy()["pipeline"]["processes"]["digits"] not in (None, pid)
+        again = w.wait_healthy()["pipeline"]["processes"]["digits"]
+        assert again not in (None, pid) and thread_cpus(again) == {cpus[-1]}  # the new child too
         assert "died during a call (exit status -9)" in w.tail(20000)
     finally:
         w.kill()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import pytest
 from tandem.common.models import ModelSpec, Registry
 from tandem.inference_worker import apart
 from tandem.inference_worker.pipelines import Interrupted, Item, ModelLoadError, Params, build
+from tests.conftest import PYTHON, ROOT, service_env, thread_cpus
 
 PARAMS = Params(width=16, height=16, steps=3, guidance=1.0)
 ITEMS = [Item(seed=5, class_label=1), Item(seed=6, class_label=2)]
@@ -135,3 +137,48 @@ def test_closing_ends_the_child_and_a_model_it_cannot_build_is_refused_naming_wh
     with pytest.raises(ModelLoadError, match="nothing-here is not a directory"):
         apart.ProcessPipeline(missing, "cpu", "float32")
     assert apart.eligible(_spec("digits")) and not apart.eligible(_spec("noop"))
+
+
+def test_a_pinned_child_runs_every_thread_on_its_cpus_and_makes_the_same_images() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, f"pinning needs 2 CPUs to be told apart; this process may use {cpus}"
+    pipe = apart.ProcessPipeline(_spec("digits"), "cpu", "float32", cpus=frozenset(cpus[-1:]))
+    try:
+        arrays = pipe.images(ITEMS, PARAMS, lambda s, t: None)
+        # threads 0 with cpus: one torch thread per CPU of them, so the same kernels as a
+        # one-thread process, and the same bits
+        assert [pipe.encode(a) for a in arrays] == _in_process_images("digits", ITEMS, PARAMS)
+        assert pipe.pid is not None
+        assert thread_cpus(pipe.pid) == {cpus[-1]}
+        assert os.sched_getaffinity(0) == set(cpus)  # the caller's own CPUs are untouched
+    finally:
+        pipe.close()
+
+
+def test_a_cpu_list_is_read_as_linux_writes_it_and_a_bad_one_is_named() -> None:
+    assert apart.cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    assert apart.cpu_list(" 2 , 0-1 ") == {0, 1, 2}
+    assert apart.cpu_list("") == frozenset() == apart.cpu_list("  ")
+    for bad, why in (("a", "'a' is not a CPU number"), ("3-1", "ends before it starts"),
+                     ("0,,1", "'' is not a CPU number"), ("-1", "'-1' is not a CPU number"),
+                     ("0-", "'0-' is not a CPU number")):
+        with pytest.raises(ValueError, match=why) as err:
+            apart.cpu_list(bad, "TANDEM_PIPELINE_CPUS")
+        assert str(err.value).startswith(f"TANDEM_PIPELINE_CPUS {bad!r}")
+
+
+def test_a_worker_refuses_pinning_it_cannot_do_at_start_naming_the_setting() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    every = ",".join(map(str, cpus))
+    for values, why in (
+            (dict(pipeline_cpus="0"), "needs TANDEM_PIPELINE_PROCESS=1"),
+            (dict(pipeline_process="1", pipeline_cpus=every), "none is left for its own"),
+            (dict(pipeline_process="1", pipeline_cpus=str(max(cpus) + 1)),
+             f"names CPUs this worker may not use: [{max(cpus) + 1}]"),
+            (dict(pipeline_process="1", pipeline_cpus="0-"), "'0-' is not a CPU number")):
+        out = subprocess.run([PYTHON, "-m", "tandem.inference_worker"], cwd=ROOT,
+                             env=service_env(s3_secret_key="do-not-print-me", **values),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (values, out.stderr[-2000:])
+        assert "TANDEM_PIPELINE_CPUS" in out.stderr and why in out.stderr, out.stderr
+        assert "do-not-print-me" not in out.stderr  # a check across settings echoes none

@@ -132,7 +132,9 @@ def load(cls: type[S], service: str | None = None, **overrides: object) -> S:
     except ValidationError as exc:
         problems: dict[str, str] = {}
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "?"
-            name = ENV_PREFIX + field.upper()
+            if not err["loc"]:  # a check across settings: its input is all of them
+                problems["settings"] = err["msg"]  # (secrets too): its message names them
+                continue
+            name = ENV_PREFIX + ".".join(str(p) for p in err["loc"]).upper()
             problems[name] = f"{err['msg']} (got {err.get('input')!r})"
         raise SettingsError(service or cls.__name__, problems) from None

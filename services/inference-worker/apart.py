@@ -20,6 +20,10 @@ beside the next call.
   sees its socket close and exits.
 - Models of a run (``run:``, hot-swapped between checkpoints) and the no-op and fault
   models stay in the worker's process.
+- ``TANDEM_PIPELINE_CPUS`` pins the children to some CPUs and the worker's own threads to
+  the others (``pin``): on a host whose cores the call uses (a CPU node, or the cores
+  feeding a GPU), the worker's bursts of encoding, uploads and bus I/O after each batch
+  then never take a core from the call, as they do when the scheduler may put them anywhere.
 """
 
 from __future__ import annotations
@@ -54,6 +58,39 @@ _log = log.get("tandem.inference_worker.apart")
 KINDS = ("builtin", "dir")  # built from the spec alone: what a child can build by itself
 
 
+def cpu_list(text: str, name: str = "CPU list") -> frozenset[int]:
+    """The CPUs a Linux CPU list names (``0-3,8``, as ``taskset -c`` and ``cpuset.cpus``
+    take it); empty names none. ``ValueError`` naming ``name`` and the bad part."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part and not text.strip():
+            continue
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() if dash else True)):
+            raise ValueError(f"{name} {text!r}: {part!r} is not a CPU number or a range "
+                             f"a-b (a CPU list looks like 0-3,8)")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"{name} {text!r}: the range {part!r} ends before it starts")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def pin(cpus: frozenset[int] | set[int], pid: int | str = "self") -> None:
+    """Every thread of process ``pid`` (this one by default) onto ``cpus`` (Linux sets
+    affinity per thread; a thread started later takes its starter's), until a pass finds no
+    thread it had not moved."""
+    done: set[int] = set()
+    while True:
+        tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
+        if not tids:
+            return
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(tid, cpus)
+        done |= tids
+
+
 def eligible(spec: ModelSpec) -> bool:
     """Whether ``spec``'s pipeline can run in a child process."""
     return spec.source_kind in KINDS
@@ -78,9 +115,12 @@ class ProcessPipeline(Pipeline):
     concurrent = True
 
     def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto",
-                 threads: int = 0, start_timeout: float = 600.0) -> None:
+                 threads: int = 0, start_timeout: float = 600.0,
+                 cpus: frozenset[int] = frozenset()) -> None:
+        """``cpus``: the child runs on these CPUs only (empty: wherever the worker may), with
+        ``threads`` 0 meaning one torch thread per CPU of them."""
         super().__init__(spec)
-        self._args = (spec, device, dtype, threads)
+        self._args = (spec, device, dtype, threads, cpus)
         self._start_timeout = start_timeout
         self._lock = threading.Lock()  # (re)starting the child
         self._child: _Child | None = None
@@ -265,9 +305,12 @@ class _Child:
 def _serve(conn: Connection) -> None:
     from .pipelines import build, set_threads
 
-    kind, spec, device, dtype, threads = conn.recv()
+    kind, spec, device, dtype, threads, cpus = conn.recv()
     assert kind == "build", kind
     try:
+        if cpus:  # before torch starts a thread: each takes this one's CPUs
+            os.sched_setaffinity(0, cpus)
+            threads = threads or len(cpus)
         if not eligible(spec):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
         if threads:

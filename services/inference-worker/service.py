@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import msgspec
 from nats.aio.msg import Msg
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.common import log, metrics, subjects
 from tandem.common.backoff import Backoff
@@ -105,6 +105,11 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
                                    "worker's encoding, uploads and bus I/O then never wait "
                                    "for the call's interpreter lock. run: models stay in the "
                                    "worker's process.")
+    pipeline_cpus: str = Field("", description="CPUs (a Linux CPU list: 0-3,8) the pipeline "
+                               "processes run on, and the worker's own threads on the other "
+                               "CPUs it may use, so its encoding, uploads and bus I/O never "
+                               "take a core from a call; needs pipeline_process. Empty: no "
+                               "pinning.")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is "
                             "redelivered; in-progress acks extend it while a task runs.")
     max_deliver: int = Field(5, ge=2, le=100, description="Deliveries before the DLQ.")
@@ -126,6 +131,31 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
     def _tokens(cls, v: str, info) -> str:  # type: ignore[no-untyped-def]
         subjects.token_list(v, info.field_name)
         return v
+
+    @field_validator("pipeline_cpus")
+    @classmethod
+    def _cpu_list(cls, v: str) -> str:
+        apart.cpu_list(v, "TANDEM_PIPELINE_CPUS")
+        return v
+
+    @model_validator(mode="after")
+    def _pinned_apart(self) -> WorkerSettings:
+        """Pinning needs the calls apart, CPUs this machine lets the worker use, and one
+        left over for the worker's own threads."""
+        cpus, name = apart.cpu_list(self.pipeline_cpus), "TANDEM_PIPELINE_CPUS"
+        if not cpus:
+            return self
+        if not self.pipeline_process:
+            raise ValueError(f"{name} {self.pipeline_cpus!r} pins the pipeline processes, "
+                             f"and there are none: it needs TANDEM_PIPELINE_PROCESS=1")
+        allowed = frozenset(os.sched_getaffinity(0))
+        if cpus - allowed:
+            raise ValueError(f"{name} {self.pipeline_cpus!r} names CPUs this worker may not "
+                             f"use: {sorted(cpus - allowed)} (it may use {sorted(allowed)})")
+        if not allowed - cpus:
+            raise ValueError(f"{name} {self.pipeline_cpus!r} takes every CPU this worker may "
+                             f"use ({sorted(allowed)}): none is left for its own threads")
+        return self
 
     @property
     def clusters(self) -> list[str]:
@@ -159,6 +189,10 @@ class InferenceWorker(Service):
         if unknown:
             raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
         self.served = served
+        # Pinned (TANDEM_PIPELINE_CPUS): the calls on these CPUs, this process on the rest.
+        self.pipeline_cpus = apart.cpu_list(settings.pipeline_cpus)
+        self.own_cpus = (frozenset(os.sched_getaffinity(0)) - self.pipeline_cpus
+                         if self.pipeline_cpus else None)
         self.worker_id = subjects.token(settings.worker_id or f"{settings.node}-{os.getpid()}",
                                         "worker id")
         self.pipelines: dict[str, Pipeline] = {}
@@ -207,7 +241,9 @@ class InferenceWorker(Service):
                 "inflight": self.inflight, "batches": self.batcher.batches,
                 "pipeline": {**self.batcher.usage.json(), "torch_threads": self.torch_threads,
                              "processes": {m: p.pid for m, p in self.pipelines.items()
-                                           if isinstance(p, apart.ProcessPipeline)}},
+                                           if isinstance(p, apart.ProcessPipeline)},
+                             "cpus": sorted(self.pipeline_cpus) or None,
+                             "worker_cpus": sorted(self.own_cpus) if self.own_cpus else None},
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
                 "checkpoints": self.hotswap.status(), "drained": self._drained(),
                 "failover": self.failover.describe() if self.failover else None}
@@ -230,7 +266,8 @@ class InferenceWorker(Service):
                         else None)
                 if self.s.pipeline_process and apart.eligible(spec):
                     pipe = await asyncio.to_thread(apart.ProcessPipeline, spec, self.s.device,
-                                                   self.s.dtype, self.s.torch_threads)
+                                                   self.s.dtype, self.s.torch_threads,
+                                                   cpus=self.pipeline_cpus)
                 else:
                     pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
                                                    self.s.fault_injection, line)
@@ -254,6 +291,10 @@ class InferenceWorker(Service):
     # ---------------------------------------------------------------------------- life
 
     async def run(self, ctx: Context) -> None:
+        if self.own_cpus:
+            apart.pin(self.own_cpus)
+            _log.info("worker.pinned", pipeline_cpus=sorted(self.pipeline_cpus),
+                      worker_cpus=sorted(self.own_cpus))
         bus = ctx.bus
         self.bus = bus
         self.tasks = await bus.typed(KV_TASKS, TaskRecord)

@@ -13,8 +13,10 @@ model and nothing else would do to make the same images.
 
 Each call makes ``batch`` images with a generator per image (as the worker does), the
 same steps, size and guidance as the worker's tasks; torch runs on ``threads`` intra-op
-threads (the worker's ``TANDEM_TORCH_THREADS``). No PNG, no upload, no bus: the limit the
-worker is measured against. Prints one JSON line: when each call ended
+threads (the worker's ``TANDEM_TORCH_THREADS``), on ``--cpus`` when given (the CPU
+``--pin`` gives the worker's calls). One call before the counted ones, as the worker warms
+its pipeline before it serves. No PNG, no upload, no bus: the limit the worker is measured
+against. Prints one JSON line: when each call ended
 (``time.perf_counter``), so the bench counts whole batches the way it counts the
 worker's results, and the CPU and wall seconds of the loop.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -83,16 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--guidance", type=float, default=1.0)
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--cpus", default="", help="CPU list this loop runs on (empty: any)")
     a = p.parse_args(argv)
     if a.batch < 1 or a.images % a.batch:
         raise SystemExit(f"--images {a.images} must be a whole number of batches of "
                          f"--batch {a.batch}")
+    if a.cpus:  # before torch starts a thread: each takes this one's CPUs
+        from tandem.inference_worker.apart import cpu_list
+
+        os.sched_setaffinity(0, cpu_list(a.cpus, "--cpus"))
     import torch
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     call = (digits(a.batch, a.steps, a.size) if a.model == "digits"
             else tiny_text(a.batch, a.steps, a.size, a.guidance))
+    call(list(range(a.batch)))  # the warm-up, not counted
     ends = []
     cpu0, t0 = time.process_time(), time.perf_counter()
     for first in range(0, a.images, a.batch):
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         ends.append(time.perf_counter())
     print(json.dumps({"model": a.model, "batch": a.batch, "images": a.images,
                       "threads": torch.get_num_threads(), "ends": ends,
+                      "cpus": sorted(os.sched_getaffinity(0)),
                       "cpu_s": time.process_time() - cpu0, "wall_s": ends[-1] - t0}))
     return 0
 

@@ -36,6 +36,14 @@ repeats, on its servers):
 
 Tandem and bare run one after the other for each model and batch size, the side going
 first alternating between repeats (``stats.order``).
+
+``--pin`` gives (c)'s pipeline a CPU of its own, as an accelerator is its own: the worker's
+calls run in a child process pinned to the first CPU (``TANDEM_PIPELINE_CPUS``) and the bare
+loop runs on that CPU too; the worker's own threads, nats-server and the S3 server run on
+the others. On a machine of few cores this is what separates the design
+(is the pipeline kept fed, with encoding, upload and bus off its path?) from the
+scheduler's placing of bursts of other work on the call's core, which a GPU node's call
+never sees. (e) is not pinned.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -52,6 +61,7 @@ from tandem.cli import http
 from tandem.cli.bench import saturation, stats
 from tandem.common import fleet, streams
 from tandem.common.events import GenerationTask
+from tandem.inference_worker.apart import pin as pin_threads
 
 if TYPE_CHECKING:
     from tandem.cli.bench.serve import Bench
@@ -79,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-process", action="store_true",
                    help="(c) and (e): the workers run their pipeline calls in a child process "
                    "(TANDEM_PIPELINE_PROCESS=1)")
+    p.add_argument("--pin", action="store_true",
+                   help="(c): the calls (in a child process) and the bare loop on the first "
+                   "CPU, everything else on the others: a CPU of its own, as a device")
     p.add_argument("--worker-tasks", type=int, default=4000,
                    help="no-op tasks per worker count for (e)")
     p.add_argument("--worker-images", type=int, default=192,
@@ -86,7 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse sizes whose rates would not count whole batches."""
+    """Refuse sizes whose rates would not count whole batches, and pinning with one CPU."""
+    if getattr(args, "pin", False) and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit(f"--pin needs 2 CPUs (one for the calls, the rest for the others); "
+                         f"this process may use {sorted(os.sched_getaffinity(0))}")
     if args.batch < 1 or args.images % args.batch or args.images < 2 * args.batch:
         raise SystemExit(f"--images {args.images} must be a whole number of batches of "
                          f"--batch {args.batch}, at least two (rates count whole batches)")
@@ -115,6 +131,14 @@ def apart(args: argparse.Namespace) -> dict[str, str]:
     return {"pipeline_process": "1"} if getattr(args, "pipeline_process", False) else {}
 
 
+def pinned(args: argparse.Namespace) -> tuple[int, list[int]] | None:
+    """With ``--pin``: (c)'s pipeline CPU, and the CPUs of everything else."""
+    if not getattr(args, "pin", False):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[0], cpus[1:]
+
+
 def tasks_of(model: str, n: int, steps: int, cluster: str) -> list[GenerationTask]:
     """``n`` single-image tasks of ``model``: seed ``i``, label ``i % 10``, prompt "a red boat
     <i>" (the images the bare loop makes too)."""
@@ -141,9 +165,11 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
     # Held (its node drained) until its counters are read: a fresh worker pulls the moment
     # it is ready, and a small backlog can be made before a first reading after that.
     await fleet.drain(bus, cluster, name, reason="bench: held until its counters are read")
+    pin = pinned(args)
     w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
                        torch_threads=str(args.threads), linger=LINGER, idle_poll="0.05",
-                       **apart(args))
+                       **apart(args), **({"pipeline_process": "1", "pipeline_cpus": str(pin[0])}
+                                         if pin else {}))
     before = (await asyncio.to_thread(_health, b, name))["pipeline"]
     child = before.get("processes", {}).get(model)  # the calls' process, when apart
     pids = {"worker": w.pid or 0, "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
@@ -173,7 +199,7 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
         "s3_ms": window.cores["s3"] * wall / images * 1e3 if images else None,
     }
     return {"images_per_s": round(rate, 3), "busy": after["busy"], "calls": after["calls"],
-            "apart": bool(child),
+            "apart": bool(child), "pipeline_cpus": after.get("cpus"),
             "images": after["images"], "whole_batches": after["calls"] * batch == args.images,
             "torch_threads": after["torch_threads"],
             "cpu_per_image": {k: round(v, 3) if v is not None else None
@@ -186,7 +212,8 @@ async def _bare(model: str, batch: int, args: argparse.Namespace) -> dict[str, A
         sys.executable, "-m", "tandem.cli.bench.bare_pipeline", "--model", model,
         "--batch", str(batch), "--images", str(args.images), "--steps", str(args.steps),
         "--size", str(SIZE), "--guidance", str(GUIDANCE[model]), "--threads",
-        str(args.threads), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(args.threads), "--cpus", str(pin[0]) if (pin := pinned(args)) else "",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"bare pipeline {model} batch {batch} failed: "
@@ -195,25 +222,41 @@ async def _bare(model: str, batch: int, args: argparse.Namespace) -> dict[str, A
     ends = got["ends"]
     rate = (args.images - batch) / (ends[-1] - ends[0])
     return {"images_per_s": round(rate, 3), "calls": len(ends), "torch_threads": got["threads"],
+            "cpus": got["cpus"],
             "cpu_per_image_ms": round(got["cpu_s"] / args.images * 1e3, 3),
             "wall_per_image_ms": round(got["wall_s"] / args.images * 1e3, 3)}
 
 
 async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for model in MODELS:
-        out[model] = {}
-        for batch in (1, args.batch):
-            sides = {"tandem": lambda m=model, n=batch: _tandem(b, bus, m, n, args, r),
-                     "bare": lambda m=model, n=batch: _bare(m, n, args)}
-            got = {side: await sides[side]() for side in stats.order(r, list(sides))}
-            ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
-            out[model][f"b{batch}"] = {**got, "ratio": round(ratio, 3),
-                                       "first": stats.order(r, list(sides))[0]}
+    pin = pinned(args)
+    # Not this process: the workers it starts would take its CPUs (it waits, mostly: under
+    # 0.02 of a core in (c)'s windows, in the figures' "bench").
+    others = {"nats-server": b.nats.pid, "s3": b.s3.pid}
+    try:
+        if pin:  # the servers off the pipeline's CPU, for (c) only
+            for pid in others.values():
+                assert pid is not None
+                pin_threads(set(pin[1]), pid)
+        for model in MODELS:
+            out[model] = {}
+            for batch in (1, args.batch):
+                sides = {"tandem": lambda m=model, n=batch: _tandem(b, bus, m, n, args, r),
+                         "bare": lambda m=model, n=batch: _bare(m, n, args)}
+                got = {side: await sides[side]() for side in stats.order(r, list(sides))}
+                ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
+                out[model][f"b{batch}"] = {**got, "ratio": round(ratio, 3),
+                                           "first": stats.order(r, list(sides))[0]}
+    finally:
+        if pin:
+            for pid in others.values():
+                assert pid is not None
+                pin_threads({pin[0], *pin[1]}, pid)
     big = f"b{args.batch}"
     return {"models": out, "images": args.images, "steps": args.steps, "size": f"{SIZE}x{SIZE}",
             "batch": args.batch, "threads": args.threads,
-            "pipeline_process": bool(apart(args)),
+            "pipeline_process": bool(apart(args) or pin),
+            "pinned": {"pipeline": [pin[0]], "others": pin[1]} if pin else None,
             "counted_images": {"b1": args.images - 1, big: args.images - args.batch},
             # The goals hold for every model: each key is the lowest model's.
             "ratio_b1": min(m["b1"]["ratio"] for m in out.values()),
@@ -342,6 +385,7 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
     """(c), (d) and (e) as figures over the repeats; a goal not met says what was
     saturated over its median run's drain."""
     big = f"b{args_batch}"
+    pin = runs[0]["pipeline"].get("pinned")
     out = []
     for model in MODELS:
         for key in ("b1", big):
@@ -349,10 +393,12 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
             fig = stats.Figure(
                 f"pipeline_{model}_{key}", f"(c) {model}, batch {key[1:]}: Tandem"
                 + (" (calls in a child process)" if runs[0]["pipeline"].get("pipeline_process")
-                   else "") + " against the bare pipeline", "img/s",
+                   else "") + " against the bare pipeline"
+                + (", both on a CPU of their own" if pin else ""), "img/s",
                 [c["tandem"]["images_per_s"] for c in cells],
                 [c["bare"]["images_per_s"] for c in cells],
-                "the same pipeline in a plain loop, same torch threads",
+                "the same pipeline in a plain loop, same torch threads"
+                + (f", pinned as the calls: {pin}" if pin else ""),
                 ratio=[c["ratio"] for c in cells], goal=stats.Goal(">=", GOAL_PIPELINE),
                 digits=2)
             if fig.met is False:
@@ -399,7 +445,8 @@ def render(r: dict[str, Any]) -> list[str]:
     """The lines of (c), (d) and (e) for the bench's text."""
     p, c, w = r["pipeline"], r["batching"], r["workers"]
     lines = [f"(c) against the bare pipeline, {p['size']}, {p['steps']} steps, {p['images']} "
-             f"images per side, torch threads {p['threads']} on both sides"]
+             f"images per side, torch threads {p['threads']} on both sides"
+             + (f"; pinned: {p['pinned']}" if p.get("pinned") else "")]
     for model, cells in p["models"].items():
         for key, cell in cells.items():
             t, bare, cpu = cell["tandem"], cell["bare"], cell["tandem"]["cpu_per_image"]
