@@ -98,9 +98,10 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
                                    "check_task"}
     assert _positive(*t["overheads"].values())
 
-    # Whole batches: 4 images in batches of 2 count the 2 after the first batch.
-    assert c["images"] == 4 and c["max_batch"] == 2
-    assert c["counted_images"] == {"unbatched": 3, "batched": 2}
+    # Whole batches: each half's 4 images in batches of 2 count the 2 after its first
+    # batch (3 of 4 one at a time), 4 (6) of the 8 in all.
+    assert c["images"] == 8 and c["max_batch"] == 2
+    assert c["counted_images"] == {"unbatched": 6, "batched": 4}
     assert _positive(c["batched_images_per_s"], c["unbatched_images_per_s"])
     assert _quotient(c["ratio"], c["batched_images_per_s"], c["unbatched_images_per_s"])
 
@@ -112,9 +113,9 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
 
 
 def _pipeline_counts_add_up(r: dict[str, Any]) -> None:
-    """(c)-(d) of the smoke run: 4 images, batch 2, both models, both sides."""
+    """(c)-(d) of the smoke run: 8 images, batch 2, both models, both sides."""
     p = r["pipeline"]
-    assert (p["images"], p["batch"], p["threads"]) == (4, 2, 1)
+    assert (p["images"], p["batch"], p["threads"]) == (8, 2, 1)
     cpus = sorted(os.sched_getaffinity(0))
     assert p["pinned"] == {"pipeline": cpus[:1], "others": cpus[1:]} and p["pipeline_process"]
     for model, cells in p["models"].items():
@@ -125,9 +126,15 @@ def _pipeline_counts_add_up(r: dict[str, Any]) -> None:
             assert _positive(t["images_per_s"], bare["images_per_s"], cell["ratio"])
             assert _quotient(cell["ratio"], t["images_per_s"], bare["images_per_s"])
             # Every image went through one pipeline call; the bare loop made whole batches.
-            assert t["images"] == 4 and t["calls"] >= 4 // batch
-            assert t["whole_batches"] == (t["calls"] == 4 // batch)
-            assert bare["calls"] == 4 // batch
+            assert t["images"] == 8 and t["calls"] >= 8 // batch
+            assert t["whole_batches"] == (t["calls"] == 8 // batch)
+            assert bare["calls"] == 8 // batch
+            # Each side ran twice, on half the images, A B B A; its rate is its two
+            # halves' counted images over their two windows, so it lies between theirs.
+            assert cell["order"] in ("TBBT", "BTTB")
+            for side in (t, bare):
+                assert len(side["halves"]) == 2 and _positive(*side["halves"])
+                assert min(side["halves"]) <= side["images_per_s"] <= max(side["halves"])
             assert t["torch_threads"] == bare["torch_threads"] == 1  # the same on both sides
             assert 0 < t["busy"] <= 1.0
             assert t["cpu_per_image"]["compute_ms"] > 0

@@ -56,7 +56,7 @@ GOAL_LATENCY = 3.0
 GOAL_PROTOCOL = 0.95
 GOAL_WRITES = 3.0
 GOAL_CPU_US = 50.0
-SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "4", "--steps",
+SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "8", "--steps",
          "2", "--batch", "2", "--workers", "1,2", "--worker-tasks", "40", "--worker-images",
          "8")
 

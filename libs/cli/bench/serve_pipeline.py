@@ -11,12 +11,17 @@ repeats, on its servers):
     draining a queue filled beforehand with single-image tasks (``max_batch`` 1 or
     ``--batch``; the worker held, its node drained, until its counters are read, then
     let go), each task recorded, claimed, run, encoded, uploaded, committed and
-    acked. Both sides count whole batches the same way: ``images - batch`` over the
-    window from the first batch's end (bare) or first result (Tandem) to the last.
+    acked. Each side runs twice on half the images, in the order A B B A (``_cell``), so
+    a machine whose speed drifts during the cell (a shared host's does, by 10% over
+    minutes here) weighs on both alike; each half is a fresh worker or bare process.
+    Both sides count whole batches the same way: in each half, ``images/2 - batch``
+    over the window from the first batch's end (bare) or first result (Tandem) to the
+    last; a side's rate is the counted images of its two halves over their two windows.
     Goal: Tandem/bare >= 0.95 for each model and batch size. Beside it, the pipeline's
     busy time as a fraction of wall time while the worker drained the backlog, measured
     in the worker (``/healthz`` ``pipeline``: the sum of its pipeline calls over the span
-    from the first call's start to the last call's end); goal >= 0.95. And the CPU the
+    from the first call's start to the last call's end, summed over both halves); goal
+    >= 0.95. And the CPU the
     rest cost, per image: the worker's CPU beside its compute thread's (encoding, upload,
     the bus), nats-server's and the S3 server's, from ``/proc`` over the drain: on a
     machine with few cores, that is what competes with the pipeline for them.
@@ -34,8 +39,8 @@ repeats, on its servers):
     polled), and the machine's CPU over the run (``saturation``): on a small machine the
     digits scaling is bound by cores.
 
-Tandem and bare run one after the other for each model and batch size, the side going
-first alternating between repeats (``stats.order``).
+Tandem and bare take turns for each model and batch size (A B B A), the side going first
+alternating between repeats (``stats.order``).
 
 ``--pin`` gives (c)'s pipeline a CPU of its own, as an accelerator is its own: the worker's
 calls run in a child process pinned to the first CPU (``TANDEM_PIPELINE_CPUS``) and the bare
@@ -103,9 +108,10 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "pin", False) and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit(f"--pin needs 2 CPUs (one for the calls, the rest for the others); "
                          f"this process may use {sorted(os.sched_getaffinity(0))}")
-    if args.batch < 1 or args.images % args.batch or args.images < 2 * args.batch:
+    if args.batch < 1 or args.images % (2 * args.batch) or args.images < 4 * args.batch:
         raise SystemExit(f"--images {args.images} must be a whole number of batches of "
-                         f"--batch {args.batch}, at least two (rates count whole batches)")
+                         f"--batch {args.batch}, at least two in each half (each side runs "
+                         f"twice, on half the images; rates count whole batches)")
     counts = worker_counts(args)
     if args.worker_images % (args.batch * max(counts)) or args.worker_tasks < max(counts):
         raise SystemExit(f"--worker-images {args.worker_images} must be whole batches of "
@@ -156,10 +162,11 @@ def _health(b: Bench, name: str) -> dict[str, Any]:
     return got
 
 
-async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
-                  r: int) -> dict[str, Any]:
-    cluster = f"pipe{r}{MODELS.index(model)}b{batch}"
-    tasks = tasks_of(model, args.images, args.steps, cluster)
+async def _tandem(b: Bench, bus: Bus, model: str, batch: int, n: int,
+                  args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """One half of Tandem's side: a fresh worker drains ``n`` queued tasks; its sums."""
+    cluster = f"pipe{tag}"
+    tasks = tasks_of(model, n, args.steps, cluster)
     await b.prefill(bus, cluster, tasks)
     name = f"w-{cluster}"
     # Held (its node drained) until its counters are read: a fresh worker pulls the moment
@@ -180,37 +187,55 @@ async def _tandem(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Nam
     window = meter.stop()
     after = (await asyncio.to_thread(_health, b, name))["pipeline"]
     w.stop(10)
-    images = after["images"] - before["images"]
     wall = window.wall_s
-    # CPU beside the pipeline, per image made in the window (the worker's own minus its
-    # compute thread's: with one torch thread, that thread is all of the compute; with
-    # the calls in a child process, the worker's own is all beside them).
-    worker_cpu = window.cores["worker"] * wall
-    compute_cpu = after["cpu_s"] - before["cpu_s"]
-    per_image = {
-        # Wall against CPU of the calls: how much of a call its thread was not on a core
-        # (waiting for one, or for the interpreter lock).
-        "compute_wall_ms": (after["busy_s"] - before["busy_s"]) / images * 1e3 if images
-        else None,
-        "compute_ms": compute_cpu / images * 1e3 if images else None,
-        "worker_rest_ms": (worker_cpu - (0 if child else compute_cpu)) / images * 1e3
-        if images else None,
-        "nats_server_ms": window.cores["nats-server"] * wall / images * 1e3 if images else None,
-        "s3_ms": window.cores["s3"] * wall / images * 1e3 if images else None,
-    }
-    return {"images_per_s": round(rate, 3), "busy": after["busy"], "calls": after["calls"],
+    return {"counted": n - batch, "window_s": (n - batch) / rate,
+            "images": after["images"] - before["images"], "calls": after["calls"],
+            "whole_batches": after["calls"] * batch == n,
+            "busy_s": after["busy_s"] - before["busy_s"],
+            "span_s": after["last_end"] - after["first_start"],  # a fresh worker's calls
+            "compute_cpu_s": after["cpu_s"] - before["cpu_s"],
+            # The worker's own CPU: with the calls in a child process, all of it is beside
+            # them; with one torch thread in the worker, that thread is all of the compute.
+            "worker_cpu_s": window.cores["worker"] * wall,
+            "nats_cpu_s": window.cores["nats-server"] * wall,
+            "s3_cpu_s": window.cores["s3"] * wall,
             "apart": bool(child), "pipeline_cpus": after.get("cpus"),
-            "images": after["images"], "whole_batches": after["calls"] * batch == args.images,
-            "torch_threads": after["torch_threads"],
-            "cpu_per_image": {k: round(v, 3) if v is not None else None
-                              for k, v in per_image.items()},
-            "window": window.json()}
+            "torch_threads": after["torch_threads"], "window": window.json()}
 
 
-async def _bare(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+def _tandem_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tandem's figures over its halves: counted images over their windows, busy seconds
+    over their spans, CPU per image over every image."""
+    images = sum(h["images"] for h in halves)
+    child = halves[0]["apart"]
+
+    def per_image(key: str, minus: str | None = None) -> float | None:
+        total = sum(h[key] - (h[minus] if minus else 0) for h in halves)
+        return round(total / images * 1e3, 3) if images else None
+
+    slower = min(halves, key=lambda h: h["counted"] / h["window_s"])
+    return {
+        "images_per_s": round(sum(h["counted"] for h in halves)
+                              / sum(h["window_s"] for h in halves), 3),
+        "busy": round(sum(h["busy_s"] for h in halves) / sum(h["span_s"] for h in halves), 6),
+        "calls": sum(h["calls"] for h in halves), "images": images,
+        "whole_batches": all(h["whole_batches"] for h in halves), "apart": child,
+        "pipeline_cpus": halves[0]["pipeline_cpus"], "torch_threads": halves[0]["torch_threads"],
+        "cpu_per_image": {
+            # Wall against CPU of the calls: how much of a call its thread was not on a
+            # core (waiting for one, or for the interpreter lock).
+            "compute_wall_ms": per_image("busy_s"), "compute_ms": per_image("compute_cpu_s"),
+            "worker_rest_ms": per_image("worker_cpu_s", None if child else "compute_cpu_s"),
+            "nats_server_ms": per_image("nats_cpu_s"), "s3_ms": per_image("s3_cpu_s")},
+        "halves": [round(h["counted"] / h["window_s"], 3) for h in halves],
+        "window": slower["window"]}  # the slower half's: what its "why" reads
+
+
+async def _bare(model: str, batch: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One half of the bare side: a fresh process makes ``n`` images; its sums."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tandem.cli.bench.bare_pipeline", "--model", model,
-        "--batch", str(batch), "--images", str(args.images), "--steps", str(args.steps),
+        "--batch", str(batch), "--images", str(n), "--steps", str(args.steps),
         "--size", str(SIZE), "--guidance", str(GUIDANCE[model]), "--threads",
         str(args.threads), "--cpus", str(pin[0]) if (pin := pinned(args)) else "",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -220,11 +245,39 @@ async def _bare(model: str, batch: int, args: argparse.Namespace) -> dict[str, A
                            f"{err.decode(errors='replace')[-2000:]}")
     got = json.loads(out.decode().strip().splitlines()[-1])
     ends = got["ends"]
-    rate = (args.images - batch) / (ends[-1] - ends[0])
-    return {"images_per_s": round(rate, 3), "calls": len(ends), "torch_threads": got["threads"],
-            "cpus": got["cpus"],
-            "cpu_per_image_ms": round(got["cpu_s"] / args.images * 1e3, 3),
-            "wall_per_image_ms": round(got["wall_s"] / args.images * 1e3, 3)}
+    return {"counted": n - batch, "window_s": ends[-1] - ends[0], "images": n,
+            "calls": len(ends), "cpu_s": got["cpu_s"], "wall_s": got["wall_s"],
+            "torch_threads": got["threads"], "cpus": got["cpus"]}
+
+
+def _bare_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
+    images = sum(h["images"] for h in halves)
+    return {"images_per_s": round(sum(h["counted"] for h in halves)
+                                  / sum(h["window_s"] for h in halves), 3),
+            "calls": sum(h["calls"] for h in halves), "torch_threads": halves[0]["torch_threads"],
+            "cpus": halves[0]["cpus"],
+            "cpu_per_image_ms": round(sum(h["cpu_s"] for h in halves) / images * 1e3, 3),
+            "wall_per_image_ms": round(sum(h["wall_s"] for h in halves) / images * 1e3, 3),
+            "halves": [round(h["counted"] / h["window_s"], 3) for h in halves]}
+
+
+async def _cell(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
+                r: int) -> dict[str, Any]:
+    """Both sides of one model and batch size, each in two halves of ``--images``, in the
+    order A B B A (A the side going first in repeat ``r``): a machine whose speed drifts
+    while the cell runs (other work, a shared host) weighs on both sides alike."""
+    half = args.images // 2
+    first = stats.order(r, ["tandem", "bare"])
+    halves: dict[str, list[dict[str, Any]]] = {"tandem": [], "bare": []}
+    for i, side in enumerate([*first, *reversed(first)]):
+        halves[side].append(
+            await _tandem(b, bus, model, batch, half, args,
+                          f"{r}{MODELS.index(model)}b{batch}h{i}") if side == "tandem"
+            else await _bare(model, batch, half, args))
+    got = {"tandem": _tandem_side(halves["tandem"]), "bare": _bare_side(halves["bare"])}
+    ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
+    return {**got, "ratio": round(ratio, 3), "order": "".join(
+        "TB"[s == "bare"] for s in [*first, *reversed(first)])}
 
 
 async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dict[str, Any]:
@@ -239,14 +292,8 @@ async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dic
                 assert pid is not None
                 pin_threads(set(pin[1]), pid)
         for model in MODELS:
-            out[model] = {}
-            for batch in (1, args.batch):
-                sides = {"tandem": lambda m=model, n=batch: _tandem(b, bus, m, n, args, r),
-                         "bare": lambda m=model, n=batch: _bare(m, n, args)}
-                got = {side: await sides[side]() for side in stats.order(r, list(sides))}
-                ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
-                out[model][f"b{batch}"] = {**got, "ratio": round(ratio, 3),
-                                           "first": stats.order(r, list(sides))[0]}
+            out[model] = {f"b{batch}": await _cell(b, bus, model, batch, args, r)
+                          for batch in (1, args.batch)}
     finally:
         if pin:
             for pid in others.values():
@@ -257,7 +304,7 @@ async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dic
             "batch": args.batch, "threads": args.threads,
             "pipeline_process": bool(apart(args) or pin),
             "pinned": {"pipeline": [pin[0]], "others": pin[1]} if pin else None,
-            "counted_images": {"b1": args.images - 1, big: args.images - args.batch},
+            "counted_images": {"b1": args.images - 2, big: args.images - 2 * args.batch},
             # The goals hold for every model: each key is the lowest model's.
             "ratio_b1": min(m["b1"]["ratio"] for m in out.values()),
             "ratio_b8": min(m[big]["ratio"] for m in out.values()),
@@ -275,8 +322,8 @@ def _batching(pipe: dict[str, Any]) -> dict[str, Any]:
     bare = d[big]["bare"]["images_per_s"] / d["b1"]["bare"]["images_per_s"]
     return {"model": "digits", "images": pipe["images"], "steps": pipe["steps"],
             "size": pipe["size"], "max_batch": pipe["batch"],
-            "counted_images": {"unbatched": pipe["images"] - 1,
-                               "batched": pipe["images"] - pipe["batch"]},
+            "counted_images": {"unbatched": pipe["images"] - 2,
+                               "batched": pipe["images"] - 2 * pipe["batch"]},
             "batched_images_per_s": batched, "unbatched_images_per_s": unbatched,
             "ratio": round(ratio, 3), "bare_ratio": round(bare, 3),
             "meets_goal": ratio >= GOAL_BATCHING}
