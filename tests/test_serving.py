@@ -344,11 +344,12 @@ async def test_worker_killed_mid_generation_task_is_redelivered_with_exactly_one
 async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses_no_task(
         stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     """TANDEM_PIPELINE_PROCESS: the calls run in a child process of the worker's, pinned
-    (TANDEM_PIPELINE_CPUS) to a CPU the worker's own threads leave to it."""
+    (TANDEM_PIPELINE_CPU_COUNT: the last of its CPUs) to a CPU the worker's own threads
+    leave to it."""
     cpus = sorted(os.sched_getaffinity(0))
     assert len(cpus) >= 2, f"pinning needs 2 CPUs to be told apart; this process may use {cpus}"
     w = stack.start_worker("w-apart", "apart", serve="digits", pipeline_process="1",
-                           pipeline_cpus=str(cpus[-1]))
+                           pipeline_cpu_count="1")
     try:
         body = dict(model="digits", class_label=3, steps=8, seed=5)
         same = [await submit(http, **body), await submit(http, **body, cluster="apart")]

@@ -175,10 +175,15 @@ def test_a_worker_refuses_pinning_it_cannot_do_at_start_naming_the_setting() -> 
             (dict(pipeline_process="1", pipeline_cpus=every), "none is left for its own"),
             (dict(pipeline_process="1", pipeline_cpus=str(max(cpus) + 1)),
              f"names CPUs this worker may not use: [{max(cpus) + 1}]"),
-            (dict(pipeline_process="1", pipeline_cpus="0-"), "'0-' is not a CPU number")):
+            (dict(pipeline_process="1", pipeline_cpus="0-"), "'0-' is not a CPU number"),
+            (dict(pipeline_cpu_count="1"), "needs TANDEM_PIPELINE_PROCESS=1"),
+            (dict(pipeline_process="1", pipeline_cpu_count=str(len(cpus))),
+             "none is left for its own"),
+            (dict(pipeline_process="1", pipeline_cpus="0", pipeline_cpu_count="1"),
+             "set one of them")):
         out = subprocess.run([PYTHON, "-m", "tandem.inference_worker"], cwd=ROOT,
                              env=service_env(s3_secret_key="do-not-print-me", **values),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (values, out.stderr[-2000:])
-        assert "TANDEM_PIPELINE_CPUS" in out.stderr and why in out.stderr, out.stderr
+        assert "TANDEM_PIPELINE_CPU" in out.stderr and why in out.stderr, out.stderr
         assert "do-not-print-me" not in out.stderr  # a check across settings echoes none

@@ -110,6 +110,11 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
                                "CPUs it may use, so its encoding, uploads and bus I/O never "
                                "take a core from a call; needs pipeline_process. Empty: no "
                                "pinning.")
+    pipeline_cpu_count: int = Field(0, ge=0, le=4096, description="Pin the pipeline "
+                                    "processes to the last N CPUs this worker may use, where "
+                                    "their ids are not known in advance (a Kubernetes pod's "
+                                    "exclusive CPUs); or name them in pipeline_cpus. 0: no "
+                                    "pinning.")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is "
                             "redelivered; in-progress acks extend it while a task runs.")
     max_deliver: int = Field(5, ge=2, le=100, description="Deliveries before the DLQ.")
@@ -140,22 +145,35 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
 
     @model_validator(mode="after")
     def _pinned_apart(self) -> WorkerSettings:
-        """Pinning needs the calls apart, CPUs this machine lets the worker use, and one
-        left over for the worker's own threads."""
-        cpus, name = apart.cpu_list(self.pipeline_cpus), "TANDEM_PIPELINE_CPUS"
-        if not cpus:
-            return self
-        if not self.pipeline_process:
-            raise ValueError(f"{name} {self.pipeline_cpus!r} pins the pipeline processes, "
-                             f"and there are none: it needs TANDEM_PIPELINE_PROCESS=1")
-        allowed = frozenset(os.sched_getaffinity(0))
-        if cpus - allowed:
-            raise ValueError(f"{name} {self.pipeline_cpus!r} names CPUs this worker may not "
-                             f"use: {sorted(cpus - allowed)} (it may use {sorted(allowed)})")
-        if not allowed - cpus:
-            raise ValueError(f"{name} {self.pipeline_cpus!r} takes every CPU this worker may "
-                             f"use ({sorted(allowed)}): none is left for its own threads")
+        self.pinning()
         return self
+
+    def pinning(self) -> tuple[frozenset[int], frozenset[int]] | None:
+        """The pipeline processes' CPUs and the worker's own, when pinned (None: not). A
+        ``ValueError`` naming the setting where it cannot be done: without the calls
+        apart, on CPUs this machine does not let the worker use, or leaving it none."""
+        cpus = apart.cpu_list(self.pipeline_cpus, "TANDEM_PIPELINE_CPUS")
+        count = self.pipeline_cpu_count
+        if not cpus and not count:
+            return None
+        if cpus and count:
+            raise ValueError("TANDEM_PIPELINE_CPUS and TANDEM_PIPELINE_CPU_COUNT are two ways "
+                             "to say which CPUs the calls get: set one of them")
+        name = (f"TANDEM_PIPELINE_CPUS {self.pipeline_cpus!r}" if cpus
+                else f"TANDEM_PIPELINE_CPU_COUNT {count}")
+        if not self.pipeline_process:
+            raise ValueError(f"{name} pins the pipeline processes, and there are none: it "
+                             f"needs TANDEM_PIPELINE_PROCESS=1")
+        allowed = frozenset(os.sched_getaffinity(0))
+        if count and count < len(allowed):
+            cpus = frozenset(sorted(allowed)[-count:])
+        if cpus - allowed:
+            raise ValueError(f"{name} names CPUs this worker may not use: "
+                             f"{sorted(cpus - allowed)} (it may use {sorted(allowed)})")
+        if count >= len(allowed) or not allowed - cpus:
+            raise ValueError(f"{name} takes every CPU this worker may use ({sorted(allowed)}): "
+                             f"none is left for its own threads")
+        return cpus, allowed - cpus
 
     @property
     def clusters(self) -> list[str]:
@@ -190,9 +208,8 @@ class InferenceWorker(Service):
             raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
         self.served = served
         # Pinned (TANDEM_PIPELINE_CPUS): the calls on these CPUs, this process on the rest.
-        self.pipeline_cpus = apart.cpu_list(settings.pipeline_cpus)
-        self.own_cpus = (frozenset(os.sched_getaffinity(0)) - self.pipeline_cpus
-                         if self.pipeline_cpus else None)
+        pinned = settings.pinning()
+        self.pipeline_cpus, self.own_cpus = pinned if pinned else (frozenset(), None)
         self.worker_id = subjects.token(settings.worker_id or f"{settings.node}-{os.getpid()}",
                                         "worker id")
         self.pipelines: dict[str, Pipeline] = {}

@@ -448,6 +448,15 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
                 + (f", pinned as the calls: {pin}" if pin else ""),
                 ratio=[c["ratio"] for c in cells], goal=stats.Goal(">=", GOAL_PIPELINE),
                 digits=2)
+            # The same process twice in one cell: how far apart the bare loop's own
+            # halves are is the noise the ratio's distance from its goal is read against.
+            apart_pct = [round((1 - min(c["bare"]["halves"]) / max(c["bare"]["halves"])) * 100,
+                               1) for c in cells]
+            noise = stats.spread_text(stats.Spread(tuple(apart_pct)).json(1))
+            fig.notes.append(f"the bare loop's two halves of a cell (fresh processes, the "
+                             f"same work) were {noise} % apart; halves' img/s, Tandem "
+                             f"{[c['tandem']['halves'] for c in cells]}, bare "
+                             f"{[c['bare']['halves'] for c in cells]}")
             if fig.met is False:
                 c = stats.median_run(cells, lambda x: x["ratio"])
                 cpu = c["tandem"]["cpu_per_image"]
