@@ -310,8 +310,16 @@ class InferenceWorker(Service):
     async def run(self, ctx: Context) -> None:
         if self.own_cpus:
             apart.pin(self.own_cpus)
+            # Models whose calls stay in this process (run:) compute on its own CPUs.
+            here = [m for m in self.served
+                    if (spec := self.registry.get(m)) and not apart.eligible(spec)
+                    and uses_torch(spec)]
             _log.info("worker.pinned", pipeline_cpus=sorted(self.pipeline_cpus),
-                      worker_cpus=sorted(self.own_cpus))
+                      worker_cpus=sorted(self.own_cpus), in_worker_models=here)
+            if here:
+                _log.warning("worker.pinned_in_process", models=here,
+                             detail="their calls stay in the worker's process, on the "
+                             f"worker's own CPUs {sorted(self.own_cpus)}, not the pinned ones")
         bus = ctx.bus
         self.bus = bus
         self.tasks = await bus.typed(KV_TASKS, TaskRecord)
