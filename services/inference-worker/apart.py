@@ -20,10 +20,11 @@ beside the next call.
   sees its socket close and exits.
 - Models of a run (``run:``, hot-swapped between checkpoints) and the no-op and fault
   models stay in the worker's process.
-- ``TANDEM_PIPELINE_CPUS`` pins the children to some CPUs and the worker's own threads to
-  the others (``pin``): on a host whose cores the call uses (a CPU node, or the cores
-  feeding a GPU), the worker's bursts of encoding, uploads and bus I/O after each batch
-  then never take a core from the call, as they do when the scheduler may put them anywhere.
+- ``TANDEM_PIPELINE_CPUS`` (or ``_CPU_COUNT``) pins the children to some CPUs and the
+  worker's own threads to the others (``pin``): on a host whose cores the call uses (a
+  CPU node, or the cores feeding a GPU), the worker's bursts of encoding, uploads and bus
+  I/O after each batch then never take a core from the call, as they do when the
+  scheduler may put them anywhere.
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ class InferenceWorker(Service):
         if unknown:
             raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
         self.served = served
-        # Pinned (TANDEM_PIPELINE_CPUS): the calls on these CPUs, this process on the rest.
+        # Pinned (TANDEM_PIPELINE_CPUS or _CPU_COUNT): the calls on these CPUs, this
+        # process on the rest.
         pinned = settings.pinning()
         self.pipeline_cpus, self.own_cpus = pinned if pinned else (frozenset(), None)
         self.worker_id = subjects.token(settings.worker_id or f"{settings.node}-{os.getpid()}",
