@@ -200,8 +200,8 @@ def test_the_bare_loop_makes_the_very_images_the_worker_makes(model: str) -> Non
 
     batch, steps = 2, 2
     guidance = serve_pipeline.GUIDANCE[model]
-    call = (bare_pipeline.digits(batch, steps, 16) if model == "digits"
-            else bare_pipeline.tiny_text(batch, steps, 16, guidance))
+    call = (bare_pipeline.digits(steps, 16) if model == "digits"
+            else bare_pipeline.tiny_text(steps, 16, guidance))
     bare = call([0, 1])
     spec = Registry.parse("").get(model)
     assert spec is not None

@@ -1,7 +1,7 @@
 """The bare side of ``tandem bench serve``'s pipeline part: the diffusers pipeline in a loop.
 
 Bench code, run as a child process (``python -m tandem.cli.bench.bare_pipeline``), one
-process per run, so nothing else in it competes with the loop: what a user with the
+process per model, so nothing else in it competes with the loop: what a user with the
 model and nothing else would do to make the same images.
 
 - ``digits`` (``builtin:class-unet``): the same ``UNet2DModel`` (``diffusion.build_unet``
@@ -11,14 +11,17 @@ model and nothing else would do to make the same images.
   (``diffusion.build_tiny_text_pipeline``, seed 0) called with ``output_type="np"``, to
   uint8 pixels.
 
-Each call makes ``batch`` images with a generator per image (as the worker does), the
+Each call makes ``len(seeds)`` images with a generator per image (as the worker does), the
 same steps, size and guidance as the worker's tasks; torch runs on ``threads`` intra-op
 threads (the worker's ``TANDEM_TORCH_THREADS``), on ``--cpus`` when given (the CPU
-``--pin`` gives the worker's calls). One call before the counted ones, as the worker warms
-its pipeline before it serves. No PNG, no upload, no bus: the limit the worker is measured
-against. Prints one JSON line: when each call ended
-(``time.perf_counter``), so the bench counts whole batches the way it counts the
-worker's results, and the CPU and wall seconds of the loop.
+``--pin`` gives the worker's calls). No PNG, no upload, no bus: the limit the worker is
+measured against.
+
+The model is built once; then each line on stdin (``{"batch": b, "images": n}``) is one
+run: one uncounted call of ``b`` images (as the worker warms its pipeline before it
+serves), then ``n / b`` calls, answered by one JSON line on stdout: when each call ended
+(``time.perf_counter``), so the bench counts whole batches the way it counts the worker's
+results, and the CPU and wall seconds of the counted calls. Stdin's end ends the process.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+Call = Callable[[list[int]], Any]
 
-def digits(batch: int, steps: int, size: int) -> Any:
-    """A call making ``batch`` digits images (labels 0, 1, ...) from the given seeds."""
+
+def digits(steps: int, size: int) -> Call:
+    """A call making one digits image per seed (labels 0, 1, ... in the batch)."""
     import torch
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -41,9 +47,10 @@ def digits(batch: int, steps: int, size: int) -> Any:
     cfg = UNetConfig()
     unet = build_unet(cfg, seed=0).eval()
     scheduler = build_scheduler(cfg)
-    labels = torch.tensor([i % 10 for i in range(batch)])
 
     def call(seeds: list[int]) -> Any:
+        batch = len(seeds)
+        labels = torch.tensor([i % 10 for i in range(batch)])
         scheduler.set_timesteps(steps)
         gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         with torch.inference_mode():
@@ -57,17 +64,18 @@ def digits(batch: int, steps: int, size: int) -> Any:
     return call
 
 
-def tiny_text(batch: int, steps: int, size: int, guidance: float) -> Any:
-    """A call making ``batch`` tiny-text images ("a red boat <i>") from the given seeds."""
+def tiny_text(steps: int, size: int, guidance: float) -> Call:
+    """A call making one tiny-text image per seed ("a red boat <i>", i its place in the
+    batch)."""
     import numpy as np
     import torch
 
     from tandem.common.diffusion import build_tiny_text_pipeline
 
     pipe = build_tiny_text_pipeline(seed=0)
-    prompts = [f"a red boat {i}" for i in range(batch)]
 
     def call(seeds: list[int]) -> Any:
+        prompts = [f"a red boat {i}" for i in range(len(seeds))]
         gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         with torch.inference_mode():
             out = pipe(prompt=prompts, num_inference_steps=steps, height=size, width=size,
@@ -77,20 +85,30 @@ def tiny_text(batch: int, steps: int, size: int, guidance: float) -> Any:
     return call
 
 
+def run(call: Call, batch: int, images: int) -> dict[str, Any]:
+    """One run: the warm-up call, then ``images`` in calls of ``batch``; its clocks."""
+    if batch < 1 or images % batch:
+        raise ValueError(f"{images} images are not a whole number of batches of {batch}")
+    call(list(range(batch)))  # the warm-up, not counted
+    ends = []
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for first in range(0, images, batch):
+        made = call(list(range(first, first + batch)))
+        assert len(made) == batch
+        ends.append(time.perf_counter())
+    return {"batch": batch, "images": images, "ends": ends,
+            "cpu_s": time.process_time() - cpu0, "wall_s": ends[-1] - t0}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.cli.bench.bare_pipeline")
     p.add_argument("--model", choices=("digits", "tiny-text"), required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--images", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--guidance", type=float, default=1.0)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--cpus", default="", help="CPU list this loop runs on (empty: any)")
     a = p.parse_args(argv)
-    if a.batch < 1 or a.images % a.batch:
-        raise SystemExit(f"--images {a.images} must be a whole number of batches of "
-                         f"--batch {a.batch}")
     if a.cpus:  # before torch starts a thread: each takes this one's CPUs
         from tandem.inference_worker.apart import cpu_list
 
@@ -99,19 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    call = (digits(a.batch, a.steps, a.size) if a.model == "digits"
-            else tiny_text(a.batch, a.steps, a.size, a.guidance))
-    call(list(range(a.batch)))  # the warm-up, not counted
-    ends = []
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    for first in range(0, a.images, a.batch):
-        images = call(list(range(first, first + a.batch)))
-        assert len(images) == a.batch
-        ends.append(time.perf_counter())
-    print(json.dumps({"model": a.model, "batch": a.batch, "images": a.images,
-                      "threads": torch.get_num_threads(), "ends": ends,
-                      "cpus": sorted(os.sched_getaffinity(0)),
-                      "cpu_s": time.process_time() - cpu0, "wall_s": ends[-1] - t0}))
+    call = (digits(a.steps, a.size) if a.model == "digits"
+            else tiny_text(a.steps, a.size, a.guidance))
+    for line in sys.stdin:
+        order = json.loads(line)
+        got = run(call, int(order["batch"]), int(order["images"]))
+        print(json.dumps({"model": a.model, "threads": torch.get_num_threads(),
+                          "cpus": sorted(os.sched_getaffinity(0)), **got}), flush=True)
     return 0
 
 

@@ -13,7 +13,8 @@ repeats, on its servers):
     let go), each task recorded, claimed, run, encoded, uploaded, committed and
     acked. Each side runs twice on half the images, in the order A B B A (``_cell``), so
     a machine whose speed drifts during the cell (a shared host's does, by 10% over
-    minutes here) weighs on both alike; each half is a fresh worker or bare process.
+    minutes here) weighs on both alike; each Tandem half is a fresh worker, the bare
+    loop one process per model (``_Bare``: its model built once, a warm-up call a half).
     Both sides count whole batches the same way: in each half, ``images/2 - batch``
     over the window from the first batch's end (bare) or first result (Tandem) to the
     last; a side's rate is the counted images of its two halves over their two windows.
@@ -58,6 +59,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -231,23 +233,49 @@ def _tandem_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
         "window": slower["window"]}  # the slower half's: what its "why" reads
 
 
-async def _bare(model: str, batch: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One half of the bare side: a fresh process makes ``n`` images; its sums."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tandem.cli.bench.bare_pipeline", "--model", model,
-        "--batch", str(batch), "--images", str(n), "--steps", str(args.steps),
-        "--size", str(SIZE), "--guidance", str(GUIDANCE[model]), "--threads",
-        str(args.threads), "--cpus", str(pin[0]) if (pin := pinned(args)) else "",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"bare pipeline {model} batch {batch} failed: "
-                           f"{err.decode(errors='replace')[-2000:]}")
-    got = json.loads(out.decode().strip().splitlines()[-1])
-    ends = got["ends"]
-    return {"counted": n - batch, "window_s": ends[-1] - ends[0], "images": n,
-            "calls": len(ends), "cpu_s": got["cpu_s"], "wall_s": got["wall_s"],
-            "torch_threads": got["threads"], "cpus": got["cpus"]}
+class _Bare:
+    """The bare side's loop of one model: one process (``bare_pipeline``), the model built
+    once, a run per half asked for on its stdin (its warm-up call, then the counted ones),
+    as a user's own loop would keep its model between batches."""
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        self.model, self.args = model, args
+        self.proc: asyncio.subprocess.Process | None = None
+        self.err = tempfile.TemporaryFile()  # closed in close
+
+    async def run(self, batch: int, n: int) -> dict[str, Any]:
+        """One half: ``n`` images in calls of ``batch``; its sums."""
+        if self.proc is None:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tandem.cli.bench.bare_pipeline", "--model",
+                self.model, "--steps", str(self.args.steps), "--size", str(SIZE),
+                "--guidance", str(GUIDANCE[self.model]), "--threads", str(self.args.threads),
+                "--cpus", str(pin[0]) if (pin := pinned(self.args)) else "",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=self.err)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"batch": batch, "images": n}).encode() + b"\n")
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        if not line:
+            self.err.seek(0)
+            raise RuntimeError(f"bare pipeline {self.model} batch {batch} failed: "
+                               f"{self.err.read().decode(errors='replace')[-2000:]}")
+        got = json.loads(line)
+        ends = got["ends"]
+        return {"counted": n - batch, "window_s": ends[-1] - ends[0], "images": n,
+                "calls": len(ends), "cpu_s": got["cpu_s"], "wall_s": got["wall_s"],
+                "torch_threads": got["threads"], "cpus": got["cpus"]}
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # its loop ends at stdin's end
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.err.close()
 
 
 def _bare_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,8 +289,8 @@ def _bare_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
             "halves": [round(h["counted"] / h["window_s"], 3) for h in halves]}
 
 
-async def _cell(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
-                r: int) -> dict[str, Any]:
+async def _cell(b: Bench, bus: Bus, bare: _Bare, model: str, batch: int,
+                args: argparse.Namespace, r: int) -> dict[str, Any]:
     """Both sides of one model and batch size, each in two halves of ``--images``, in the
     order A B B A (A the side going first in repeat ``r``): a machine whose speed drifts
     while the cell runs (other work, a shared host) weighs on both sides alike."""
@@ -273,7 +301,7 @@ async def _cell(b: Bench, bus: Bus, model: str, batch: int, args: argparse.Names
         halves[side].append(
             await _tandem(b, bus, model, batch, half, args,
                           f"{r}{MODELS.index(model)}b{batch}h{i}") if side == "tandem"
-            else await _bare(model, batch, half, args))
+            else await bare.run(batch, half))
     got = {"tandem": _tandem_side(halves["tandem"]), "bare": _bare_side(halves["bare"])}
     ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
     return {**got, "ratio": round(ratio, 3), "order": "".join(
@@ -292,8 +320,12 @@ async def _pipeline(b: Bench, bus: Bus, args: argparse.Namespace, r: int) -> dic
                 assert pid is not None
                 pin_threads(set(pin[1]), pid)
         for model in MODELS:
-            out[model] = {f"b{batch}": await _cell(b, bus, model, batch, args, r)
-                          for batch in (1, args.batch)}
+            bare = _Bare(model, args)
+            try:
+                out[model] = {f"b{batch}": await _cell(b, bus, bare, model, batch, args, r)
+                              for batch in (1, args.batch)}
+            finally:
+                await bare.close()
     finally:
         if pin:
             for pid in others.values():
@@ -453,8 +485,8 @@ def figures(runs: list[dict[str, Any]], args_batch: int) -> list[stats.Figure]:
             apart_pct = [round((1 - min(c["bare"]["halves"]) / max(c["bare"]["halves"])) * 100,
                                1) for c in cells]
             noise = stats.spread_text(stats.Spread(tuple(apart_pct)).json(1))
-            fig.notes.append(f"the bare loop's two halves of a cell (fresh processes, the "
-                             f"same work) were {noise} % apart; halves' img/s, Tandem "
+            fig.notes.append(f"the bare loop's two halves of a cell (one process, the same "
+                             f"work) were {noise} % apart; halves' img/s, Tandem "
                              f"{[c['tandem']['halves'] for c in cells]}, bare "
                              f"{[c['bare']['halves'] for c in cells]}")
             if fig.met is False:
