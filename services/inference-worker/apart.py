@@ -77,6 +77,36 @@ def cpu_list(text: str, name: str = "CPU list") -> frozenset[int]:
     return frozenset(cpus)
 
 
+def pinning(cpus_text: str, count: int,
+            apart: bool) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The pipeline processes' CPUs and the worker's own, for ``TANDEM_PIPELINE_CPUS``
+    (``cpus_text``) or ``TANDEM_PIPELINE_CPU_COUNT`` (``count``: the last N of the CPUs this
+    process may use); None when neither is set. A ``ValueError`` naming the setting where it
+    cannot be done: both set, the calls not ``apart``, CPUs this process may not use, or
+    none left for the worker."""
+    cpus = cpu_list(cpus_text, "TANDEM_PIPELINE_CPUS")
+    if not cpus and not count:
+        return None
+    if cpus and count:
+        raise ValueError("TANDEM_PIPELINE_CPUS and TANDEM_PIPELINE_CPU_COUNT are two ways "
+                         "to say which CPUs the calls get: set one of them")
+    name = (f"TANDEM_PIPELINE_CPUS {cpus_text!r}" if cpus
+            else f"TANDEM_PIPELINE_CPU_COUNT {count}")
+    if not apart:
+        raise ValueError(f"{name} pins the pipeline processes, and there are none: it "
+                         f"needs TANDEM_PIPELINE_PROCESS=1")
+    allowed = frozenset(os.sched_getaffinity(0))
+    if count and count < len(allowed):
+        cpus = frozenset(sorted(allowed)[-count:])
+    if cpus - allowed:
+        raise ValueError(f"{name} names CPUs this worker may not use: "
+                         f"{sorted(cpus - allowed)} (it may use {sorted(allowed)})")
+    if count >= len(allowed) or not allowed - cpus:
+        raise ValueError(f"{name} takes every CPU this worker may use ({sorted(allowed)}): "
+                         f"none is left for its own threads")
+    return cpus, allowed - cpus
+
+
 def pin(cpus: frozenset[int] | set[int], pid: int | str = "self") -> None:
     """Every thread of process ``pid`` (this one by default) onto ``cpus`` (Linux sets
     affinity per thread; a thread started later takes its starter's), until a pass finds no

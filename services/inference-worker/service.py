@@ -149,31 +149,8 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
         return self
 
     def pinning(self) -> tuple[frozenset[int], frozenset[int]] | None:
-        """The pipeline processes' CPUs and the worker's own, when pinned (None: not). A
-        ``ValueError`` naming the setting where it cannot be done: without the calls
-        apart, on CPUs this machine does not let the worker use, or leaving it none."""
-        cpus = apart.cpu_list(self.pipeline_cpus, "TANDEM_PIPELINE_CPUS")
-        count = self.pipeline_cpu_count
-        if not cpus and not count:
-            return None
-        if cpus and count:
-            raise ValueError("TANDEM_PIPELINE_CPUS and TANDEM_PIPELINE_CPU_COUNT are two ways "
-                             "to say which CPUs the calls get: set one of them")
-        name = (f"TANDEM_PIPELINE_CPUS {self.pipeline_cpus!r}" if cpus
-                else f"TANDEM_PIPELINE_CPU_COUNT {count}")
-        if not self.pipeline_process:
-            raise ValueError(f"{name} pins the pipeline processes, and there are none: it "
-                             f"needs TANDEM_PIPELINE_PROCESS=1")
-        allowed = frozenset(os.sched_getaffinity(0))
-        if count and count < len(allowed):
-            cpus = frozenset(sorted(allowed)[-count:])
-        if cpus - allowed:
-            raise ValueError(f"{name} names CPUs this worker may not use: "
-                             f"{sorted(cpus - allowed)} (it may use {sorted(allowed)})")
-        if count >= len(allowed) or not allowed - cpus:
-            raise ValueError(f"{name} takes every CPU this worker may use ({sorted(allowed)}): "
-                             f"none is left for its own threads")
-        return cpus, allowed - cpus
+        """The pipeline processes' CPUs and the worker's own, when pinned (``apart.pinning``)."""
+        return apart.pinning(self.pipeline_cpus, self.pipeline_cpu_count, self.pipeline_process)
 
     @property
     def clusters(self) -> list[str]:
