@@ -55,11 +55,13 @@ def allowed(patterns: tuple[str, ...], subject: str) -> bool:
     return any(matches(p, subject) for p in patterns)
 
 
-async def until(cond: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """Wait for ``cond`` with a deadline (re-checked as the loop runs other tasks)."""
+async def until(cond: Callable[[], bool], timeout: float = TIMEOUT,
+                seen: Callable[[], object] = lambda: None) -> None:
+    """Wait for ``cond`` with a deadline (re-checked as the loop runs other tasks); a miss
+    says what ``seen`` shows of the state it waited on."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time; seen: {seen()!r}"
         await asyncio.sleep(0.02)
 
 
@@ -248,7 +250,7 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
             await client.nc.flush()
             record = encodejson(TaskRecord(task=GenerationTask(task_id="t1", model="noop")))
             await admin.publish(subjects.task_record("t1"), record)  # as a worker writes it
-            await until(lambda: writes == [record])
+            await until(lambda: writes == [record], seen=lambda: writes)
             # Nothing else: no queue, no stream API, no KV write, nobody's telemetry.
             with pytest.raises(NatsTimeout):
                 await client.publish(subjects.gen("east", "interactive"),
