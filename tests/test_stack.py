@@ -121,8 +121,8 @@ def test_clusters_are_added_by_config_not_code(tmp_path: Path) -> None:
 
 
 def test_no_two_processes_of_a_stack_are_given_one_port(tmp_path: Path) -> None:
-    # The kernel picks each probe at random: a thousand probes from its few ten thousand
-    # ephemeral ports repeat dozens of times; a port handed out is never handed out again.
+    # Each probe is drawn at random from the 16,000 ports of ports.LISTEN: a thousand
+    # probes repeat about thirty times; a port handed out is never handed out again.
     ports = [free_port() for _ in range(1000)]
     assert len(set(ports)) == len(ports)
     config = StackConfig.load().with_clusters([f"c{i}" for i in range(8)]).free_ports()
@@ -134,10 +134,10 @@ def test_no_two_processes_of_a_stack_are_given_one_port(tmp_path: Path) -> None:
 
 
 def test_two_processes_are_never_given_one_port() -> None:
-    # Two test workers starting stacks at once: each probes the kernel, which may pick a
-    # port the other probed a moment ago and whose child has not bound it yet. Nothing
-    # binds here, so with probes alone about ten of 2 x 400 would repeat; the leases
-    # that every process shares keep them apart.
+    # Two test workers starting stacks at once: each probe may pick a port the other
+    # probed a moment ago and whose child has not bound it yet. Nothing binds here, so
+    # with probes alone about ten of 2 x 400 would repeat; the leases that every process
+    # shares keep them apart.
     take = "from tandem.cli.devstack import free_port; print(*(free_port() for _ in range(400)))"
     procs = [subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True)
              for _ in range(2)]

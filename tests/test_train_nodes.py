@@ -230,25 +230,14 @@ def resumed_from(evs: list[Any]) -> int:
     return int(starts[0].split("resuming from step ")[1].split()[0].rstrip(","))
 
 
-async def test_a_rendezvous_port_is_free_and_never_one_the_kernel_hands_out() -> None:
-    """Drawn below the ephemeral range (where ``bind(0)`` and every outgoing connection's
-    local end come from, and took a suite's rendezvous port before torchrun bound it),
-    and a port another socket holds is passed over."""
-    import random
-    import socket
+async def test_a_rendezvous_port_is_drawn_in_its_own_band_below_the_kernels_range() -> None:
+    """Below the ephemeral range (where ``bind(0)`` and every outgoing connection's local
+    end come from, and took a suite's rendezvous port before torchrun bound it), and
+    apart from the ports dev stacks hand their children (``tests/test_ports.py``)."""
+    from tandem.common import ports
+    from tandem.trainer.launcher import rendezvous_port
 
-    from tandem.trainer.launcher import EPHEMERAL, rendezvous_port
-
-    low = int(EPHEMERAL.read_text().split()[0])
-    ports = [rendezvous_port("127.0.0.1") for _ in range(200)]
-    assert all(1024 <= p < low for p in ports) and len(set(ports)) > 150
-    with socket.socket() as held:
-        for seed in range(100):  # a seed whose first draw this test can hold
-            taken = random.Random(seed).randrange(max(1024, low - 20000), low)
-            with contextlib.suppress(OSError):
-                held.bind(("127.0.0.1", taken))
-                break
-        held.listen()
-        got = rendezvous_port("127.0.0.1", random.Random(seed))
-        assert got != taken and 1024 <= got < low
-    assert rendezvous_port("127.0.0.1", random.Random(seed)) == taken  # free again: the draw
+    got = [rendezvous_port("127.0.0.1") for _ in range(200)]
+    band = ports.band_range(ports.RENDEZVOUS)
+    assert all(p in band for p in got) and len(set(got)) > 150
+    assert not set(got) & set(ports.band_range(ports.LISTEN))

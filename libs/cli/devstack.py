@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.cli import http
+from tandem.common import ports
 from tandem.common.errors import ServerStartError
 
 # Ports handed out by free_port, on this machine, and until when (epoch seconds): the
@@ -42,20 +43,21 @@ _LEASES_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, for a child to bind, and not one that any process
-    of this user handed out in the last ``PORT_LEASE_S`` seconds. The kernel picks each
-    probe at random and the probe's socket is closed before the child binds, so two
-    probes can return the same port: a dev stack of a dozen processes got one metrics
-    port twice (suite run at 6c44973), and two test workers starting stacks at once can
-    as well; the second child dies binding it. Leased ports are skipped (``PORT_LEASES``).
-    A program that is not Tandem's can still take a port before the child binds it;
-    servers the tests start themselves bind port 0 instead."""
+    """A port nothing is bound to now, for a child to bind, and not one that any process
+    of this user handed out in the last ``PORT_LEASE_S`` seconds.
+
+    Drawn below the kernel's ephemeral range (``ports.LISTEN``): ``bind(0)``'s pick is a
+    port the local end of any outgoing connection can take before the child binds it
+    (the rendezvous port of a suite's training run was taken so). The probe's socket is
+    closed before the child binds, so two probes could return the same port: a dev stack
+    of a dozen processes got one metrics port twice (suite run at 6c44973), and two test
+    workers starting stacks at once could as well; leased ports are skipped
+    (``PORT_LEASES``). A program that is not Tandem's can still bind a port before the
+    child does; servers the tests start themselves bind port 0 instead."""
     now = time.time()
     with _LEASES_LOCK, _leases(now) as leased:
         for _ in range(1000):
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port: int = s.getsockname()[1]
+            port = ports.draw(host, ports.LISTEN, skip=leased)
             if port not in leased:
                 leased[port] = _OWN_LEASES[port] = now + PORT_LEASE_S
                 return port

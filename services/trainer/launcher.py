@@ -26,7 +26,6 @@ import ctypes
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from tandem.common import ports
 from tandem.trainer.spec import LaunchSpec
 
 
@@ -246,37 +246,15 @@ def rendezvous_id(run_id: str, attempt: int) -> str:
     return f"{run_id}-a{attempt}"
 
 
-EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
 def rendezvous_port(host: str, rng: random.Random | None = None) -> int:
     """A port for the attempt's rendezvous, which every agent must be told before any
     starts (torchrun's ``--rdzv-endpoint``); node 0's agent hosts the store there.
 
-    Drawn at random below the kernel's ephemeral range and found free by binding it: a
-    port the kernel hands out (``bind(0)``, and the local end of every outgoing
-    connection on the host) can be taken between this check and torchrun's bind, which
-    failed a suite's attempt with ``EADDRINUSE`` while other work on the host opened
-    connections. Where no free port is found that way, one from the kernel. If another
-    process still takes it in between, the attempt fails to rendezvous and is restarted
-    like any failed attempt, with a new port."""
-    rng = rng or random.Random()
-    try:
-        low = int(EPHEMERAL.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    first = max(1024, low - 20000)
-    for _ in range(64):
-        port = rng.randrange(first, low) if low > first else 0
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    Drawn below the kernel's ephemeral range, in a band of its own (``ports.RENDEZVOUS``:
+    no connection's local end and no dev stack's port comes from there). If another
+    process still takes it before torchrun binds it, the attempt fails to rendezvous and
+    is restarted like any failed attempt, with a new port."""
+    return ports.draw(host, ports.RENDEZVOUS, rng=rng)
 
 
 def children(pid: int) -> list[int]:
