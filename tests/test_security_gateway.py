@@ -285,8 +285,8 @@ async def test_unfinished_training_runs_per_key_are_bounded_until_one_finishes(
 async def test_a_keys_unfinished_runs_are_bounded_across_gateways_and_restarts(
         bus: Bus, settings: Settings, uid: str) -> None:
     """Two replicas, then a third started later (a restarted one): the key's limit of
-    unfinished runs is the fleet's. Submissions racing through both replicas never get
-    more than the limit through, and a refused run leaves no record behind."""
+    unfinished runs is the fleet's. Of submissions racing through both replicas for one
+    slot, exactly one gets it, and a refused run leaves no record behind."""
     await bus.provision(core_streams())
     name = f"fleet-{uid}"
     keys = {name: new_key()}
@@ -312,7 +312,7 @@ async def test_a_keys_unfinished_runs_are_bounded_across_gateways_and_restarts(
             gw.post("/v1/training-runs", json=config, headers=a)
             for gw in (one, two) * 4))
         codes = sorted(r.status_code for r in raced)
-        assert codes.count(202) <= 1 and set(codes) <= {202, 429}, codes
+        assert codes.count(202) == 1 and codes.count(429) == 7, codes
         assert len(await unfinished()) == 1 + codes.count(202)
         refused = [r for r in raced if r.status_code == 429]
         assert all(int(r.headers["retry-after"]) >= 1 for r in refused)

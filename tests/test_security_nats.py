@@ -250,7 +250,10 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
             await client.nc.flush()
             record = encodejson(TaskRecord(task=GenerationTask(task_id="t1", model="noop")))
             await admin.publish(subjects.task_record("t1"), record)  # as a worker writes it
-            await until(lambda: writes == [record], seen=lambda: writes)
+            # A miss says what arrived and what the connections went through (a client
+            # disconnected while the record was written would never see it).
+            await until(lambda: writes == [record], seen=lambda: (
+                writes, [e for e in logs if e["event"].startswith("nats.")]))
             # Nothing else: no queue, no stream API, no KV write, nobody's telemetry.
             with pytest.raises(NatsTimeout):
                 await client.publish(subjects.gen("east", "interactive"),

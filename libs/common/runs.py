@@ -275,11 +275,16 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     a different config or another owner under an existing run id raises ``RunExists``.
 
     ``max_unfinished``: a new run is refused (``TooManyRuns``) when ``owner`` has that many
-    runs not finished besides it, counted in KV ``runs`` after its record is written,
+    runs not finished before it, counted in KV ``runs`` after its record is written,
     and its record is deleted before anything was announced. Every gateway counts the
-    same records, so the limit holds across replicas and restarts: of two submissions
-    that race, the one that writes second sees the first (each reads after its own
-    write), so both are never let through; both may be refused (``Retry-After``).
+    same records, so the limit holds across replicas and restarts. Counted: every run
+    past ``pending`` (let through), and the pending ones written before this one (a
+    lower revision: a pending record is never rewritten, claiming or cancelling moves it
+    on). So of submissions that race for room, the one written first is not refused for
+    the later ones, and each later one sees it (it reads after its own write): exactly
+    as many are let through as there is room for. A refused one can still be counted by
+    a later one in the moment before its record is deleted, if room was made between
+    their reads (``Retry-After``).
     """
     from tandem.common.streams import KV_RUNS
 
@@ -301,8 +306,9 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
         if record.state != RunState.pending:
             return record
     elif max_unfinished is not None:
-        others = sorted(k for k, (rec, _) in (await kv.entries()).items()
-                        if k != run_id and rec.owner == owner and not rec.state.terminal)
+        others = sorted(k for k, (rec, rev) in (await kv.entries()).items()
+                        if k != run_id and rec.owner == owner and not rec.state.terminal
+                        and (rec.state != RunState.pending or rev < revision))
         if len(others) >= max_unfinished:
             # Moved meanwhile (cancelled; or claimed by a coordinator that found it
             # unannounced, unclaimed_after_s later: a stall no submission lasts): leave it.
