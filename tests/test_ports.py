@@ -32,11 +32,44 @@ def test_a_draw_passes_over_a_bound_port_and_those_it_is_told_to_skip() -> None:
                 held.bind(("127.0.0.1", taken))
                 break
         held.listen()
-        got = ports.draw("127.0.0.1", ports.LISTEN, rng=random.Random(seed))
+        got = ports.draw("127.0.0.1", band, rng=random.Random(seed))
         assert got != taken and got in band
-    assert ports.draw("127.0.0.1", ports.LISTEN, rng=random.Random(seed)) == taken  # free now
-    again = ports.draw("127.0.0.1", ports.LISTEN, rng=random.Random(seed), skip={taken})
+    assert ports.draw("127.0.0.1", band, rng=random.Random(seed)) == taken  # free now
+    again = ports.draw("127.0.0.1", band, rng=random.Random(seed), skip={taken})
     assert again != taken and again in band
+
+
+def test_a_named_range_is_tried_whole_and_a_full_one_is_an_error_naming_it() -> None:
+    """``TANDEM_RENDEZVOUS_PORTS``: what a firewall admits; never the kernel's pick."""
+    band = ports.band_range(ports.RENDEZVOUS)
+    with contextlib.ExitStack() as held:
+        five = None
+        for start in range(band.start, band.stop - 5, 5):  # five free ports in a row
+            socks = []
+            try:
+                for port in range(start, start + 5):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+                    socks.append(s)
+            except OSError:
+                continue
+            five = range(start, start + 5)
+            break
+        assert five is not None
+        with pytest.raises(OSError, match=f"no free port on 127.0.0.1 in {five.start}-"
+                                          f"{five.stop - 1}"):
+            ports.draw("127.0.0.1", five, fallback=False)
+        socks[2].close()  # one comes free: found, however the draw is ordered
+        assert ports.draw("127.0.0.1", five, fallback=False) == five[2]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("29400", "not first-last"), ("a-b", "not first-last"), ("80-90", "1024 <= first"),
+    ("30000-29000", "first <= last"), ("60000-70000", "last <= 65535")])
+def test_a_port_range_that_is_not_one_is_refused_saying_why(text: str, error: str) -> None:
+    assert ports.parse_range("29400-29409") == range(29400, 29410)
+    with pytest.raises(ValueError, match=error):
+        ports.parse_range(text)
 
 
 def test_where_the_kernels_range_leaves_no_band_the_kernel_picks(
@@ -45,7 +78,7 @@ def test_where_the_kernels_range_leaves_no_band_the_kernel_picks(
     wide.write_text("1024\t65535\n")  # a host that gives every port to connections
     monkeypatch.setattr(ports, "EPHEMERAL", wide)
     assert not ports.band_range(ports.LISTEN) and not ports.band_range(ports.RENDEZVOUS)
-    port = ports.draw("127.0.0.1", ports.LISTEN)
+    port = ports.draw("127.0.0.1", ports.band_range(ports.LISTEN))
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # it was free
 

@@ -33,6 +33,7 @@ import pytest_asyncio
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.cli.train import render_status
+from tandem.common import ports
 from tandem.common.bus import Bus
 from tandem.common.events import CheckpointWritten, RunState, TrainStatus, TrainStep
 from tandem.common.runs import submit_run
@@ -43,6 +44,8 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)
               pytest.mark.slow]
 
 CLUSTER = "nodes"
+# The node agents' rendezvous ports, as a firewall between nodes would admit them.
+RDZV = ports.band_range(ports.RENDEZVOUS)[:200]
 STACK_TOML = f"""
 [ports]
 nats = 0
@@ -74,6 +77,7 @@ TRAINER_ROLE = "node"
 CHECKPOINT_ROOT = "{{root}}/checkpoints"
 WORK_ROOT = "{{root}}/nodes/{{node}}"
 ORPHAN_AFTER_S = "10"
+RENDEZVOUS_PORTS = "{RDZV.start}-{RDZV.stop - 1}"
 """
 
 
@@ -193,6 +197,12 @@ async def test_a_run_over_two_node_agents_with_one_rank_each_completes(nodes: No
         spec = json.loads((folder / "launch.json").read_bytes())
         assert spec["attempt_dir"] == str(folder) and spec["rank_nodes"] == ["node-0", "node-1"]
         assert (folder / f"agent-{i}-node-{i}.log").exists()
+    # Node rank 0's agent hosted the rendezvous on a port its RENDEZVOUS_PORTS admits.
+    launched = [json.loads(line.split("] ", 1)[1]) for line in
+                (root.parent / "stack.log").read_text().splitlines()
+                if '"node_agent.launched"' in line and '"plain"' in line]
+    hosts = [e for e in launched if e["node_rank"] == 0]
+    assert hosts and all(int(e["master"].rsplit(":", 1)[1]) in RDZV for e in launched), launched
 
 
 async def test_a_node_agent_killed_mid_run_takes_its_rank_and_the_run_resumes_from_a_checkpoint(
@@ -234,10 +244,23 @@ async def test_a_rendezvous_port_is_drawn_in_its_own_band_below_the_kernels_rang
     """Below the ephemeral range (where ``bind(0)`` and every outgoing connection's local
     end come from, and took a suite's rendezvous port before torchrun bound it), and
     apart from the ports dev stacks hand their children (``tests/test_ports.py``)."""
-    from tandem.common import ports
     from tandem.trainer.launcher import rendezvous_port
 
     got = [rendezvous_port("127.0.0.1") for _ in range(200)]
     band = ports.band_range(ports.RENDEZVOUS)
     assert all(p in band for p in got) and len(set(got)) > 150
     assert not set(got) & set(ports.band_range(ports.LISTEN))
+
+
+async def test_rendezvous_ports_confine_the_draw_and_a_bad_range_is_refused_naming_it() -> None:
+    from tandem.common.errors import SettingsError
+    from tandem.common.settings import load
+    from tandem.trainer.launcher import rendezvous_port
+    from tandem.trainer.service import TrainerSettings
+
+    s = load(TrainerSettings, rendezvous_ports=f"{RDZV.start}-{RDZV.stop - 1}")
+    assert s.rendezvous_port_range() == RDZV
+    assert all(rendezvous_port("127.0.0.1", allowed=RDZV) in RDZV for _ in range(50))
+    assert load(TrainerSettings).rendezvous_port_range() is None  # the band below the range
+    with pytest.raises(SettingsError, match=r"TANDEM_RENDEZVOUS_PORTS.*1024 <= first"):
+        load(TrainerSettings, rendezvous_ports="80-90")

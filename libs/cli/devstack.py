@@ -57,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     now = time.time()
     with _LEASES_LOCK, _leases(now) as leased:
         for _ in range(1000):
-            port = ports.draw(host, ports.LISTEN, skip=leased)
+            port = ports.draw(host, ports.band_range(ports.LISTEN), skip=leased)
             if port not in leased:
                 leased[port] = _OWN_LEASES[port] = now + PORT_LEASE_S
                 return port

@@ -42,15 +42,17 @@ def band_range(band: tuple[int, int]) -> range:
     return range(max(1024, low - band[0]), max(1024, low - band[1]))
 
 
-def draw(host: str, band: tuple[int, int], *, rng: random.Random | None = None,
-         skip: Container[int] = ()) -> int:
-    """A port nothing is bound to on ``host`` now, at random in ``band`` and not in
-    ``skip``; the kernel's pick (``bind(0)``, which may be in ``skip``) when ``DRAWS``
-    draws find none (an empty or full band)."""
+def draw(host: str, candidates: range, *, rng: random.Random | None = None,
+         skip: Container[int] = (), fallback: bool = True) -> int:
+    """A port nothing is bound to on ``host`` now, at random among ``candidates`` (a band's
+    ``band_range``, or a range the deployment names) and not in ``skip``. A range of at
+    most ``DRAWS`` ports is tried whole, a larger one ``DRAWS`` times at random. None
+    free: the kernel's pick (``bind(0)``, which may be in ``skip``) with ``fallback``,
+    else ``OSError`` naming the range (a firewall admits only it)."""
     rng = rng or random.Random()
-    ports = band_range(band)
-    for _ in range(DRAWS if ports else 0):
-        port = rng.choice(ports)
+    tries = (rng.sample(candidates, len(candidates)) if len(candidates) <= DRAWS
+             else (rng.choice(candidates) for _ in range(DRAWS)))
+    for port in tries:
         if port in skip:
             continue
         with socket.socket() as s:
@@ -59,6 +61,21 @@ def draw(host: str, band: tuple[int, int], *, rng: random.Random | None = None,
             except OSError:
                 continue
             return port
+    if not fallback:
+        raise OSError(f"no free port on {host} in {candidates.start}-{candidates.stop - 1}")
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def parse_range(text: str) -> range:
+    """``"first-last"`` (inclusive, unprivileged ports) as a range; ``ValueError`` saying
+    what is wrong."""
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        raise ValueError(f"{text!r} is not first-last, e.g. 29400-29499") from None
+    if not sep or not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"{text!r}: want first-last with 1024 <= first <= last <= 65535")
+    return range(lo, hi + 1)

@@ -170,10 +170,11 @@ class LocalLauncher:
     """Every node's torchrun as a child process of this host (see the module docstring)."""
 
     def __init__(self, python: str = sys.executable, master_addr: str = "127.0.0.1",
-                 monitor_interval: float = 0.5) -> None:
+                 monitor_interval: float = 0.5, rendezvous_ports: range | None = None) -> None:
         self.python = python
         self.master_addr = master_addr
         self.monitor_interval = monitor_interval
+        self.rendezvous_ports = rendezvous_ports  # None: below the ephemeral range
 
     def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
                 rdzv_id: str = "tandem", local_addr: str | None = None,
@@ -199,7 +200,7 @@ class LocalLauncher:
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
                     attempt_dir: Path, env: dict[str, str] | None = None) -> Attempt:
-        port = rendezvous_port(self.master_addr)
+        port = rendezvous_port(self.master_addr, allowed=self.rendezvous_ports)
         attempt = Attempt(run_id=spec.run_id, number=spec.attempt)
         for i, node in enumerate(placement.nodes):
             log_path = attempt_dir / f"agent-{i}-{node}.log"
@@ -246,15 +247,20 @@ def rendezvous_id(run_id: str, attempt: int) -> str:
     return f"{run_id}-a{attempt}"
 
 
-def rendezvous_port(host: str, rng: random.Random | None = None) -> int:
+def rendezvous_port(host: str, rng: random.Random | None = None,
+                    allowed: range | None = None) -> int:
     """A port for the attempt's rendezvous, which every agent must be told before any
     starts (torchrun's ``--rdzv-endpoint``); node 0's agent hosts the store there.
 
-    Drawn below the kernel's ephemeral range, in a band of its own (``ports.RENDEZVOUS``:
-    no connection's local end and no dev stack's port comes from there). If another
-    process still takes it before torchrun binds it, the attempt fails to rendezvous and
-    is restarted like any failed attempt, with a new port."""
-    return ports.draw(host, ports.RENDEZVOUS, rng=rng)
+    Free when drawn, at random among ``allowed`` (``TANDEM_RENDEZVOUS_PORTS``: the ports
+    a firewall between training nodes admits; ``OSError`` when none is free), else below
+    the kernel's ephemeral range, in a band of its own (``ports.RENDEZVOUS``: no
+    connection's local end and no dev stack's port comes from there). If another process
+    still takes it before torchrun binds it, the attempt fails to rendezvous and is
+    restarted like any failed attempt, with a new port."""
+    if allowed is not None:
+        return ports.draw(host, allowed, rng=rng, fallback=False)
+    return ports.draw(host, ports.band_range(ports.RENDEZVOUS), rng=rng)
 
 
 def children(pid: int) -> list[int]:

@@ -158,7 +158,7 @@ class NodeAgent(Service):
         addr, port = order.master_addr, order.master_port
         if order.node_rank == 0 and not port:  # the rendezvous is ours to open
             addr = self.s.rendezvous_host
-            port = rendezvous_port(addr)
+            port = rendezvous_port(addr, allowed=self.s.rendezvous_port_range())
         command = node_command(self.s, order, addr, port, spec_path)
         log_path = Path(spec.attempt_dir) / f"agent-{order.node_rank}-{self.s.node}.log"
         proc = await spawn(command, log_path, rank_env(None, self.s.node), with_parent=True)

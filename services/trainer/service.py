@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from tandem.common import checkpoints, events, storage, subjects
+from tandem.common import checkpoints, events, ports, storage, subjects
 from tandem.common.bus import Delivery
 from tandem.common.events import (
     HealthTransition,
@@ -77,6 +77,12 @@ class TrainerSettings(Settings):
         "nodes reach it at: the c10d rendezvous its torchrun hosts as node rank 0, and "
         "torchrun's --local-addr (where rank 0's store is, on its node); on Kubernetes the "
         "pod's IP.")
+    rendezvous_ports: str = Field(
+        "", description="Node agent (and the local launcher): the ports the c10d rendezvous "
+        "it hosts may take, as first-last (what a firewall or NetworkPolicy between "
+        "training nodes admits); empty: 4,000 ports just below the kernel's ephemeral "
+        "range (ip_local_port_range), where no outgoing connection takes one. Drawn at "
+        "random and found free by binding.")
     orphan_after_s: float = Field(
         10.0, gt=0, le=600, description="Node agent: with no answer from the coordinator "
         "this long, it kills its ranks (nobody supervises them any more).")
@@ -100,6 +106,18 @@ class TrainerSettings(Settings):
         "fails.")
 
 
+    @field_validator("rendezvous_ports")
+    @classmethod
+    def _port_range(cls, v: str) -> str:
+        if v.strip():
+            ports.parse_range(v.strip())  # its ValueError names what is wrong
+        return v.strip()
+
+    def rendezvous_port_range(self) -> range | None:
+        """``rendezvous_ports`` as a range; None when unset."""
+        return ports.parse_range(self.rendezvous_ports) if self.rendezvous_ports else None
+
+
 class Trainer(Service):
     name = "trainer"
     settings_class = TrainerSettings
@@ -110,7 +128,8 @@ class Trainer(Service):
         self.s: TrainerSettings = settings
         self.me = subjects.node_key(settings.cluster, settings.node)
         self.supervisors: dict[str, RunSupervisor] = {}
-        self.launcher: Launcher = LocalLauncher(python=settings.python)
+        self.launcher: Launcher = LocalLauncher(
+            python=settings.python, rendezvous_ports=settings.rendezvous_port_range())
         self._slots = asyncio.Semaphore(settings.max_runs)
         # Pending runs of this cluster nobody claimed yet: run id -> when to claim it
         # (loop time, unclaimed_after_s after this coordinator first saw it pending).
