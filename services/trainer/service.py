@@ -105,7 +105,6 @@ class TrainerSettings(Settings):
         "order is retried while a node has no agent (a pod restarting) before the attempt "
         "fails.")
 
-
     @field_validator("rendezvous_ports")
     @classmethod
     def _port_range(cls, v: str) -> str:
