@@ -61,12 +61,17 @@ class Events:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.seen: list[Any] = []
 
-    async def next(self, kind: type, timeout: float = DEADLINE) -> Any:
+    async def next(self, kind: type, timeout: float = DEADLINE,
+                   where: Callable[[Any], bool] = lambda ev: True) -> Any:
+        """The next event of ``kind`` that ``where`` accepts (what comes before it is in
+        ``seen``). A core subscription sees every publish: an event two checkpointers
+        both sent (one commit, found whole by both nodes) comes twice, though the stream
+        stored it once (its ``Nats-Msg-Id``)."""
         async with asyncio.timeout(timeout):
             while True:
                 ev = await self.queue.get()
                 self.seen.append(ev)
-                if isinstance(ev, kind):
+                if isinstance(ev, kind) and where(ev):
                     return ev
 
 
