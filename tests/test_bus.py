@@ -491,3 +491,148 @@ async def test_provisioning_lets_an_older_bucket_be_read_directly_keeping_its_da
     assert (await bus.js.stream_info(f"KV_old_{uid}")).config.allow_direct
     fresh = await bus.js.key_value(f"old_{uid}")  # opened anew: reads by direct get
     assert (await fresh.get("k")).value == b"kept"
+
+
+async def test_a_fetch_handler_settles_each_message_by_its_own_outcome_as_it_comes(
+        bus: Bus, uid: str) -> None:
+    """A whole fetch's handler: each message is settled as it is yielded, in any order,
+    by its own outcome (ack, a retry, the DLQ); one it never yields is settled by what
+    ended the handler; one whose outcome is not yet known stays held."""
+    from tandem.common.errors import Retry
+
+    stream, consumer = _work(uid)
+    await bus.provision([*streams.core_streams(), stream, consumer])
+    ids = ["ok", "later", "retry", "reject", "lost"]
+    await bus.publish_many([(f"w.{uid}.a", GenerationTask(task_id=i, model="m"), None)
+                            for i in ids])
+    release = asyncio.Event()  # "later" ends only once the others are settled
+    fetches: list[list[str]] = []
+    acked: list[str] = []
+    all_acked = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def handle(ds):  # type: ignore[no-untyped-def]
+        fetches.append([d.event.task_id for d in ds])
+        by_id = {d.event.task_id: d for d in ds}
+        if "ok" not in by_id:  # those handed back, delivered again
+            for d in ds:
+                yield d, None
+            return
+        yield by_id["ok"], None
+        yield by_id["retry"], Retry("not now", delay=0.2)
+        yield by_id["reject"], Reject("never")
+        await asyncio.wait_for(release.wait(), TIMEOUT)
+        yield by_id["later"], None
+        raise RuntimeError("handler broke before lost")
+
+    c = bus.consumer(consumer, GenerationTask, fetch_handler=handle, fetch_timeout=0.2,
+                     concurrency=8, batch=8)
+    original_ack = c.policy.ack
+
+    async def ack(msg):  # type: ignore[no-untyped-def]
+        acked.append(decode(msg.data, GenerationTask).task_id)
+        if len(acked) == 1:
+            release.set()  # "later" waits until "ok" was acked on its own
+        await original_ack(msg)
+        if len(acked) == 4:
+            all_acked.set()
+
+    c.policy.ack = ack  # type: ignore[method-assign]
+    task = asyncio.create_task(c.run(stop))
+    await asyncio.wait_for(all_acked.wait(), TIMEOUT)
+    stop.set()
+    await asyncio.wait_for(task, TIMEOUT)
+    assert fetches[0] == ids
+    assert acked[:2] == ["ok", "later"]
+    # "retry" came back after its nak; "lost" after the handler's error (a nak too).
+    assert sorted(acked[2:]) == ["lost", "retry"]
+    assert sorted(i for f in fetches[1:] for i in f) == ["lost", "retry"]
+    sub = await bus.js.pull_subscribe(subjects.dlq(stream.name), durable=None, stream="DLQ")
+    [letter] = [decode(m.data, DeadLetter) for m in await sub.fetch(1, timeout=5)]
+    assert letter.reason == "rejected: never"
+    assert (await bus.js.stream_info(stream.name)).state.messages == 0
+
+
+async def test_a_cancelled_fetch_handler_hands_back_what_it_had_not_settled(
+        bus: Bus, uid: str) -> None:
+    c = await _queued(bus, uid, 3, ack_wait=120)  # far past the test's deadline
+    started = asyncio.Event()
+    closed: list[bool] = []
+
+    async def handle(ds):  # type: ignore[no-untyped-def]
+        try:
+            yield ds[0], None
+            started.set()
+            await asyncio.Event().wait()  # the others never end
+            yield ds[1], None
+        finally:
+            closed.append(True)
+
+    fc = bus.consumer(c.spec, GenerationTask, fetch_handler=handle, fetch_timeout=0.2,
+                      concurrency=8, batch=8)
+    stop = asyncio.Event()
+    task = asyncio.create_task(fc.run(stop))
+    await asyncio.wait_for(started.wait(), TIMEOUT)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == [True]  # the handler's own cleanup ran
+    # Handed back (nak): another consumer gets them now, not after AckWait (120 s).
+    async with asyncio.timeout(TIMEOUT):
+        got = await c.fetch(2, 4)
+        while len(got) < 2:
+            got += await c.fetch(2 - len(got), 4)
+    assert sorted(decode(m.data, GenerationTask).task_id for m in got) == ["t1", "t2"]
+    await c.close()
+
+
+async def test_send_each_gives_each_message_its_own_ack_or_error(bus: Bus, uid: str) -> None:
+    from nats.js.api import PubAck
+    from nats.js.errors import APIError, NoStreamResponseError
+
+    stream, _ = _work(uid)
+    await bus.provision([stream])
+    got = await bus.send_each([(f"w.{uid}.a", b"{}", None),
+                               (f"nostream.{uid}", b"{}", None),
+                               (f"w.{uid}.a", b"{}", {"Nats-Expected-Last-Subject-Sequence": "7"}),
+                               (f"w.{uid}.a", b"{}", None)])
+    assert isinstance(got[0], PubAck) and got[0].seq == 1
+    assert isinstance(got[1], NoStreamResponseError)
+    assert isinstance(got[2], APIError) and got[2].err_code == 10071  # wrong last sequence
+    assert isinstance(got[3], PubAck) and got[3].seq == 2
+
+
+async def test_move_many_writes_known_keys_in_one_send_and_reads_only_those_moved_on(
+        bus: Bus, uid: str) -> None:
+    from nats.js.errors import InvalidKeyError
+
+    from tandem.common.events import TaskRecord
+    from tandem.common.streams import KVSpec
+
+    await bus.provision([KVSpec(f"many_{uid}")])
+    kv = await bus.typed(f"many_{uid}", TaskRecord)
+    recs = {k: TaskRecord(task=GenerationTask(task_id=k, model="digits"))
+            for k in ("a", "b", "c")}
+    revs = {k: await kv.create(k, r) for k, r in recs.items()}
+    bumped = await kv.put("b", struct_replace(recs["b"], attempts=10))  # b moved on
+    seen: dict[str, list[int]] = {}
+
+    def bump(key: str):  # type: ignore[no-untyped-def]
+        def fn(cur: TaskRecord | None) -> TaskRecord | None:
+            seen.setdefault(key, []).append(cur.attempts if cur else -1)
+            return struct_replace(cur, attempts=cur.attempts + 1) if cur else None
+        return fn
+
+    got = await kv.move_many([("a", bump("a"), (recs["a"], revs["a"])),
+                              ("b", bump("b"), (recs["b"], revs["b"])),
+                              ("c", bump("c"), None),
+                              ("nope", bump("nope"), None),
+                              ("bad key", bump("bad key"), (recs["a"], 1))])
+    assert got[0] == (struct_replace(recs["a"], attempts=1), bumped + 1)  # the send's first
+    # b: the guess was refused and the stored value decided: 10 -> 11, no lost write.
+    assert got[1] is not None and not isinstance(got[1], BaseException)
+    assert got[1][0].attempts == 11 and got[1][1] > bumped
+    assert seen["a"] == [0] and seen["b"] == [0, 10] and seen["c"] == [0]
+    assert got[3] is None  # no such key, and fn declined to create it
+    assert isinstance(got[4], InvalidKeyError)
+    assert (await kv.get("c"))[0].attempts == 1  # type: ignore[index]

@@ -150,7 +150,10 @@ class Bus(Publishing):
     # ------------------------------------------------------------------------ consuming
 
     def consumer(self, spec: ConsumerSpec, event_type: type[E],
-                 handler: Callable[[Delivery[E]], Awaitable[None]], **options: Any) -> Consumer[E]:
+                 handler: Callable[[Delivery[E]], Awaitable[None]] | None = None,
+                 **options: Any) -> Consumer[E]:
+        """A ``Consumer`` of ``spec``: ``handler`` per delivery, or ``fetch_handler=``
+        for whole fetches."""
         return Consumer(self, spec, event_type, handler, **options)
 
     async def kv(self, bucket: str) -> KeyValue:

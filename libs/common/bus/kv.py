@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from nats.errors import TimeoutError as NatsTimeout
@@ -140,6 +140,41 @@ class TypedKV(Generic[E]):
             except KeyWrongLastSequenceError:
                 continue
         raise RuntimeError(f"compare-and-set on {key} lost {attempts} races")
+
+    async def move_many(self, moves: Sequence[tuple[str, Callable[[E | None], E | None],
+                                                    tuple[E, int] | None]]
+                        ) -> list[tuple[E, int] | BaseException | None]:
+        """``move`` of many keys, each ``(key, fn, expect)``: the first try of every key
+        whose value and revision are expected goes out in one pipelined send (one wait
+        for all, not one per key); a key that has moved on since, whose ``fn`` declined
+        the guess, or with no guess, goes through ``move``. Each key's outcome is its
+        own: what ``move`` returns, or what it raised."""
+        out: list[tuple[E, int] | BaseException | None] = [None] * len(moves)
+        again: list[int] = []
+        tried: list[tuple[int, E]] = []
+        items = []
+        for i, (key, fn, expect) in enumerate(moves):
+            new = fn(expect[0]) if expect is not None and self.bus is not None else None
+            if new is None or not _KV_KEY.fullmatch(key):
+                again.append(i)
+                continue
+            tried.append((i, new))
+            items.append((self._pre + key, encode(new), {EXPECTED_LAST: str(expect[1])}))
+        if items:
+            assert self.bus is not None
+            for (i, new), ack in zip(tried, await self.bus.send_each(items), strict=True):
+                if not isinstance(ack, BaseException):
+                    out[i] = (new, ack.seq)
+                elif isinstance(ack, APIError) and ack.err_code in WRONG_LAST:
+                    again.append(i)  # moved on: read it and decide again
+                else:
+                    out[i] = ack
+        if again:
+            got = await asyncio.gather(*(self.move(moves[i][0], moves[i][1]) for i in again),
+                                       return_exceptions=True)
+            for i, one in zip(again, got, strict=True):
+                out[i] = one
+        return out
 
     async def items(self) -> dict[str, E]:
         """Every key's value, read in one pass (``snapshot``)."""

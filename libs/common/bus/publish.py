@@ -155,6 +155,13 @@ class _Group:
             raise NatsTimeout
         return acks  # type: ignore[return-value]
 
+    def each(self, send: _Send) -> list[PubAck | BaseException]:
+        """Each slot of one send's slice: its ack, its error, or a timeout if missing."""
+        start, n = send.start, send.n
+        return [ack if ack is not None else error if error is not None else NatsTimeout()
+                for ack, error in zip(self.acks[start:start + n], self.errors[start:start + n],
+                                      strict=True)]
+
 
 class _Acks:
     """One reply inbox (``<inbox>.<group>.<i>``) for every pipelined publish of a process.
@@ -174,8 +181,17 @@ class _Acks:
         self._publishing: set[asyncio.Task[None]] = set()  # held until done
         self._subscribing = asyncio.Lock()
 
-    async def send(self, items: Sequence[Item],
-                   timeout: float) -> list[PubAck]:
+    async def send(self, items: Sequence[Item], timeout: float) -> list[PubAck]:
+        group, send = await self._sent(items, timeout)
+        return group.result(send)
+
+    async def send_each(self, items: Sequence[Item],
+                        timeout: float) -> list[PubAck | BaseException]:
+        group, send = await self._sent(items, timeout)
+        return group.each(send)
+
+    async def _sent(self, items: Sequence[Item], timeout: float) -> tuple[_Group, _Send]:
+        """``items`` published with this loop turn's group; once their acks are in."""
         if self._sub is None:
             async with self._subscribing:  # concurrent first sends subscribe once
                 if self._sub is None:
@@ -189,7 +205,7 @@ class _Acks:
             asyncio.get_running_loop().call_soon(self._publish_soon, group)
         send = group.join(items, timeout)
         await send.future
-        return group.result(send)
+        return group, send
 
     def _publish_soon(self, group: _Group) -> None:
         if self.open is group:
@@ -318,6 +334,17 @@ class Publishing:
         if self._acks is None:
             self._acks = _Acks(self.nc)
         return await self._acks.send(items, timeout)
+
+    async def send_each(self, items: Sequence[Item],
+                        timeout: float = 5.0) -> list[PubAck | BaseException]:
+        """``send``, where each message's outcome is its own: its ack, or the error it
+        got (a timeout when its ack is missing after ``timeout`` seconds), in order. For
+        writes that succeed or fail one by one (compare-and-sets of many keys)."""
+        if not items:
+            return []
+        if self._acks is None:
+            self._acks = _Acks(self.nc)
+        return await self._acks.send_each(items, timeout)
 
     async def emit(self, subject: str, event: Any) -> None:
         """Core NATS publish: not stored, not acknowledged (progress, live views)."""
