@@ -186,8 +186,12 @@ class Batcher:
             await job.future
             return job
         finally:
-            if job in self.pending:
-                self.pending.remove(job)
+            self.forget(job)
+
+    def forget(self, job: Job) -> None:
+        """Its caller is gone (cancelled): a job that still waits is never run."""
+        if job in self.pending:
+            self.pending.remove(job)
 
     def cancel(self, task_id: str) -> bool:
         """Stop ``task_id`` if it waits, is queued or runs here; True if it was found."""

@@ -27,24 +27,20 @@ from tandem.common.events import GenerationTask
 def record(task: GenerationTask, marks: dict[str, float], **attributes: Any) -> None:
     """Report the phases ``marks`` allow (missing marks skip their phase). Spans only
     while they are exported: this runs for every task, a no-op one too."""
-    spans = tracing.recording()
-    attrs: dict[str, Any] = {}
-    if spans:
+    get = marks.get
+    seen = [(name, label, start, end) for name, label, start, end in (
+        ("queue wait", "queue_wait", task.submitted_at, get("taken")),
+        ("batching", "batching", get("taken"), get("run_start")),
+        ("model load", "model_load", get("load_start"), get("load_end")),
+        ("denoising", "denoising", get("run_start"), get("run_end")),
+        ("upload", "upload", get("upload_start"), get("upload_end")),
+    ) if start is not None and end is not None]
+    metrics.PHASE_SECONDS.observe_many([(label, end - start if end > start else 0.0)
+                                        for _, label, start, end in seen])
+    if tracing.recording():
         attrs = {"tandem.task_id": task.task_id, "tandem.model": task.model,
                  "tandem.lane": task.lane, **attributes}
         if "batch_images" in marks:
             attrs["tandem.batch.images"] = int(marks["batch_images"])
-    phases = (
-        ("queue wait", "queue_wait", task.submitted_at, marks.get("taken")),
-        ("batching", "batching", marks.get("taken"), marks.get("run_start")),
-        ("model load", "model_load", marks.get("load_start"), marks.get("load_end")),
-        ("denoising", "denoising", marks.get("run_start"), marks.get("run_end")),
-        ("upload", "upload", marks.get("upload_start"), marks.get("upload_end")),
-    )
-    seen = [(name, label, start, end) for name, label, start, end in phases
-            if start is not None and end is not None]
-    metrics.PHASE_SECONDS.observe_many([(label, max(end - start, 0.0))
-                                        for _, label, start, end in seen])
-    if spans:
         for name, _, start, end in seen:
             tracing.span_between(name, start, end, attrs)

@@ -50,6 +50,17 @@ class Held:
     progress_at: float = 0.0  # monotonic: its last progress write
 
 
+@dataclass(slots=True)
+class End:
+    """A task's success, to be written (``Records.finish``)."""
+
+    held: Held
+    images: list[str]  # the S3 keys of its images
+    checkpoint: str = ""
+    checkpoint_step: int | None = None
+    timings: dict[str, float] | None = None
+
+
 class Cancels:
     """The gateway's cancel notices (KV ``cancels``), as this worker has heard them.
 
@@ -103,19 +114,29 @@ class Records:
         self.seal_key = seal_key
         self.worker = worker
 
-    async def claim(self, d: Delivery[GenerationTask], cluster: str) -> Held | None:
+    def claim_now(self, d: Delivery[GenerationTask], cluster: str) -> Held | None:
+        """``claim`` as far as it goes without a read: None if a cancel notice came; a
+        sealed first delivery's ``Held`` with its record (``expect``); else a ``Held``
+        with no ``expect``, which only ``claim``'s read can decide."""
+        task = d.event
+        if self.cancels.cancelled(task.task_id):
+            return None  # the gateway moved the record to cancelled before the notice
+        held = Held(task, cluster, delivered_count(d.msg), time.time())
+        if held.attempt == 1:
+            held.expect = moves.as_sealed(task, d.msg.data, d.headers, self.seal_key)
+        return held
+
+    async def claim(self, d: Delivery[GenerationTask], cluster: str,
+                    held: Held | None = None) -> Held | None:
         """The task to run, with what is known of its record; None if it must not run
         (cancelled, or ended by an earlier delivery): the delivery is then acked.
+        ``held``: what ``claim_now`` found, when it was asked first.
 
         Raises ``TaskConflict`` when another body owns the id (``tasks.claim``)."""
         task = d.event
-        held = Held(task, cluster, delivered_count(d.msg), time.time())
-        if self.cancels.cancelled(task.task_id):
-            return None  # the gateway moved the record to cancelled before the notice
-        if held.attempt == 1:
-            held.expect = moves.as_sealed(task, d.msg.data, d.headers, self.seal_key)
-            if held.expect is not None:
-                return held
+        held = held or self.claim_now(d, cluster)
+        if held is None or held.expect is not None:
+            return held
         for _ in range(3):
             got = await self.kv.get(task.task_id)
             rec = moves.claim(task, got[0] if got is not None else None)
@@ -143,18 +164,24 @@ class Records:
             held.expect = got
         return got[0] if got is not None else None
 
-    async def finish(self, held: Held, images: list[str], checkpoint: str = "",
-                     checkpoint_step: int | None = None,
-                     timings: dict[str, float] | None = None) -> TaskRecord | None:
-        """Move the record to ``succeeded`` with the images: the commit point. Returns
-        the record as it now stands (``cancelled`` if a cancel came first)."""
-        got = await self.kv.move(held.task.task_id, moves.to_succeeded(
-            images, cluster=held.cluster, worker=self.worker, attempt=held.attempt,
-            started_at=held.taken, checkpoint=checkpoint, checkpoint_step=checkpoint_step,
-            timings=timings), expect=held.expect)
-        if got is not None:
-            held.expect = got
-        return got[0] if got is not None else None
+    async def finish(self, ends: list[End]) -> list[TaskRecord | BaseException | None]:
+        """Move each record to ``succeeded`` with its images: the commit point, for many
+        tasks in one pipelined write (``TypedKV.move_many``). Each task's outcome is its
+        own: the record as it now stands (``cancelled`` if a cancel came first), or what
+        its write raised."""
+        got = await self.kv.move_many([(e.held.task.task_id, moves.to_succeeded(
+            e.images, cluster=e.held.cluster, worker=self.worker, attempt=e.held.attempt,
+            started_at=e.held.taken, checkpoint=e.checkpoint,
+            checkpoint_step=e.checkpoint_step, timings=e.timings), e.held.expect)
+            for e in ends])
+        out: list[TaskRecord | BaseException | None] = []
+        for e, one in zip(ends, got, strict=True):
+            if isinstance(one, tuple):
+                e.held.expect = one
+                out.append(one[0])
+            else:
+                out.append(one)
+        return out
 
     async def failed(self, body: GenerationTask, reason: str) -> TaskRecord | None:
         """A dead-lettered task's record ends ``failed`` with ``reason``: its own record

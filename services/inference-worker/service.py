@@ -14,7 +14,9 @@ batches compatible tasks, runs one pipeline call, and for each task, in this ord
 4. only then the message is acked. In-progress acks keep it while it runs.
 
 One ``bus.Poller`` pulls every lane (the bus's one consumer loop: priority, room, drain
-pause, hand-back on stop); acks, naks and the DLQ are decided by the bus's ack policy;
+pause, hand-back on stop); each fetch is handled as a whole (``handle``: the steps run
+for its tasks together, a pipeline call's tasks ending together), and each task is
+settled as it ends; acks, naks and the DLQ are decided by the bus's ack policy;
 ``on_dead`` marks a dead-lettered task ``failed`` with the reason.
 
 The steps above are the worker's commit protocol and stay in this file so their order
@@ -29,7 +31,8 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -39,6 +42,7 @@ from pydantic import Field, field_validator, model_validator
 from tandem.common import log, metrics, subjects
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Consumer, Delivery, Poller, TypedKV
+from tandem.common.bus.consumer import Outcome
 from tandem.common.errors import InvalidTask, Reject, Retry
 from tandem.common.events import (
     GenerationProgress,
@@ -73,7 +77,7 @@ from tandem.inference_worker.pipelines import (
     set_threads,
     uses_torch,
 )
-from tandem.inference_worker.records import Cancels, Held, Records
+from tandem.inference_worker.records import Cancels, End, Held, Records
 
 _log = log.get("tandem.inference_worker")
 UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 is down
@@ -320,8 +324,8 @@ class InferenceWorker(Service):
                     await self.pipeline(model)
 
         def consumer(spec: ConsumerSpec) -> Consumer[GenerationTask]:
-            return bus.consumer(spec, GenerationTask, self.handle, on_dead=self.on_dead,
-                                span_name="gen process")
+            return bus.consumer(spec, GenerationTask, fetch_handler=self.handle,
+                                on_dead=self.on_dead, span_name="gen process")
 
         consumers = [consumer(spec) for spec in self._consumer_specs()]
         # One loop over every lane (and, on failover, other clusters' lanes, which
@@ -397,63 +401,181 @@ class InferenceWorker(Service):
 
     # ------------------------------------------------------------------------ handling
 
-    async def handle(self, d: Delivery[GenerationTask]) -> None:
-        task = d.event
-        with log.bound(task_id=task.task_id, model=task.model):
-            self._check(d)
-            if task.model not in self.served:
-                raise Retry(f"model {task.model} is not served by {self.worker_id}", delay=1.0)
-            assert self.records is not None
-            # A body that is not the one recorded under its id raises TaskConflict
-            # (dead-lettered, never run); None: cancelled or already ended, never run.
-            held = await self.records.claim(d, self._cluster_of(d))
-            if held is None:
-                return
-            self.held[task.task_id] = held
-            try:
-                async with d.keepalive():
-                    await self._run_task(held)
-            finally:
-                self.held.pop(task.task_id, None)
+    async def handle(self, ds: list[Delivery[GenerationTask]]
+                     ) -> AsyncIterator[Outcome[GenerationTask]]:
+        """Take one fetch of tasks through the steps above; yield each with its outcome
+        as it ends (the bus settles it: ``None`` acks it, an exception is settled by the
+        ack policy, as if the task's own handler had raised it).
 
-    async def _run_task(self, held: Held) -> None:
+        The fetch is handled as a whole, not a task per message: its tasks are checked
+        and claimed in one pass (a read only for those not sealed, side by side), go to
+        the batcher together, and each pipeline call's tasks end together: their uploads
+        side by side, their records in one pipelined compare-and-set, their acks in one
+        flush. On a bus full of small tasks that is what a task costs the worker's one
+        event loop; with a real model, a call's tasks end together anyway."""
         assert self.records is not None
-        task = held.task
-        t0 = time.monotonic()
+        taken: list[tuple[Delivery[GenerationTask], Held]] = []
+        unread: list[tuple[Delivery[GenerationTask], Held]] = []
+        for d in ds:
+            try:
+                held = self._take(d)
+            except Exception as exc:
+                yield d, exc
+                continue
+            if held is None:
+                yield d, None  # cancelled, or ended by an earlier delivery: never run
+            else:
+                (taken if held.expect is not None else unread).append((d, held))
+        if unread:
+            claims = await asyncio.gather(*(self._claim(d, held) for d, held in unread),
+                                          return_exceptions=True)
+            for (d, _), got in zip(unread, claims, strict=True):
+                if isinstance(got, BaseException) or got is None:
+                    yield d, got
+                else:
+                    taken.append((d, got))
+        ended: asyncio.Queue[Job] = asyncio.Queue()
+        running: dict[int, Running] = {}
         try:
-            job = await self.batcher.submit_job(task)
-        except JobCancelled:
-            CANCELLED.inc()
-            return
-        except HandedBack:
-            raise Retry("worker stopping; task handed back", delay=0.0) from None
-        except apart.PipelineProcessDied as exc:
-            # Not the task's fault, as far as anyone knows: delivered again (a task that
-            # kills every child goes to the DLQ after max_deliver, as one killing workers).
-            _log.error("worker.pipeline_process_died", error=str(exc))
-            raise Retry(str(exc), delay=1.0) from None
-        except ModelLoadError as exc:
-            raise Reject(str(exc)) from None
-        images = job.future.result()
-        gen_s = time.monotonic() - t0
-        pipe = job.pipeline  # the one that made the images, even if swapped out since
-        upload_start = time.time()
+            for d, held in taken:
+                run = Running(d, held, self.batcher.enqueue(held.task), d.keepalive())
+                run.kept.enter()
+                self.held[held.task.task_id] = held
+                running[id(run.job)] = run
+                run.job.future.add_done_callback(lambda _, j=run.job: ended.put_nowait(j))
+            while running:
+                jobs = [await ended.get()]
+                while not ended.empty():
+                    jobs.append(ended.get_nowait())
+                call = [running.pop(id(job)) for job in jobs]
+                for run in call:
+                    run.kept.exit()
+                for outcome in await self._end(call):
+                    yield outcome
+        finally:
+            for run in running.values():  # cut short: never run, handed back by the bus
+                run.kept.exit()
+                self.batcher.forget(run.job)
+                self.held.pop(run.held.task.task_id, None)
+
+    def _take(self, d: Delivery[GenerationTask]) -> Held | None:
+        """Step 1 without a read: checked, then claimed (``Records.claim_now``)."""
+        assert self.records is not None
+        self._check(d)
+        if d.event.model not in self.served:
+            raise Retry(f"model {d.event.model} is not served by {self.worker_id}", delay=1.0)
+        # A body that is not the one recorded under its id raises TaskConflict
+        # (dead-lettered, never run); None: cancelled, never run.
+        return self.records.claim_now(d, self._cluster_of(d))
+
+    async def _claim(self, d: Delivery[GenerationTask], held: Held) -> Held | None:
+        """Step 1 for a task that was not sealed (a redelivery, a bare publish): its
+        record read, and created if it has none."""
+        assert self.records is not None
+        with log.bound(task_id=d.event.task_id, model=d.event.model), d.context():
+            return await self.records.claim(d, held.cluster, held)
+
+    async def _end(self, call: list[Running]) -> list[Outcome[GenerationTask]]:
+        """Steps 2 to 4 for tasks whose pipeline call ended (one call, or more that ended
+        in one turn): images stored, records moved to ``succeeded`` in one write, and
+        each task's outcome for the bus to settle."""
+        assert self.records is not None
+        out: list[Outcome[GenerationTask]] = []
+        made: list[Running] = []
+        for run in call:
+            self.held.pop(run.held.task.task_id, None)
+            try:
+                run.images = self._images(run)
+            except JobCancelled:
+                CANCELLED.inc()
+                out.append((run.d, None))
+                continue
+            except Exception as exc:
+                out.append((run.d, exc))
+                continue
+            made.append(run)
+        if not made:
+            return out
         # PNG encoding and upload here, beside the next call: never on the compute thread.
-        keys = await self._upload(task.task_id, images, pipe)
-        phases.record(task, {**job.marks, "taken": held.taken, "upload_start": upload_start,
-                             "upload_end": time.time()}, **{"tandem.worker": self.worker_id})
-        rec = await self.records.finish(held, keys, pipe.checkpoint if pipe else "",
-                                        pipe.checkpoint_step if pipe else None,
-                                        {"generate_s": round(gen_s, 6)})
-        if rec is None or rec.state != TaskState.succeeded:
+        uploads = [run for run in made if run.images]
+        stored: dict[int, list[str] | BaseException] = {}
+        if uploads:
+            got = await asyncio.gather(*(self._store(run) for run in uploads),
+                                       return_exceptions=True)
+            stored = {id(run): keys for run, keys in zip(uploads, got, strict=True)}
+        ends: list[End] = []
+        committing: list[Running] = []
+        now = time.time()
+        for run in made:
+            keys = stored.get(id(run), [])
+            if isinstance(keys, BaseException):
+                out.append((run.d, keys))
+                continue
+            run.keys = keys
+            if not run.images:
+                run.upload = (now, now)  # a no-op task: nothing to store
+            pipe = run.job.pipeline  # the one that made the images, even if swapped out
+            if run.d.span is not None:
+                with run.d.context():
+                    self._phases(run)
+            else:
+                self._phases(run)
+            ends.append(End(run.held, keys, pipe.checkpoint if pipe else "",
+                            pipe.checkpoint_step if pipe else None, {"generate_s": run.gen_s}))
+            committing.append(run)
+        succeeded = 0
+        cancelled: list[Running] = []
+        for run, rec in zip(committing, await self.records.finish(ends), strict=True):
+            if isinstance(rec, BaseException):
+                out.append((run.d, rec))
+                continue
+            out.append((run.d, None))
+            if rec is not None and rec.state == TaskState.succeeded:
+                succeeded += 1
+                continue
             CANCELLED.inc()
             if rec is not None and rec.state == TaskState.cancelled:
                 # Cancelled while it ran, and the cancel never stopped the call (it came
                 # after the last step, or its notice was never written: a gateway that
                 # died between the two): the record decides, and no image outlives it.
-                await self._delete_images(task.task_id, keys)
-            return
-        SUCCEEDED.inc()
+                cancelled.append(run)
+        if cancelled:
+            await asyncio.gather(*(self._delete_images(run.held.task.task_id, run.keys)
+                                   for run in cancelled))
+        SUCCEEDED.inc(succeeded)
+        return out
+
+    def _images(self, run: Running) -> list[Any]:
+        """What the task's pipeline call made; raises what the bus should settle it by
+        (``JobCancelled`` when it was cancelled: acked, never finished)."""
+        run.gen_s = round(time.monotonic() - run.job.arrived, 6)
+        try:
+            return run.job.future.result()
+        except HandedBack:
+            raise Retry("worker stopping; task handed back", delay=0.0) from None
+        except apart.PipelineProcessDied as exc:
+            # Not the task's fault, as far as anyone knows: delivered again (a task that
+            # kills every child goes to the DLQ after max_deliver, as one killing workers).
+            _log.error("worker.pipeline_process_died", task_id=run.held.task.task_id,
+                       error=str(exc))
+            raise Retry(str(exc), delay=1.0) from None
+        except ModelLoadError as exc:
+            raise Reject(str(exc)) from None
+
+    async def _store(self, run: Running) -> list[str]:
+        """Step 2 for one task: its images in S3."""
+        run.upload = (time.time(), 0.0)
+        task = run.held.task
+        with log.bound(task_id=task.task_id, model=task.model), run.d.context():
+            keys = await self._upload(task.task_id, run.images, run.job.pipeline)
+        run.upload = (run.upload[0], time.time())
+        return keys
+
+    def _phases(self, run: Running) -> None:
+        marks = run.job.marks
+        marks["taken"] = run.held.taken
+        marks["upload_start"], marks["upload_end"] = run.upload
+        phases.record(run.held.task, marks, **{"tandem.worker": self.worker_id})
 
     def _check(self, d: Delivery[GenerationTask]) -> None:
         """Refuse (dead-letter, never run) a task the gateway would have refused, one
@@ -584,6 +706,20 @@ class InferenceWorker(Service):
         """The gateway cancelled ``task_id`` (``Cancels``): stop it if it waits or runs."""
         if self.batcher.cancel(task_id):
             _log.info("worker.cancelled", task_id=task_id)
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    """A task of a fetch (``InferenceWorker.handle``) from its claim to its end."""
+
+    d: Delivery[GenerationTask]
+    held: Held
+    job: Job
+    kept: Any  # its delivery's keep-alive, held while it waits and runs
+    images: list[Any] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    gen_s: float = 0.0  # from its batcher entry to its call's end
+    upload: tuple[float, float] = (0.0, 0.0)  # wall clock: its upload's start and end
 
 
 class ImageUploadError(Exception):
