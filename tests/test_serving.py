@@ -441,9 +441,12 @@ async def test_task_that_keeps_killing_its_worker_fails_after_max_deliver_and_go
 async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_images(
         stack: Stack, http: httpx.AsyncClient, bus: Bus, writes: Writes) -> None:
     dead_s3 = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    # Retrying for longer than the ack wait: the task's in-progress acks hold it through
+    # its upload, so its one delivery fails on the upload (a redelivery meanwhile would
+    # be dead-lettered as exhausted instead).
     w = stack.start_worker("w-s3down", "s3down", serve="digits", s3_endpoint=dead_s3,
-                           s3_max_attempts="1", upload_retry_for="1", max_deliver="2",
-                           ack_wait="5")
+                           s3_max_attempts="1", upload_retry_for="4", max_deliver="2",
+                           ack_wait="2")
     try:
         task_id = await submit(http, model="digits", class_label=5, steps=2,
                                cluster="s3down")

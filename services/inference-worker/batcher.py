@@ -174,20 +174,6 @@ class Batcher:
         self._changed.set()
         return job
 
-    async def submit(self, task: GenerationTask) -> list[Any]:
-        """Queue ``task``; return its images, or raise JobCancelled / HandedBack / the error."""
-        return (await self.submit_job(task)).future.result()
-
-    async def submit_job(self, task: GenerationTask) -> Job:
-        """``submit``, returning the finished job: its ``pipeline`` is the one that made
-        the images (a hot-swap between batches never relabels a finished batch)."""
-        job = self.enqueue(task)
-        try:
-            await job.future
-            return job
-        finally:
-            self.forget(job)
-
     def forget(self, job: Job) -> None:
         """Its caller is gone (cancelled): a job that still waits is never run."""
         if job in self.pending:

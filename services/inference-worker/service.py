@@ -448,9 +448,12 @@ class InferenceWorker(Service):
                 while not ended.empty():
                     jobs.append(ended.get_nowait())
                 call = [running.pop(id(job)) for job in jobs]
-                for run in call:
-                    run.kept.exit()
-                for outcome in await self._end(call):
+                try:
+                    outcomes = await self._end(call)
+                finally:
+                    for run in call:  # held through its upload and commit
+                        run.kept.exit()
+                for outcome in outcomes:
                     yield outcome
         finally:
             for run in running.values():  # cut short: never run, handed back by the bus

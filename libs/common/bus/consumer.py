@@ -363,6 +363,8 @@ class Poller:
       which grows while fetches fail, is reset by one that succeeds, and ends at stop.
     - While ``paused()`` nothing is fetched; what a fetch returns after it became paused
       is handed back (nak), so another worker takes it now.
+    - A consumer with a ``fetch_handler`` gets each fetch whole (one task for it), and
+      each message frees its room as it is settled.
     - On stop, messages fetched and not started are handed back, then ``on_stop()``
       runs while handlers still run (the owner hands back work it holds and waits for
       the rest with ``idle``); ``run`` returns once every handler finished.
