@@ -94,8 +94,7 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
                                "check_task_us": v["check_task_us"]}
     assert r["figures"]["validation"]["tandem"]["runs"] == [v["checked_per_s"]]
     assert r["figures"]["validation"]["baseline"]["runs"] == [v["unchecked_per_s"]]
-    assert set(t["overheads"]) == {"metrics", "log_context", "trace_context", "task",
-                                   "check_task"}
+    assert set(t["overheads"]) == {"metrics", "keepalive", "job", "check_task"}
     assert _positive(*t["overheads"].values())
 
     # Whole batches: each half's 4 images in batches of 2 count the 2 after its first

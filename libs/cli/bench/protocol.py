@@ -357,7 +357,6 @@ def check_task_us(repeat: int = 20_000) -> float:
 
 TASK = GenerationTask(task_id="t" * 32, model="noop", noop=True, steps=1, cluster="c")
 REGISTRY, LIMITS = Registry.parse(""), JobLimits()
-TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def _us_per_call(fn: Callable[[], object], repeat: int) -> float:
@@ -372,15 +371,15 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
     it does per task that the floor does not: what explains the gap between them.
 
     - ``metrics``: the histogram observations of a task (its phases, five at most; the
-      call's time and size are observed once per call) and its outcome counter;
-    - ``log_context``: binding the task's id and model to its log lines;
-    - ``trace_context``: making the task's ``traceparent`` the current context;
-    - ``task``: the asyncio task each message is handled in (the floor handles a fetch
-      in one loop), with its keep-alive hold and the batcher's future."""
-    from opentelemetry import context as otel_context
-
-    from tandem.common import log, metrics
-    from tandem.common.bus.headers import attach_remote
+      call's time and size are observed once per call) and its ack counter;
+    - ``keepalive``: holding its message for in-progress acks while it waits and runs;
+    - ``job``: its batcher job, the job's future and the callback that queues it for its
+      call's end (the worker handles a fetch at a time, as the floor does: no task,
+      log or trace context of its own per message since 21d5d4a).
+    """
+    from tandem.common import metrics
+    from tandem.common.bus.consumer import _Keeper
+    from tandem.inference_worker.batcher import Job
 
     phases = [("bench", 0.001)] * 5
     counter = metrics.CONSUMED.labels("bench", "bench")
@@ -389,26 +388,26 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
         metrics.PHASE_SECONDS.observe_many(phases)
         counter.inc()
 
-    def bound() -> None:
-        with log.bound(task_id=TASK.task_id, model=TASK.model):
-            pass
+    keeper, msg = _Keeper(), object()
 
-    def traced() -> None:
-        otel_context.detach(attach_remote(TRACEPARENT))
-
-    async def handled(fut: asyncio.Future[None]) -> None:
-        await fut
+    def kept() -> None:
+        keeper.hold(msg, 3600.0)  # type: ignore[arg-type]
+        keeper.release(msg)  # type: ignore[arg-type]
 
     loop = asyncio.get_running_loop()
+    keep_us = _us_per_call(kept, repeat)
+    await keeper.close()
     t0 = time.process_time()
+    ended: asyncio.Queue[Job] = asyncio.Queue()
     for _ in range(repeat // 64):
-        futs = [loop.create_future() for _ in range(64)]
-        tasks = [loop.create_task(handled(f)) for f in futs]
-        await asyncio.sleep(0)  # every task starts and waits on its future
-        for f in futs:
-            f.set_result(None)
-        await asyncio.gather(*tasks)
-    per_task = (time.process_time() - t0) / (repeat // 64 * 64) * 1e6
-    return {"metrics": _us_per_call(observe, repeat), "log_context": _us_per_call(bound, repeat),
-            "trace_context": _us_per_call(traced, repeat), "task": round(per_task, 2),
-            "check_task": check_task_us(repeat)}
+        jobs = [Job(TASK, loop.create_future()) for _ in range(64)]
+        for job in jobs:
+            job.future.add_done_callback(lambda _, j=job: ended.put_nowait(j))
+        for job in jobs:
+            job.resolve([])
+        await asyncio.sleep(0)  # the callbacks run
+        while not ended.empty():
+            ended.get_nowait()
+    job_us = (time.process_time() - t0) / (repeat // 64 * 64) * 1e6
+    return {"metrics": _us_per_call(observe, repeat), "keepalive": keep_us,
+            "job": round(job_us, 2), "check_task": check_task_us(repeat)}
