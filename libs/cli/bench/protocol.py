@@ -378,7 +378,7 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
       log or trace context of its own per message since 21d5d4a).
     """
     from tandem.common import metrics
-    from tandem.common.bus.consumer import _Keeper
+    from tandem.common.bus import Consumer, Delivery
     from tandem.inference_worker.batcher import Job
 
     phases = [("bench", 0.001)] * 5
@@ -388,15 +388,20 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
         metrics.PHASE_SECONDS.observe_many(phases)
         counter.inc()
 
-    keeper, msg = _Keeper(), object()
+    # A consumer that never fetches: its keeper holds what the worker's deliveries do.
+    spec = streams.ConsumerSpec("BENCH", "bench", ack_wait=3600)
+    consumer: Consumer[GenerationTask] = Consumer(None, spec, GenerationTask,  # type: ignore[arg-type]
+                                                  fetch_handler=_no_fetch)
+    delivery = Delivery(TASK, object(), consumer)  # type: ignore[arg-type]
 
     def kept() -> None:
-        keeper.hold(msg, 3600.0)  # type: ignore[arg-type]
-        keeper.release(msg)  # type: ignore[arg-type]
+        hold = delivery.keepalive()
+        hold.enter()
+        hold.exit()
 
     loop = asyncio.get_running_loop()
     keep_us = _us_per_call(kept, repeat)
-    await keeper.close()
+    await consumer.close()
     t0 = time.process_time()
     ended: asyncio.Queue[Job] = asyncio.Queue()
     for _ in range(repeat // 64):
@@ -411,3 +416,8 @@ async def overheads(repeat: int = 20_000) -> dict[str, float]:
     job_us = (time.process_time() - t0) / (repeat // 64 * 64) * 1e6
     return {"metrics": _us_per_call(observe, repeat), "keepalive": keep_us,
             "job": round(job_us, 2), "check_task": check_task_us(repeat)}
+
+
+async def _no_fetch(ds: list[Any]) -> Any:  # a consumer's handler that is never called
+    for d in ds:
+        yield d, None
