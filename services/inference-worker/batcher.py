@@ -72,10 +72,14 @@ class Job:
     running: bool = False
     pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock phases (phases.py)
+    # Set once (a batch is formed by comparing every waiting job's): what it runs with,
+    # and its place in line (interactive before batch, then oldest first).
+    key: tuple[Any, ...] = field(init=False)
+    rank: tuple[int, float] = field(init=False)
 
-    @property
-    def rank(self) -> tuple[int, float]:
-        return LANE_RANK.get(self.task.lane, 1), self.arrived
+    def __post_init__(self) -> None:
+        self.key = self.task.batch_key()
+        self.rank = (LANE_RANK.get(self.task.lane, 1), self.arrived)
 
     def items(self) -> list[Item]:
         t = self.task
@@ -89,6 +93,10 @@ class Job:
             self.future.set_exception(value)
         else:
             self.future.set_result(value)
+
+
+def _rank(job: Job) -> tuple[int, float]:
+    return job.rank
 
 
 ProgressHook = Callable[[list[Job], int, int], None]
@@ -255,7 +263,7 @@ class Batcher:
                 return None
             self._changed.clear()
             await self._changed.wait()
-        head = min(self.pending, key=lambda j: j.rank)
+        head = min(self.pending, key=_rank)
         load_start = time.time()
         try:
             pipeline = await self.get_pipeline(head.task.model)
@@ -286,9 +294,7 @@ class Batcher:
                 await asyncio.wait_for(self._changed.wait(), left)
 
     def _compatible(self, head: Job) -> list[Job]:
-        key = head.task.batch_key()
-        return sorted((j for j in self.pending if j.task.batch_key() == key),
-                      key=lambda j: j.rank)
+        return sorted((j for j in self.pending if j.key == head.key), key=_rank)
 
     @staticmethod
     def _images(jobs: list[Job]) -> int:
