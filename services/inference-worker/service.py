@@ -409,10 +409,11 @@ class InferenceWorker(Service):
 
         The fetch is handled as a whole, not a task per message: its tasks are checked
         and claimed in one pass (a read only for those not sealed, side by side), go to
-        the batcher together, and each pipeline call's tasks end together: their uploads
-        side by side, their records in one pipelined compare-and-set, their acks in one
-        flush. On a bus full of small tasks that is what a task costs the worker's one
-        event loop; with a real model, a call's tasks end together anyway."""
+        the batcher together, and each pipeline call's tasks end together, beside the
+        other calls' ends: their uploads side by side, their records in one pipelined
+        compare-and-set, their acks in one flush. On a bus full of small tasks that is
+        what a task costs the worker's one event loop; with a real model, a call's tasks
+        end together anyway."""
         assert self.records is not None
         taken: list[tuple[Delivery[GenerationTask], Held]] = []
         unread: list[tuple[Delivery[GenerationTask], Held]] = []
@@ -434,32 +435,54 @@ class InferenceWorker(Service):
                     yield d, got
                 else:
                     taken.append((d, got))
-        ended: asyncio.Queue[Job] = asyncio.Queue()
+        # A job whose call ended, or the outcomes of the tasks of one that was ended.
+        events: asyncio.Queue[Job | list[Outcome[GenerationTask]]] = asyncio.Queue()
         running: dict[int, Running] = {}
+        ending: set[asyncio.Task[None]] = set()  # each call's end runs on its own
+        unsettled = 0  # calls being ended whose outcomes have not come
         try:
             for d, held in taken:
                 run = Running(d, held, self.batcher.enqueue(held.task), d.keepalive())
                 run.kept.enter()
                 self.held[held.task.task_id] = held
                 running[id(run.job)] = run
-                run.job.future.add_done_callback(lambda _, j=run.job: ended.put_nowait(j))
-            while running:
-                jobs = [await ended.get()]
-                while not ended.empty():
-                    jobs.append(ended.get_nowait())
-                call = [running.pop(id(job)) for job in jobs]
-                try:
-                    outcomes = await self._end(call)
-                finally:
-                    for run in call:  # held through its upload and commit
-                        run.kept.exit()
-                for outcome in outcomes:
-                    yield outcome
+                run.job.future.add_done_callback(lambda _, j=run.job: events.put_nowait(j))
+            while running or unsettled:
+                got = [await events.get()]
+                while not events.empty():
+                    got.append(events.get_nowait())
+                call = [running.pop(id(x)) for x in got if isinstance(x, Job)]
+                if call:
+                    end = asyncio.ensure_future(self._end_into(call, events))
+                    ending.add(end)
+                    end.add_done_callback(ending.discard)
+                    unsettled += 1
+                for x in got:
+                    if not isinstance(x, Job):
+                        unsettled -= 1
+                        for outcome in x:
+                            yield outcome
         finally:
-            for run in running.values():  # cut short: never run, handed back by the bus
+            for end in ending:  # cut short: their tasks are handed back by the bus
+                end.cancel()
+            for run in running.values():  # never run: handed back by the bus
                 run.kept.exit()
                 self.batcher.forget(run.job)
                 self.held.pop(run.held.task.task_id, None)
+
+    async def _end_into(self, call: list[Running],
+                        events: asyncio.Queue[Job | list[Outcome[GenerationTask]]]) -> None:
+        """``_end`` for one call's tasks, beside the other calls' ends (a later call's
+        uploads never wait for an earlier one's); its outcomes go to ``events``."""
+        outcomes: list[Outcome[GenerationTask]] = []
+        try:
+            outcomes = await self._end(call)
+        except Exception as exc:  # not the tasks' own: each is settled by it (a nak)
+            outcomes = [(run.d, exc) for run in call]
+        finally:
+            for run in call:  # held through its upload and commit
+                run.kept.exit()
+            events.put_nowait(outcomes)  # cancelled: nobody waits for them
 
     def _take(self, d: Delivery[GenerationTask]) -> Held | None:
         """Step 1 without a read: checked, then claimed (``Records.claim_now``)."""
