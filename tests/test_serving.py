@@ -61,7 +61,7 @@ class Stack(ServingStack):
 
     def start_gateway(self) -> Child:
         clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart",
-                             "held"])
+                             "held", "overlap"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
@@ -310,6 +310,40 @@ async def test_a_task_cancelled_in_its_record_alone_while_it_runs_leaves_no_imag
         assert ("POST", f"/{stack.bucket}?delete") in proxy.requests
     finally:
         w.kill()
+        proxy.stop()
+
+
+async def test_a_slow_upload_holds_up_no_other_call_of_the_same_fetch(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    """Each pipeline call's end (upload, commit) runs beside the others of its fetch: a
+    task whose upload hangs keeps its own result back, not its neighbours'. Two tasks
+    queued before the worker starts come in one fetch; with one image per call they
+    are two calls, the first one's upload parked by the S3 proxy until the second task
+    has succeeded."""
+    proxy = FaultProxy(stack.s3.url).start()
+    try:
+        slow, quick = [await submit(http, model="digits", class_label=i, steps=2, seed=i,
+                                    cluster="overlap") for i in (1, 2)]
+        proxy.hold(lambda method, path: method == "PUT" and f"/images/{slow}/" in path)
+        w = stack.start_worker("w-overlap", "overlap", serve="digits", max_batch="1",
+                               s3_endpoint=proxy.url)
+        try:
+            assert await asyncio.to_thread(proxy.holding.wait, DEADLINE), "no image upload"
+            rec = await terminal(bus, quick)
+            assert rec.state == TaskState.succeeded and len(rec.images) == 1
+            kv = await bus.typed(KV_TASKS, TaskRecord)
+            got = await kv.get(slow)  # still parked: not ended, and no image stored
+            assert got is not None and not got[0].state.terminal, got
+            assert s3_keys(stack, slow) == []
+            proxy.release()
+            rec = await terminal(bus, slow)
+            assert rec.state == TaskState.succeeded and len(rec.images) == 1
+            # One call each (a fetch takes up to max_batch + 2 x max_batch = 3 tasks).
+            health = w.wait_healthy(lambda h: not h["inflight"])
+            assert health["batches"] == 2, health
+        finally:
+            w.kill()
+    finally:
         proxy.stop()
 
 
