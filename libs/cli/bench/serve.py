@@ -12,8 +12,9 @@ processes on free loopback ports, then, in the same run:
     writes every stream stored over these rounds, per task, are the whole path's
     (gateway and worker): ``protocol.messages_per_task``, goal <= 3;
 (b) protocol (``protocol.py``): no-op tasks drained by one worker through the real path
-    against the protocol floor, bare nats-py doing the same durable steps, in
-    ``--rounds`` rounds interleaved ABAB within the run; goal >= 0.95. Beside them, CPU
+    against the protocol floor, bare nats-py doing the same durable steps (two fetches
+    at once, as the worker holds), in ``--rounds`` rounds interleaved ABAB within the
+    run; goal >= 0.95. Beside them, CPU
     per task of client and nats-server (goal <= 50 us for Tandem), durable writes and
     wire messages per task, the worker without its validation (issue 19: the worker's
     drop with it, against the noise of the two sides' own rounds; the floor's the same
