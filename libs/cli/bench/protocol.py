@@ -15,7 +15,7 @@ does (a ``queued`` record, then the task sealed with its revision):
   cancel notices, write the record ``succeeded`` by compare-and-set at the sealed
   revision, pipelined on one reply inbox; wait for those acks; ack the tasks. Two
   fetches are handled at once (``FLOOR_OVERLAP``): the next is taken while one waits on
-  its writes, as the worker holds two fetches' worth of tasks.
+  its writes, as the worker holds more than a call's worth of tasks.
 - **tandem_unchecked**: the same worker with its task checks left out
   (``unchecked_worker``: ``check_task``, the per-call image cap, the subject checks),
   held and released the same way on a cluster of its own: issue 19's cost of
@@ -58,9 +58,10 @@ from tandem.common.events import DrainRecord, GenerationTask, TaskRecord, decode
 from tandem.common.jobs import JobLimits, check_task
 from tandem.common.models import Registry
 
-FETCH = 64  # the floor's fetch; the worker's batch and room are 64 + 64 held
-# Fetches the floor handles at once: the next is taken while one is handled, as the
-# worker's room holds two fetches (one at a time was 3-27% slower on 2 cores).
+FETCH = 64  # the floor's fetch; the worker's call takes up to 64 (TANDEM_BATCH)
+# Fetches the floor handles at once: the next is taken while one waits on its writes,
+# as the worker holds more than one call's worth (64 + its prefetch of 128). One at a
+# time was 3-27% slower on 2 cores; three at once no faster than two (0.9-1.1x).
 FLOOR_OVERLAP = 2
 TANDEM_BATCH = "64"
 
@@ -220,8 +221,7 @@ async def _floor_drain(nc: Any, spec: streams.ConsumerSpec, n: int, seal_key: by
                        check: bool, overlap: int) -> float:
     """The floor's loop; returns the wall-clock time its first fetch returned.
     ``overlap``: fetches handled at once (1: fetch, write, wait, ack, then the next
-    fetch; 2: the next fetch is taken while one is handled, as the worker holds two
-    fetches' worth of tasks)."""
+    fetch; 2: the next fetch is taken while one is handled)."""
     registry, limits = Registry.parse(""), JobLimits()
     cancelled: dict[str, float] = {}  # the worker's cancel notices (none come here)
     kv_prefix, inbox = f"$KV.{streams.KV_TASKS}.", nc.new_inbox()

@@ -13,7 +13,7 @@ processes on free loopback ports, then, in the same run:
     (gateway and worker): ``protocol.messages_per_task``, goal <= 3;
 (b) protocol (``protocol.py``): no-op tasks drained by one worker through the real path
     against the protocol floor, bare nats-py doing the same durable steps (two fetches
-    at once, as the worker holds), in ``--rounds`` rounds interleaved ABAB within the
+    at once, as the worker holds more than one), in ``--rounds`` rounds interleaved ABAB within the
     run; goal >= 0.95. Beside them, CPU
     per task of client and nats-server (goal <= 50 us for Tandem), durable writes and
     wire messages per task, the worker without its validation (issue 19: the worker's
