@@ -45,6 +45,7 @@ from typing import Any
 
 from tandem.common import checkpoints as ck
 from tandem.common import log, metrics, subjects
+from tandem.common.backoff import Backoff
 from tandem.common.bus import Bus, TypedKV
 from tandem.common.errors import CheckpointError
 from tandem.common.events import CheckpointMirrored, RunRecord, decode
@@ -58,6 +59,13 @@ from tandem.inference_worker.pipelines import (
 )
 
 _log = log.get("tandem.inference_worker.hotswap")
+
+# A change of the run's record reaches this worker's subscription as the write is
+# published, which can be before its stream has stored it: a read right after it can
+# still find the record before the change. The read is made again until it shows the
+# history the change named, for a while (a change the stream refused never shows).
+HEARD_BACKOFF = Backoff(0.01, max_delay=0.2)
+HEARD_WITHIN = 5.0
 
 SWAPS = metrics.Counter("tandem_worker_checkpoint_swaps", "Checkpoints hot-swapped in",
                         ["model"])
@@ -76,6 +84,7 @@ class _Watched:
     skipped: dict[ck.CheckpointId, str] = field(default_factory=dict)
     told: ck.CheckpointId | None = None  # newest a mirrored event said, not yet checked
     line: ck.Lineage = field(default_factory=ck.Lineage)  # the run's history, last read
+    heard: tuple[int, ...] | None = None  # forks a record change named, not yet read back
 
     @property
     def run_id(self) -> str:
@@ -176,12 +185,17 @@ class HotSwapper:
         """The run's record; keeps its history in ``w.line``."""
         if self.runs is None:
             return None
-        try:
-            got = await self.runs.get(w.run_id)
-        except Exception as exc:
-            _log.warning("worker.run_record_unavailable", model=w.spec.name, run=w.run_id,
-                         error=repr(exc))
-            return None
+        heard, w.heard = w.heard, None
+        got = None
+        async for _ in HEARD_BACKOFF.retries(within=HEARD_WITHIN):
+            try:
+                got = await self.runs.get(w.run_id)
+            except Exception as exc:
+                _log.warning("worker.run_record_unavailable", model=w.spec.name,
+                             run=w.run_id, error=repr(exc))
+                return None
+            if got is None or heard is None or tuple(got[0].forks) == heard:
+                break
         if got is None:
             return None
         w.line = ck.Lineage.of(got[0].forks)
@@ -233,6 +247,7 @@ class HotSwapper:
             except Exception:  # a delete marker or a value that does not decode
                 return
             if forks != w.line.forks:
+                w.heard = forks  # what the next read must show (HEARD_BACKOFF)
                 w.wake.set()
 
         return cb
