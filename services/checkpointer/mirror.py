@@ -42,6 +42,10 @@ part) are built from the same upload, verification and commit steps, and ``_Mult
 works on the mirror's pools, buffers and checks; together they keep one invariant that a
 split would spread over files: nothing is committed before every byte it lists is stored
 and verified.
+
+Longer than 600 lines on purpose: one attempt's upload, verification and commit share
+its state (the parts read, their checksums, the manifest put last), and the guarantee
+above is checked by reading them together.
 """
 
 from __future__ import annotations
