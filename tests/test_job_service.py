@@ -236,3 +236,54 @@ def test_train_submit_goes_through_the_job_service_and_names_each_bad_field(
     assert f"run {run}: pending" in out and "0/5" in out
     with jobs.client("http") as tandem:  # the same run, by the other door, owned by alice
         assert tandem.run(run)["owner"] == "alice"
+
+
+async def test_a_cancel_the_runs_bucket_refused_leaves_the_run_to_finish(jobs: Jobs) -> None:
+    """A compare-and-set the bucket refuses is still published on the key's subject, so
+    every core subscriber of ``$KV.runs.<run>`` hears it. The coordinator must act on
+    stored records only: a refused write asking for a cancel stops nothing."""
+    import asyncio
+
+    import nats
+    from nats.js.errors import APIError
+
+    from tandem.client import connect
+    from tandem.common import events, subjects
+    from tandem.common.events import RunRecord, RunState, TrainStatus
+
+    run_id = f"refused-{uuid.uuid4().hex[:8]}"
+    nc = await nats.connect(jobs.nats.url)
+    try:
+        steps: asyncio.Queue[Any] = asyncio.Queue()
+        ended: asyncio.Future[TrainStatus] = asyncio.get_running_loop().create_future()
+
+        async def on_status(msg: Any) -> None:
+            ev = events.decode(msg.data, TrainStatus)
+            if ev.state.terminal and not ended.done():
+                ended.set_result(ev)
+
+        await nc.subscribe(subjects.train(run_id, "step"), cb=steps.put)
+        await nc.subscribe(subjects.train(run_id, "status"), cb=on_status)
+        client = await connect(jobs.nats.url, api_key=jobs.keys["alice"])
+        try:
+            await client.train(**{**RUN, "steps": 8, "run_id": run_id})
+        finally:
+            await client.close()
+        async with asyncio.timeout(300):
+            await steps.get()  # the run is claimed and its ranks are stepping
+        kv = await nc.jetstream().key_value("runs")
+        entry = await kv.get(run_id)
+        rec = events.decode(entry.value, RunRecord)
+        assert rec.state == RunState.running and not rec.cancel
+        refused = events.struct_replace(rec, cancel="a write the bucket refused")
+        with pytest.raises(APIError) as err:  # the stored revision is not the one named
+            await nc.jetstream().publish(
+                f"$KV.runs.{run_id}", events.encode(refused),
+                headers={"Nats-Expected-Last-Subject-Sequence": str(entry.revision + 10**6)})
+        assert err.value.err_code == 10071  # wrong last sequence: nothing was stored
+        async with asyncio.timeout(300):
+            end = await ended
+        assert end.state == RunState.succeeded, end
+        assert not events.decode((await kv.get(run_id)).value, RunRecord).cancel
+    finally:
+        await nc.close()

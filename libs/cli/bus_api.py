@@ -117,8 +117,11 @@ FILTERS: dict[str, str] = {
     "train_kind_filter(kind)": "one kind of training event, every run",
     "ckpt_kind_filter(kind)": "one kind of checkpoint event, every run",
     "kv_changes(bucket, key)": "`$KV.<bucket>.<key>`: every put of one KV key (no key: "
-    "every key): a core subscription hears each change of a record (the worker hears a "
-    "run's rollback, `forks` in KV `runs`)",
+    "every key): a core subscription hears each write as it is published, before the "
+    "bucket stores it and even when the bucket refuses it (a lost compare-and-set), so a "
+    "wake-up to read the stored record again, never the record itself (the worker hears "
+    "a run's rollback, `forks` in KV `runs`); to follow records as stored, watch the "
+    "bucket",
     "kv_cluster_changes(bucket, cluster)": "`$KV.<bucket>.<cluster>.*`: every put of one "
     "cluster's node keys in a bucket keyed by node (the trainer hears its cluster's "
     "drains)",

@@ -241,9 +241,8 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
         .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
         .publishes(subjects.MIRROR.wildcard, streams.MIRROR)  # each node's checkpointer's
-        # KV runs: a run's record changed (a client's cancel)
-        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>",
-                 subjects.kv_changes(streams.KV_RUNS))
+        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>")
+        # KV runs: watched (a client's cancel), claimed and written
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         # The coordinator and its node agents share the role: orders to the agents and
         # their reports, each a request the other side answers (nodes.py).

@@ -5,6 +5,11 @@
   ``<cluster>.<node>``), so of several coordinators exactly one runs it.
 - ``health.<cluster>.*`` and KV ``drains`` (core subscriptions): node health changes go
   to every supervisor, which restarts a run without a node that turned bad.
+- KV ``runs`` (a watch): a client's cancel reaches the run's supervisor. A watch, not a
+  core subscription on ``$KV.runs.*``: a core subscriber hears every publish to the
+  subject, a compare-and-set the bucket refused as well, and would act on a record that
+  was never stored; a watch delivers stored revisions only, in order, and watches again
+  after a server restart (a cancel written meanwhile is in its current values).
 - Each attempt is started by the configured ``Launcher`` (``TANDEM_LAUNCHER``): local
   torchrun children, or each node's trainer agent ordered over the bus (``nodes.py``).
 - On start, runs this coordinator owned that are not finished are adopted (their ranks
@@ -29,7 +34,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from tandem.common import checkpoints, events, ports, storage, subjects
-from tandem.common.bus import Delivery
+from tandem.common.bus import Delivery, MapWatch
 from tandem.common.events import (
     HealthTransition,
     RunRecord,
@@ -168,24 +173,28 @@ class Trainer(Service):
                                        cb=self._on_health),
             await ctx.bus.nc.subscribe(subjects.kv_cluster_changes(KV_DRAINS, self.s.cluster),
                                        cb=self._on_drain),
-            await ctx.bus.nc.subscribe(subjects.kv_changes(KV_RUNS), cb=self._on_run_record),
         ]
-        async with asyncio.TaskGroup() as tg:
-            self.tg = tg
-            for run_id, rec in (await kv.items()).items():
-                if rec.coordinator == self.me and rec.state not in TERMINAL:
-                    ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
-                    self._start(run_id, rec, adopted=True)
-                else:
-                    self._note(run_id, rec)
-            unclaimed = tg.create_task(self._claim_unclaimed())
-            consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
-                                        self._on_status)
-            await consumer.run(ctx.stopping)
-            unclaimed.cancel()
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        runs = MapWatch(ctx.bus, KV_RUNS, self._on_run_record)
+        try:
+            await runs.start()
+            async with asyncio.TaskGroup() as tg:
+                self.tg = tg
+                for run_id, rec in (await kv.items()).items():
+                    if rec.coordinator == self.me and rec.state not in TERMINAL:
+                        ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
+                        self._start(run_id, rec, adopted=True)
+                    else:
+                        self._note(run_id, rec)
+                unclaimed = tg.create_task(self._claim_unclaimed())
+                consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
+                                            self._on_status)
+                await consumer.run(ctx.stopping)
+                unclaimed.cancel()
+        finally:
+            await runs.stop()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     # ------------------------------------------------------------------------ claiming
 
@@ -295,14 +304,14 @@ class Trainer(Service):
             if sup.cluster == ev.cluster:
                 sup.on_health(ev.node, ev.current.value, f"{ev.rule}: {ev.reason}")
 
-    async def _on_run_record(self, msg: Any) -> None:
-        """A run record changed: a cancel asked for a run this coordinator supervises
-        stops it (``runs.cancel_run``); a pending one is tracked until claimed."""
-        run_id = msg.subject.rsplit(".", 1)[-1]
+    def _on_run_record(self, run_id: str, value: bytes | None, initial: bool) -> None:
+        """A run record as stored (the watch's current values, then each change): a
+        cancel asked for a run this coordinator supervises stops it
+        (``runs.cancel_run``); a pending one is tracked until claimed."""
         rec = None
-        if msg.data:
+        if value:
             try:
-                rec = events.decode(msg.data, RunRecord)
+                rec = events.decode(value, RunRecord)
             except Exception:
                 return
         self._note(run_id, rec)
