@@ -16,7 +16,8 @@ new consumer's first ``n`` messages are then held the same way, behind the answe
 the first consumer-info request the client sends once they are all held.
 
 The proxy parses the server's frames (``MSG``/``HMSG`` with their payloads, other
-lines as they are) and passes the client's bytes through untouched.
+lines as they are) and passes the client's bytes through untouched; ``sent`` keeps them,
+in the order the server got them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class NatsProxy:
         self.answered = asyncio.Event()  # a consumer-info answer passed the held messages
         self.reordered = 0  # times held messages were sent on behind an answer
         self.dropped = 0  # deliveries lost on purpose
+        self.sent = bytearray()  # every client's bytes, as passed to the server
 
     @property
     def url(self) -> str:
@@ -108,6 +110,7 @@ class NatsProxy:
             at = chunk.find(_INFO_REQUEST)  # nats-py writes a command whole
             if at >= 0:
                 line = chunk.rfind(b"\r\n", 0, at) + 2 if b"\r\n" in chunk[:at] else 0
+                self.sent += chunk[:line]
                 w.write(chunk[:line])  # what came before (the watch's SUB) goes now
                 await w.drain()
                 chunk = chunk[line:]
@@ -115,6 +118,7 @@ class NatsProxy:
                     await self._all_held.wait()  # the server has pushed them all by now
                 elif self._held and self._all_held.is_set():
                     self._asked = True
+            self.sent += chunk
             w.write(chunk)
             await w.drain()
 

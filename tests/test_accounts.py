@@ -146,7 +146,7 @@ async def test_a_clusters_credentials_cannot_publish_on_another_clusters_subject
 
     subs = [await admin.nc.subscribe(s, cb=on_msg)
             for s in ("gen.west.>", "telemetry.>", "health.>", "$KV.nodes.west.>")]
-    await admin.nc.flush()
+    await admin.synced()
     task = GenerationTask(task_id=f"t{uid}", model="noop", cluster="west", steps=1, noop=True)
     for subject, data in ((subjects.gen("west", "batch"), task),
                           (subjects.gen("west", "interactive"), task),

@@ -213,7 +213,7 @@ async def test_models_announced_by_workers_appear_in_the_heartbeat(
     agent, _ = agent_for(fleet_bus, cluster, models=["base"])
     await agent.start()
     await fleet.announce_models(fleet_bus, cluster, "n1", "worker-0", ["digits", "tiny"])
-    await fleet_bus.nc.flush()
+    await fleet_bus.synced()
     await until(lambda: agent.heartbeat_value().models == ["base", "digits", "tiny"])
     await agent.close()
 

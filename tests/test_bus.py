@@ -264,7 +264,7 @@ async def test_sigterm_finishes_in_flight_work_and_exits_zero(
             proc.kill()
             await proc.wait()
     assert code == 0, output
-    await bus.nc.flush()
+    await bus.synced()
     assert first in done  # the in-flight message finished before exit
     assert "runner.drained" in output
     # What was not started is still in the stream for the next worker (handed back).
@@ -636,3 +636,29 @@ async def test_move_many_writes_known_keys_in_one_send_and_reads_only_those_move
     assert got[3] is None  # no such key, and fn declined to create it
     assert isinstance(got[4], InvalidKeyError)
     assert (await kv.get("c"))[0].attempts == 1  # type: ignore[index]
+
+
+async def test_synced_covers_a_subscription_made_just_before_it(
+        nats_server: NatsServer) -> None:
+    """nats-py's ``flush`` writes its PING ahead of a SUB still in the client's buffer, so
+    its PONG can come back before the server has the SUB (another connection's request
+    then finds no responder: test_security_nats met it). ``synced`` returns only once a
+    PING behind the SUB has been answered; the proxy shows the order the server got."""
+    import nats
+
+    from tandem.common.bus import synced
+    from tests.nats_proxy import NatsProxy
+
+    proxy = await NatsProxy(nats_server.url).start()
+    nc = await nats.connect(proxy.url)
+    try:
+        await synced(nc)
+        proxy.sent.clear()
+        await nc.subscribe("synced.test")
+        await synced(nc)
+        sent = bytes(proxy.sent)
+        assert b"SUB synced.test" in sent, sent
+        assert sent.rindex(b"PING") > sent.index(b"SUB synced.test"), sent
+    finally:
+        await nc.close()
+        await proxy.stop()

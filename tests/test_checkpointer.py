@@ -82,7 +82,7 @@ async def ckpt_events(bus: Bus, run: str) -> Events:
         events.queue.put_nowait(decode(msg.data, CkptEvent))
 
     await bus.nc.subscribe(f"ckpt.{run}.*", cb=on)
-    await bus.nc.flush()
+    await bus.synced()
     return events
 
 

@@ -172,7 +172,7 @@ async def test_forbidden_publish_and_subscribe_are_refused_and_logged_clearly(
                 seen.append(msg.data)
 
             watcher = await admin.nc.subscribe("train.>", cb=on_train)
-            await admin.nc.flush()
+            await admin.synced()
             await worker.nc.subscribe("telemetry.>")
             await until(lambda: denied("subscribe", "telemetry.>"))
             await worker.emit("train.r1.status", b"{}")  # core NATS: refused, never delivered
@@ -187,7 +187,7 @@ async def test_forbidden_publish_and_subscribe_are_refused_and_logged_clearly(
             ack = await worker.publish(subjects.task_record("t1"), TaskRecord(
                 task=GenerationTask(task_id="t1", model="noop")), timeout=5)
             assert ack.stream == f"KV_{streams.KV_TASKS}"
-            await admin.nc.flush()
+            await admin.synced()
             assert seen == []
             await watcher.unsubscribe()
         finally:
@@ -235,7 +235,7 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
             svc = await add_service(gateway.nc, name="tandem-jobs", version="1.0.0")
             await svc.add_group(name="tandem.jobs").add_endpoint(name="generate",
                                                                  handler=accepted)
-            await gateway.nc.flush()  # its subscriptions are on the server before a request
+            await gateway.synced()  # its subscriptions are on the server before a request
             reply = await client.nc.request(subjects.jobs("generate"), b"{}", timeout=5)
             assert reply.data == b'{"id": "t1"}'
             info = await client.nc.request("$SRV.INFO.tandem-jobs", b"", timeout=5)
@@ -247,7 +247,7 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
 
             # Following a job: each write of its record (its state, then its result).
             await client.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on_write)
-            await client.nc.flush()
+            await client.synced()
             record = encodejson(TaskRecord(task=GenerationTask(task_id="t1", model="noop")))
             await admin.publish(subjects.task_record("t1"), record)  # as a worker writes it
             # A miss says what arrived and what the connections went through (a client
@@ -292,7 +292,7 @@ async def test_what_the_dashboard_and_failover_read_is_allowed(
             await sub.unsubscribe()
             assert {"east", "west"} <= set(await work_queues(worker))
             await worker.nc.subscribe(subjects.ckpt_kind_filter("mirrored"))
-            await worker.nc.flush()
+            await worker.synced()
         finally:
             await gateway.drain()
             await worker.drain()

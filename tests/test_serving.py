@@ -225,7 +225,7 @@ async def test_interactive_runs_before_older_batch_tasks_and_compatible_ones_sha
         assert health["batches"] == 2  # the urgent task alone, then the three batch tasks
         # Subscribed before the task ran: every step's progress, once, in order.
         assert progress.steps == list(range(1, 8))
-        await bus.nc.flush()  # every step sent before the records' ends has arrived
+        await bus.synced()  # every step sent before the records' ends has arrived
         urgent_at = [i for i, t in enumerate(stepped) if t == urgent]
         batch_at = [i for i, t in enumerate(stepped) if t != urgent]
         assert urgent_at and batch_at and max(urgent_at) < min(batch_at), stepped

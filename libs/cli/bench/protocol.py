@@ -52,7 +52,7 @@ from tandem.cli.bench.children import child_env
 from tandem.cli.devstack import NatsServer, Process
 from tandem.common import streams, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, delivered_count
+from tandem.common.bus import Bus, delivered_count, synced
 from tandem.common.bus.pull import Pull
 from tandem.common.events import DrainRecord, GenerationTask, TaskRecord, decode, encode
 from tandem.common.jobs import JobLimits, check_task
@@ -316,7 +316,7 @@ async def raw_round(bus: Bus, nats: NatsServer, n: int) -> dict[str, float]:
             for msg in msgs:
                 await msg.ack()
             got += len(msgs)
-        await nc.flush()
+        await synced(nc)  # the acks reached the server (flush alone may not say so)
         end = time.time()
         cpu1 = (time.process_time(), nats.cpu_seconds())
         wire1 = nc.stats["in_msgs"] + nc.stats["out_msgs"]

@@ -17,6 +17,7 @@ import time
 import nats
 
 from tandem.common import subjects
+from tandem.common.bus import synced
 from tandem.common.tasks import says_succeeded
 
 
@@ -33,7 +34,7 @@ async def main(url: str, n: int) -> None:
                 done.set_result(time.time())
 
     await nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on)
-    await nc.flush()
+    await synced(nc)  # the subscription is on the server before "ready"
     print("ready", flush=True)
     print(f"{await done:.6f}", flush=True)
     await nc.close()

@@ -3,7 +3,7 @@
 One concern per module:
 
 ============  ===========================================================================
-``connect``   ``Bus`` (connect, provision, KV handles, dead-letter, drain), domains
+``connect``   ``Bus`` (connect, provision, KV, dead-letter, drain), ``synced``, domains
 ``publish``   the pipelined JetStream publish: ``publish``, ``publish_once``, ``send``...
 ``pull``      the fetch of a durable pull consumer, one timer per fetch
 ``consumer``  ``Consumer`` (decode, handle, settle) and ``Poller``, the one pull loop
@@ -18,7 +18,7 @@ service, nor anything above ``tandem.common``.
 """
 
 from tandem.common.bus.acks import AckPolicy, DeadHook, delivered_count
-from tandem.common.bus.connect import Bus, DomainJetStream
+from tandem.common.bus.connect import Bus, DomainJetStream, synced
 from tandem.common.bus.consumer import Consumer, Delivery, Poller
 from tandem.common.bus.headers import EXPECTED_LAST, MSG_ID, TRACEPARENT
 from tandem.common.bus.kv import KeyWatch, MapWatch, TypedKV, Watch, snapshot, watch
@@ -42,6 +42,7 @@ __all__ = [
     "delivered_count",
     "retry_transient",
     "snapshot",
+    "synced",
     "transient",
     "watch",
 ]

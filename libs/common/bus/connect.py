@@ -2,9 +2,10 @@
 
 ``Bus.connect`` reconnects without end and logs connection changes (a permission the
 server refuses is named, with the subject); ``Bus.drain`` flushes and closes within a
-timeout and is safe to call twice. Across a JetStream domain (a GPU cluster's leaf node
-reaching the control plane), ``DomainJetStream`` sends KV writes where the server
-expects them.
+timeout and is safe to call twice; ``synced`` waits until the server has everything a
+connection sent before it (nats-py's ``flush`` alone does not). Across a JetStream
+domain (a GPU cluster's leaf node reaching the control plane), ``DomainJetStream`` sends
+KV writes where the server expects them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ from tandem.common.streams import ConsumerSpec, Spec, provision
 
 E = TypeVar("E")
 _log = log.get("tandem.bus")
+
+
+async def synced(nc: NATS, timeout: float = 10.0) -> None:
+    """Return once the server has processed every command ``nc`` sent before the call
+    (a SUB another connection's publish must find, a PUB another must have seen).
+
+    nats-py 2.16's ``flush`` writes its PING straight to the socket, ahead of commands
+    still in the client's pending buffer (a SUB made just before), so its PONG says
+    nothing about them: the server may answer it, then another connection's request
+    finds no subscriber. While the first flush waits, the client's flusher writes the
+    pending commands; the second PING goes behind them, so its PONG covers them.
+    """
+    await nc.flush(timeout)
+    await nc.flush(timeout)
 
 
 class DomainJetStream(JetStreamContext):
@@ -182,6 +197,10 @@ class Bus(Publishing):
         metrics.DEAD_LETTERS.labels(stream, reason.split(":")[0][:40]).inc()
         _log.warning("bus.dead_letter", stream=stream, subject=msg.subject,
                      seq=md.sequence.stream, reason=reason)
+
+    async def synced(self) -> None:
+        """``synced`` on this bus's connection."""
+        await synced(self.nc)
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Flush and close within ``timeout`` seconds; safe to call twice.
