@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from tandem.common.events import GenerationTask
 from tandem.common.models import Registry
-from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
+from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
 
 
@@ -235,6 +235,54 @@ async def test_the_next_batch_is_queued_while_a_call_runs_and_every_call_has_its
     assert u.first_start is not None and u.last_end is not None
     assert 0 < u.busy_s <= u.last_end - u.first_start + 1e-6
     assert u.json()["busy"] <= 1.0 + 1e-6
+
+
+def test_calls_take_the_accelerator_in_the_order_they_were_handed_over() -> None:
+    """The queued call runs next even when the thread of a call handed over after it asks
+    first (a plain lock lets whoever asks take it: a suite saw calls 1, 3, 2)."""
+    turns = Turns()
+    queued, later = turns.ticket(), turns.ticket()
+    order: list[str] = []
+    asking = threading.Event()
+
+    def late() -> None:
+        asking.set()
+        with turns.turn(later):
+            order.append("later")
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    assert asking.wait(10)
+    with turns.turn(queued):
+        order.append("queued")
+    thread.join(10)
+    assert not thread.is_alive() and order == ["queued", "later"]
+    with turns.turn():  # a warm-up: behind every call handed over, then the next one
+        order.append("warm-up")
+    assert order[-1] == "warm-up"
+
+
+def test_a_call_that_never_runs_gives_up_its_turn() -> None:
+    """A queued call's work cancelled before its thread took it (the batcher stopping)
+    must not leave the calls behind it waiting forever."""
+    turns = Turns()
+    running, cancelled, after = turns.ticket(), turns.ticket(), turns.ticket()
+    done = threading.Event()
+
+    def last() -> None:
+        with turns.turn(after):
+            done.set()
+
+    thread = threading.Thread(target=last)
+    thread.start()
+    turns.skip(cancelled)  # while the running call still holds its turn
+    with turns.turn(running):
+        assert not done.is_set()
+    assert done.wait(10)
+    thread.join(10)
+    turns.skip(turns.ticket())  # skipped as it comes up: the next goes at once
+    with turns.turn():
+        pass
 
 
 async def test_a_concurrent_pipeline_is_handed_the_next_call_while_one_runs() -> None:

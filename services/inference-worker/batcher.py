@@ -4,8 +4,8 @@ Tasks are compatible when their ``batch_key`` (model, size, steps, guidance) is 
 The batcher always starts with the oldest task of the best lane (interactive before
 batch), lingers up to ``linger`` seconds for more compatible tasks unless the batch is
 already full, then hands one pipeline call for up to ``max_batch`` images, with a
-generator per image, to its compute thread. One call runs at a time: the worker owns one
-accelerator.
+generator per image, to its compute thread. One call runs at a time, in the order the
+calls were handed over (``Turns``): the worker owns one accelerator.
 
 The compute threads are the batcher's own (nothing else runs on them), and they are
 fed from a queue: while a call runs, the next batch is formed and queued behind it
@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -53,6 +53,55 @@ BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipel
                                  buckets=(1, 2, 4, 8, 16, 32, 64))
 GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
+
+
+class Turns:
+    """One call at a time on the accelerator, in the order the calls were handed over.
+
+    A ``threading.Lock`` is not fair: when the running call releases it, a thread that
+    asks after the queued call's may take it first, so a call formed later (a batch-lane
+    one) could overtake the queued one (an interactive one). Each call takes a ticket
+    where it is handed over, on the event loop, and its thread waits for that number;
+    a ticket whose call will never run (its thread's work cancelled) is ``skip``ped.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+        self._skipped: set[int] = set()
+
+    def ticket(self) -> int:
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    @contextlib.contextmanager
+    def turn(self, ticket: int | None = None) -> Iterator[None]:
+        """Wait for ``ticket``'s turn (None: a new ticket, behind every one handed out),
+        hold it through the block, then let the next one go."""
+        number = self.ticket() if ticket is None else ticket
+        with self._cond:
+            self._cond.wait_for(lambda: self._serving == number)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._next()
+
+    def skip(self, ticket: int) -> None:
+        with self._cond:
+            if ticket == self._serving:
+                self._next()
+            else:
+                self._skipped.add(ticket)
+
+    def _next(self) -> None:
+        self._serving += 1
+        while self._serving in self._skipped:
+            self._skipped.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
 
 
 class JobCancelled(Exception):
@@ -168,7 +217,7 @@ class Batcher:
         self._room = asyncio.Semaphore(1 + AHEAD)
         self._closed = False
         self._abort = False
-        self._one_call = threading.Lock()  # one accelerator: one call at a time on it
+        self._turns = Turns()  # one accelerator: one call at a time on it, in order
 
     # ----------------------------------------------------------------------- callers
 
@@ -223,7 +272,7 @@ class Batcher:
         """``fn(*args)`` with no pipeline call running beside it (blocking: call it from a
         thread): it waits for the running call to end, and the next call waits for it. A
         pipeline's warm-up goes here, so it never shares the accelerator with a call."""
-        with self._one_call:
+        with self._turns.turn():
             return fn(*args)
 
     # ----------------------------------------------------------------------- the loop
@@ -232,7 +281,7 @@ class Batcher:
         """Form batches and queue them on the compute thread until ``close``; return once
         the calls taken have ended. Cancelled, it stops the running call at its next step."""
         # A thread per call handed over (the running one and AHEAD queued): a pipeline
-        # that is not ``concurrent`` takes them one at a time (``_one_call``).
+        # that is not ``concurrent`` takes them one at a time, in order (``Turns``).
         executor = ThreadPoolExecutor(1 + AHEAD, thread_name_prefix="pipeline")
         try:
             async with asyncio.TaskGroup() as calls:
@@ -344,11 +393,22 @@ class Batcher:
 
         try:
             try:
+                # Its place in the accelerator's order is taken here, as it is handed over.
+                ticket = None if pipeline.concurrent else self._turns.ticket()
                 if executor is None:
-                    images = self._call(pipeline, group, items, params, on_step)
+                    images = self._call(pipeline, group, items, params, on_step, ticket)
                 else:
-                    images = await asyncio.wrap_future(executor.submit(
-                        self._call, pipeline, group, items, params, on_step))
+                    try:
+                        work = executor.submit(self._call, pipeline, group, items, params,
+                                               on_step, ticket)
+                    except BaseException:
+                        if ticket is not None:
+                            self._turns.skip(ticket)
+                        raise
+                    if ticket is not None:
+                        work.add_done_callback(
+                            lambda f, n=ticket: self._turns.skip(n) if f.cancelled() else None)
+                    images = await asyncio.wrap_future(work)
             except asyncio.CancelledError:
                 # Cancelled from outside: stop the thread at its next step too, or the
                 # process would wait for the whole call before it could exit.
@@ -372,11 +432,11 @@ class Batcher:
             self._room.release()
 
     def _call(self, pipeline: Pipeline, group: list[Job], items: list[Item], params: Params,
-              on_step: Callable[[int, int], None]) -> list[Any]:
+              on_step: Callable[[int, int], None], ticket: int | None) -> list[Any]:
         """The pipeline call itself, timed into ``usage`` (on the compute thread). A call
         queued behind one that ran is not started once the batcher is closed (its tasks
         go back) or when every task in it is cancelled."""
-        with contextlib.nullcontext() if pipeline.concurrent else self._one_call:
+        with contextlib.nullcontext() if ticket is None else self._turns.turn(ticket):
             if self._closed or self._abort or all(j.cancelled for j in group):
                 raise Interrupted()
             began = CallTime.clocks()
