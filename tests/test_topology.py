@@ -22,7 +22,7 @@ from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.cli.topology import LeafNode, Topology
 from tandem.common import accounts, permissions, streams, subjects
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, watch
 from tandem.common.errors import ServerStartError
 from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.settings import Settings, load
@@ -109,20 +109,23 @@ async def test_services_behind_a_leaf_use_the_control_planes_streams_and_kv(
 
 
 class Results:
-    """Task ids whose record was written ``succeeded`` (their success), seen on the hub as
-    it happened: how many times each (``successes``)."""
+    """Task ids whose record was stored ``succeeded`` (their success), seen on the hub as
+    it happened: how many times each (``successes``). Fed by a KV watch, every stored
+    write once: a core subscription to $KV.tasks.* hears a compare-and-set the bucket
+    refused as well (a worker's that lost and was made again), a success never stored."""
 
     def __init__(self) -> None:
         self.done: set[str] = set()
         self.successes: dict[str, int] = {}
         self.changed = asyncio.Event()
 
-    async def on_write(self, msg: Any) -> None:
-        rec = succeeded(msg.data)
-        if rec is not None:
-            self.done.add(rec.task.task_id)
-            self.successes[rec.task.task_id] = self.successes.get(rec.task.task_id, 0) + 1
-            self.changed.set()
+    async def follow(self, watcher: Any) -> None:
+        async for entry in watcher:
+            rec = succeeded(entry.value) if entry is not None and entry.value else None
+            if rec is not None:
+                self.done.add(rec.task.task_id)
+                self.successes[rec.task.task_id] = self.successes.get(rec.task.task_id, 0) + 1
+                self.changed.set()
 
     async def wait(self, ids: set[str] | list[str], what: str,
                    timeout: float = DEADLINE) -> None:
@@ -211,7 +214,8 @@ def services(topology: Topology, s3_server: S3Server, tmp_path: Path) -> Iterato
 async def test_killed_leaf_loses_no_task_and_the_other_cluster_keeps_serving(
         topology: Topology, hub: Bus, services: Services) -> None:
     results = Results()
-    sub = await hub.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=results.on_write)
+    watcher = await watch(await hub.kv(KV_TASKS))
+    following = asyncio.create_task(results.follow(watcher))
     east_leaf = topology.leaf("east")
     async with httpx.AsyncClient(base_url=services.url, timeout=30) as http:
         load = Load(http)
@@ -238,7 +242,6 @@ async def test_killed_leaf_loses_no_task_and_the_other_cluster_keeps_serving(
         finally:
             load.stop.set()
             await loading
-    await sub.unsubscribe()
 
     assert load.refused["west"] == []  # the healthy cluster never refused a task
     assert set(load.refused["east"]) <= {503}  # east refused only while known down
@@ -257,6 +260,8 @@ async def test_killed_leaf_loses_no_task_and_the_other_cluster_keeps_serving(
     # Exactly one success each: a task redelivered after the kill reads its record first
     # and runs only if no earlier delivery ended it.
     assert {i: results.successes.get(i, 0) for i in every} == dict.fromkeys(every, 1)
+    following.cancel()
+    await watcher.stop()
 
 
 # ---------------------------------------------------------------------- tandem dev up

@@ -36,7 +36,6 @@ from tandem.cli import http
 from tandem.cli.bench import saturation, stats
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
-from tandem.common import subjects
 from tandem.common.bus import Bus, watch
 from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_TASKS
@@ -91,12 +90,11 @@ class Drill:
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.records: dict[str, TaskRecord] = {}
-        self.successes: dict[str, int] = {}  # task id -> writes of its record as succeeded
+        self.successes: dict[str, int] = {}  # task id -> stored writes of it as succeeded
         self.accepted: list[str] = []
         self.refused: dict[int, int] = {}
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
-        self._writes: Any = None
         self.bus: Bus | None = None
         self.http: Any = None
 
@@ -104,10 +102,10 @@ class Drill:
         import httpx
 
         self.bus = await Bus.connect(self.stack.settings(), "drill")
-        # Every write of every record, as it is made: a second success would show here
-        # (the watch below keeps only the latest of each).
-        self._writes = await self.bus.nc.subscribe(subjects.TASK_RECORD.wildcard,
-                                                   cb=self._on_write)
+        # Every stored write of every record, once each (a KV watch): a second success
+        # would show here. Not a core subscription to $KV.tasks.*: a compare-and-set the
+        # bucket refused (a worker's that lost and was made again) is published there
+        # too, and would count as a second success that was never stored.
         kv = await self.bus.kv(KV_TASKS)
         watcher = await watch(kv)
         self._watch = asyncio.create_task(self._follow(watcher))
@@ -124,18 +122,15 @@ class Drill:
         if self.bus is not None:
             await self.bus.drain()
 
-    async def _on_write(self, msg: Any) -> None:
-        rec = succeeded(msg.data)
-        if rec is not None:
-            self.successes[rec.task.task_id] = self.successes.get(rec.task.task_id, 0) + 1
-            self._changed.set()
-
     async def _follow(self, watcher: Any) -> None:
         try:
             async for entry in watcher:
                 if entry is not None and entry.value:
                     rec = decode(entry.value, TaskRecord)
                     self.records[rec.task.task_id] = rec
+                    if succeeded(entry.value) is not None:
+                        self.successes[rec.task.task_id] = self.successes.get(
+                            rec.task.task_id, 0) + 1
                     self._changed.set()
         finally:
             with contextlib.suppress(Exception):
