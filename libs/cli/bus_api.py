@@ -66,7 +66,11 @@ ROUTES: list[Route] = [
     Route(subjects.TASK_RECORD, "TaskRecord", "task_record(task)", "subscribe",
           "each write of a task's record, its one source of truth: queued, running (once "
           "it has run a while), then succeeded with the images, failed or cancelled with "
-          "the reason; read it by id with a KV get or the job service's `status`"),
+          "the reason; read it by id with a KV get or the job service's `status`. A "
+          "write the bucket refused (a compare-and-set that lost, made again from a fresh "
+          "read) is published here too: take a terminal state heard here as the cue to "
+          "read the record (as `tandem.client` does), or watch the bucket, which delivers "
+          "stored writes only"),
     Route(subjects.GEN_PROGRESS, "GenerationProgress", "gen_progress(task)", "subscribe",
           "one per denoising step while the task runs"),
     *(Route(subjects.TRAIN, name, f'train(run, "{kind}")', "subscribe", what, kind)
