@@ -223,9 +223,11 @@ class Consumer(Generic[E]):
     async def run(self, stop: asyncio.Event) -> None:
         lg = _log.bind(stream=self.spec.stream, consumer=self.spec.durable)
         lg.info("consumer.start")
-        await Poller([self], batch=self.batch, concurrency=self.concurrency,
-                     idle_poll=self.fetch_timeout, paused=self.paused).run(stop)
-        await self.close()
+        try:
+            await Poller([self], batch=self.batch, concurrency=self.concurrency,
+                         idle_poll=self.fetch_timeout, paused=self.paused).run(stop)
+        finally:  # cancelled too: what a fetch had in hand is handed back now
+            await self.close()
         lg.info("consumer.stopped", handled=self.handled)
 
     async def close(self) -> None:

@@ -49,6 +49,15 @@ class Pull:
 
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
         out: list[Msg] = []
+        try:
+            return await self._fetch(out, batch, timeout)
+        except BaseException:
+            # Cancelled (or failed) midway: what it had taken goes back to the buffer,
+            # where the next fetch or ``close`` (which naks it) finds it, not to AckWait.
+            self.buf.extendleft(reversed(out))
+            raise
+
+    async def _fetch(self, out: list[Msg], batch: int, timeout: float) -> list[Msg]:
         self._take(out, batch, "")  # delivered for an earlier request, not yet taken
         if len(out) >= batch:
             return out
