@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from tandem.common.events import GenerationTask
 from tandem.common.models import Registry
-from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns
+from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns, Usage
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
 
 
@@ -235,6 +235,22 @@ async def test_the_next_batch_is_queued_while_a_call_runs_and_every_call_has_its
     assert u.first_start is not None and u.last_end is not None
     assert 0 < u.busy_s <= u.last_end - u.first_start + 1e-6
     assert u.json()["busy"] <= 1.0 + 1e-6
+
+
+def test_resumed_start_is_the_first_calls_start_since_the_last_undrain() -> None:
+    u = Usage()
+    for started in (10.0, 11.0):  # two calls of 0.5 s, never drained: since the start
+        u.begin(started)
+        u.add(1, started, 0.5, 0.4)
+    assert (u.first_start, u.resumed_start, u.last_end) == (10.0, 10.0, 11.5)
+    u.resume()  # held, then let go: no call since
+    assert u.json()["resumed_start"] is None and u.json()["first_start"] == 10.0
+    for started in (20.0, 20.5):
+        u.begin(started)
+        u.add(1, started, 0.5, 0.4)
+    got = u.json()
+    assert (got["first_start"], got["resumed_start"], got["last_end"]) == (10.0, 20.0, 21.0)
+    assert got["calls"] == 4 and got["busy_s"] == 2.0
 
 
 def test_calls_take_the_accelerator_in_the_order_they_were_handed_over() -> None:

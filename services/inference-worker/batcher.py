@@ -162,6 +162,10 @@ class Usage:
     cpu_s: float = 0.0  # CPU seconds the compute thread used in them
     first_start: float | None = None  # wall clock (time.time) of the first call's start
     last_end: float | None = None  # and of the last call's end
+    # The first call's start since the node was last undrained (``resume``), or since the
+    # worker started if it never was: where a backlog let go at once began to be served.
+    resumed_start: float | None = None
+    _resumed: bool = True  # the next call to end is the first since the last resume
     running_since: float | None = None  # wall clock start of the call running now
     inflight: int = 0  # calls handed over and not ended (two with a concurrent pipeline)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -184,7 +188,14 @@ class Usage:
             self.cpu_s += cpu_s
             if self.first_start is None:
                 self.first_start = started
+            if self._resumed:
+                self.resumed_start, self._resumed = started, False
             self.last_end = started + wall_s
+
+    def resume(self) -> None:
+        """The node was undrained: the next call starts a new ``resumed_start``."""
+        with self._lock:
+            self.resumed_start, self._resumed = None, True
 
     def json(self) -> dict[str, Any]:
         """The sums of the calls that ended, ``running_s`` of the one running now (a
@@ -198,7 +209,7 @@ class Usage:
         return {"calls": self.calls, "images": self.images, "busy_s": round(self.busy_s, 6),
                 "running_s": round(max(time.time() - since, 0.0), 6) if since else 0.0,
                 "cpu_s": round(self.cpu_s, 6), "first_start": self.first_start,
-                "last_end": self.last_end,
+                "last_end": self.last_end, "resumed_start": self.resumed_start,
                 "busy": round(self.busy_s / span, 6) if span > 0 else None}
 
 

@@ -9,6 +9,8 @@ instead of starting them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tandem.common import log, metrics
 from tandem.common.bus import Bus
 from tandem.common.events import DrainRecord
@@ -20,8 +22,12 @@ DRAINED = metrics.Gauge("tandem_worker_drained", "1 while this worker's node is 
 
 
 class Drain:
-    def __init__(self, bus: Bus, cluster: str, node: str) -> None:
+    """``on_undrain`` runs when an undrain is written (before the loop can pull again)."""
+
+    def __init__(self, bus: Bus, cluster: str, node: str,
+                 on_undrain: Callable[[], None] | None = None) -> None:
         self.watch = DrainWatch(bus, cluster, node, on_change=self._changed)
+        self.on_undrain = on_undrain
 
     @property
     def drained(self) -> bool:
@@ -42,3 +48,5 @@ class Drain:
             _log.warning("worker.drained", reason=record.reason, by=record.by)
         else:
             _log.info("worker.undrained")
+            if self.on_undrain is not None:
+                self.on_undrain()

@@ -341,7 +341,7 @@ class InferenceWorker(Service):
                              idle_poll=self.s.idle_poll, paused=self._drained,
                              backoff=Backoff(0.01, max_delay=self.s.idle_poll),
                              on_stop=self._finish)
-        self.drain = Drain(bus, self.s.cluster, self.s.node)
+        self.drain = Drain(bus, self.s.cluster, self.s.node, on_undrain=self.batcher.usage.resume)
         await self.drain.start()
         self.failover = Failover.for_worker(bus, self.s, consumers, consumer,
                                             drained=self._drained)

@@ -13,16 +13,17 @@ repeats, on its servers):
     let go), each task recorded, claimed, run, encoded, uploaded, committed and
     acked. Each side runs twice on half the images, in the order A B B A (``_cell``), so
     a machine whose speed drifts during the cell (a shared host's does, by 10% over
-    minutes here) weighs on both alike; each Tandem half is a fresh worker, the bare
-    loop one process per model (``_Bare``: its model built once, a warm-up call a half).
+    minutes here) weighs on both alike; Tandem's side is one worker per cell, kept
+    across its halves and held between them (``_Held``), the bare loop one process per
+    model (``_Bare``: its model built once, a warm-up call a half).
     Both sides count whole batches the same way: in each half, ``images/2 - batch``
     over the window from the first batch's end (bare) or first result (Tandem) to the
     last; a side's rate is the counted images of its two halves over their two windows.
     Goal: Tandem/bare >= 0.95 for each model and batch size. Beside it, the pipeline's
     busy time as a fraction of wall time while the worker drained the backlog, measured
     in the worker (``/healthz`` ``pipeline``: the sum of its pipeline calls over the span
-    from the first call's start to the last call's end, summed over both halves); goal
-    >= 0.95. And the CPU the
+    from the first call's start since the release, ``resumed_start``, to the last call's
+    end, summed over both halves); goal >= 0.95. And the CPU the
     rest cost, per image: the worker's CPU beside its compute thread's (encoding, upload,
     the bus), nats-server's and the S3 server's, from ``/proc`` over the drain: on a
     machine with few cores, that is what competes with the pipeline for them.
@@ -72,6 +73,7 @@ from tandem.inference_worker.apart import pin as pin_threads
 
 if TYPE_CHECKING:
     from tandem.cli.bench.serve import Bench
+    from tandem.cli.devstack import Process
     from tandem.common.bus import Bus
 
 GOAL_PIPELINE = 0.95
@@ -164,45 +166,74 @@ def _health(b: Bench, name: str) -> dict[str, Any]:
     return got
 
 
-async def _tandem(b: Bench, bus: Bus, model: str, batch: int, n: int,
-                  args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """One half of Tandem's side: a fresh worker drains ``n`` queued tasks; its sums."""
-    cluster = f"pipe{tag}"
-    tasks = tasks_of(model, n, args.steps, cluster)
-    await b.prefill(bus, cluster, tasks)
-    name = f"w-{cluster}"
-    # Held (its node drained) until its counters are read: a fresh worker pulls the moment
-    # it is ready, and a small backlog can be made before a first reading after that.
-    await fleet.drain(bus, cluster, name, reason="bench: held until its counters are read")
-    pin = pinned(args)
-    w = await b.worker(name, cluster, serve=model, max_batch=str(batch), device="cpu",
-                       torch_threads=str(args.threads), linger=LINGER, idle_poll="0.05",
-                       **apart(args), **({"pipeline_process": "1", "pipeline_cpus": str(pin[0])}
-                                         if pin else {}))
-    before = (await asyncio.to_thread(_health, b, name))["pipeline"]
-    child = before.get("processes", {}).get(model)  # the calls' process, when apart
-    pids = {"worker": w.pid or 0, "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
-            "bench": saturation.this_process, **({"pipeline process": child} if child else {})}
-    meter = saturation.Meter(pids).start()
-    await fleet.undrain(bus, cluster, name)
-    rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=batch)
-    window = meter.stop()
-    after = (await asyncio.to_thread(_health, b, name))["pipeline"]
-    w.stop(10)
-    wall = window.wall_s
-    return {"counted": n - batch, "window_s": (n - batch) / rate,
-            "images": after["images"] - before["images"], "calls": after["calls"],
-            "whole_batches": after["calls"] * batch == n,
-            "busy_s": after["busy_s"] - before["busy_s"],
-            "span_s": after["last_end"] - after["first_start"],  # a fresh worker's calls
-            "compute_cpu_s": after["cpu_s"] - before["cpu_s"],
-            # The worker's own CPU: with the calls in a child process, all of it is beside
-            # them; with one torch thread in the worker, that thread is all of the compute.
-            "worker_cpu_s": window.cores["worker"] * wall,
-            "nats_cpu_s": window.cores["nats-server"] * wall,
-            "s3_cpu_s": window.cores["s3"] * wall,
-            "apart": bool(child), "pipeline_cpus": after.get("cpus"),
-            "torch_threads": after["torch_threads"], "window": window.json()}
+class _Held:
+    """Tandem's side of one cell: one worker, kept across the cell's two halves as the bare
+    side keeps its process (``_Bare``), held (its node drained) whenever its counters are
+    read, and let go (undrained) on a queue filled while it was held."""
+
+    def __init__(self, b: Bench, bus: Bus, model: str, batch: int, args: argparse.Namespace,
+                 tag: str) -> None:
+        self.b, self.bus, self.model, self.batch, self.args = b, bus, model, batch, args
+        self.cluster = f"pipe{tag}"
+        self.name = f"w-{self.cluster}"
+        self.proc: Process | None = None
+
+    async def _hold(self) -> None:
+        """Drained, and seen to be by the worker: from then on it fetches nothing (what a
+        fetch already waiting returns is handed back), so a queue can be filled."""
+        await fleet.drain(self.bus, self.cluster, self.name,
+                          reason="bench: held until its counters are read")
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + 30
+        while not (await asyncio.to_thread(_health, self.b, self.name)).get("drained"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: not drained 30 s after its drain")
+            await asyncio.sleep(0.02)  # polling the worker's /healthz for the drain
+
+    async def run(self, n: int) -> dict[str, Any]:
+        """One half: the worker drains ``n`` queued single-image tasks; its sums."""
+        b, args, pin = self.b, self.args, pinned(self.args)
+        await self._hold()
+        tasks = tasks_of(self.model, n, args.steps, self.cluster)
+        await b.prefill(self.bus, self.cluster, tasks)
+        if self.proc is None:
+            self.proc = await b.worker(
+                self.name, self.cluster, serve=self.model, max_batch=str(self.batch),
+                device="cpu", torch_threads=str(args.threads), linger=LINGER, idle_poll="0.05",
+                **apart(args), **({"pipeline_process": "1", "pipeline_cpus": str(pin[0])}
+                                  if pin else {}))
+        before = (await asyncio.to_thread(_health, b, self.name))["pipeline"]
+        child = before.get("processes", {}).get(self.model)  # the calls' process, when apart
+        pids = {"worker": self.proc.pid or 0, "nats-server": b.nats.pid or 0,
+                "s3": b.s3.pid or 0, "bench": saturation.this_process,
+                **({"pipeline process": child} if child else {})}
+        meter = saturation.Meter(pids).start()
+        await fleet.undrain(self.bus, self.cluster, self.name)
+        rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=self.batch)
+        window = meter.stop()
+        after = (await asyncio.to_thread(_health, b, self.name))["pipeline"]
+        wall = window.wall_s
+        calls = after["calls"] - before["calls"]
+        return {"counted": n - self.batch, "window_s": (n - self.batch) / rate,
+                "images": after["images"] - before["images"], "calls": calls,
+                "whole_batches": calls * self.batch == n,
+                "busy_s": after["busy_s"] - before["busy_s"],
+                # From the first call since the release (the worker's ``resumed_start``).
+                "span_s": after["last_end"] - after["resumed_start"],
+                "compute_cpu_s": after["cpu_s"] - before["cpu_s"],
+                # The worker's own CPU: with the calls in a child process, all of it is
+                # beside them; with one torch thread in the worker, that thread is all of
+                # the compute.
+                "worker_cpu_s": window.cores["worker"] * wall,
+                "nats_cpu_s": window.cores["nats-server"] * wall,
+                "s3_cpu_s": window.cores["s3"] * wall,
+                "apart": bool(child), "pipeline_cpus": after.get("cpus"),
+                "torch_threads": after["torch_threads"], "window": window.json()}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(10)
 
 
 def _tandem_side(halves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -297,11 +328,13 @@ async def _cell(b: Bench, bus: Bus, bare: _Bare, model: str, batch: int,
     half = args.images // 2
     first = stats.order(r, ["tandem", "bare"])
     halves: dict[str, list[dict[str, Any]]] = {"tandem": [], "bare": []}
-    for i, side in enumerate([*first, *reversed(first)]):
-        halves[side].append(
-            await _tandem(b, bus, model, batch, half, args,
-                          f"{r}{MODELS.index(model)}b{batch}h{i}") if side == "tandem"
-            else await bare.run(batch, half))
+    held = _Held(b, bus, model, batch, args, f"{r}{MODELS.index(model)}b{batch}")
+    try:
+        for side in [*first, *reversed(first)]:
+            halves[side].append(await held.run(half) if side == "tandem"
+                                else await bare.run(batch, half))
+    finally:
+        await asyncio.to_thread(held.close)
     got = {"tandem": _tandem_side(halves["tandem"]), "bare": _bare_side(halves["bare"])}
     ratio = got["tandem"]["images_per_s"] / got["bare"]["images_per_s"]
     return {**got, "ratio": round(ratio, 3), "order": "".join(
