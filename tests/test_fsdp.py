@@ -36,7 +36,7 @@ from tests.fsdp_support import Job, spawn
 
 # Spawning eight ranks that each import torch is most of this module's time; on a busy
 # two-core machine the module fixture alone has taken over 300 s.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # Relative difference allowed between a resharded run's loss and the uninterrupted
 # run's at the same step (noise drawn by other generators on the same samples).

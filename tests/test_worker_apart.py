@@ -19,6 +19,8 @@ from tandem.inference_worker import apart
 from tandem.inference_worker.pipelines import Interrupted, Item, ModelLoadError, Params, build
 from tests.conftest import PYTHON, ROOT, service_env, thread_cpus
 
+pytestmark = pytest.mark.slow  # a child process that imports torch per test
+
 PARAMS = Params(width=16, height=16, steps=3, guidance=1.0)
 ITEMS = [Item(seed=5, class_label=1), Item(seed=6, class_label=2)]
 
