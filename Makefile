@@ -30,13 +30,12 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "note: chromium is missing; run 'apt-get install -y chromium' as root"; fi; }
 
-# Two workers, one test file each at a time (module fixtures stay within a worker), in
-# conftest's order (the slow files first: xdist would otherwise reorder the files by how
-# many tests each holds); the slowest tests are printed at the end. See docs/testing.md.
+# Two workers, one test file each at a time (module fixtures stay within a worker); the
+# slowest tests are printed at the end. See docs/testing.md.
 PYTEST_WORKERS ?= 2
 unit: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	  --durations=25 $(PYTEST_ARGS)
 
 test: lint unit
 

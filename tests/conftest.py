@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from tandem.cli.devstack import NatsServer, S3Server
 from tandem.cli.topology import NatsCluster
@@ -24,11 +25,15 @@ os.environ.setdefault("TANDEM_LOG_FORMAT", "json")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files holding a ``slow`` test run first (in their own order), so that with
-    ``--dist loadfile`` the longest files start at once instead of ending the run."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+@pytest.fixture(autouse=True)
+def _logging_as_a_fresh_process_has_it() -> None:
+    """Each test starts with structlog's defaults. A command or bench run in-process
+    (``main(["bench", "train", ...])``) configures this worker's logging for itself,
+    ``error`` and up; a test after it in the same worker that captures a warning
+    (``structlog.testing.capture_logs``) then captured nothing: its logger filtered the
+    warning out before any processor (seen: ``test_rank_channel`` after the sharded
+    bench's test, once ``make test`` ran the files in another order)."""
+    structlog.reset_defaults()
 
 
 @pytest.fixture
