@@ -176,15 +176,13 @@ class Trainer(Service):
         ]
         runs = MapWatch(ctx.bus, KV_RUNS, self._on_run_record)
         try:
-            await runs.start()
+            await runs.start()  # every record's current value noted (``_on_run_record``)
             async with asyncio.TaskGroup() as tg:
                 self.tg = tg
                 for run_id, rec in (await kv.items()).items():
                     if rec.coordinator == self.me and rec.state not in TERMINAL:
                         ctx.log.info("trainer.adopt", run_id=run_id, state=rec.state.value)
                         self._start(run_id, rec, adopted=True)
-                    else:
-                        self._note(run_id, rec)
                 unclaimed = tg.create_task(self._claim_unclaimed())
                 consumer = ctx.bus.consumer(trainer_consumer(self.s.cluster), TrainStatus,
                                             self._on_status)
