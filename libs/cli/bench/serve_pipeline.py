@@ -166,6 +166,21 @@ def _health(b: Bench, name: str) -> dict[str, Any]:
     return got
 
 
+async def hold(b: Bench, bus: Bus, cluster: str, node: str, names: list[str],
+               reason: str) -> None:
+    """Drain ``node``, and return once each running worker of ``names`` on it says it is
+    drained (``/healthz``): from then on it fetches nothing (what a fetch already waiting
+    returns is handed back), so a queue can be filled and its counters read before it is
+    let go."""
+    await fleet.drain(bus, cluster, node, reason=reason)
+    deadline = time.monotonic() + 30
+    for name in names:
+        while not (await asyncio.to_thread(_health, b, name)).get("drained"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: not drained 30 s after its node's drain")
+            await asyncio.sleep(0.02)  # polling the worker's /healthz for the drain
+
+
 class _Held:
     """Tandem's side of one cell: one worker, kept across the cell's two halves as the bare
     side keeps its process (``_Bare``), held (its node drained) whenever its counters are
@@ -178,23 +193,11 @@ class _Held:
         self.name = f"w-{self.cluster}"
         self.proc: Process | None = None
 
-    async def _hold(self) -> None:
-        """Drained, and seen to be by the worker: from then on it fetches nothing (what a
-        fetch already waiting returns is handed back), so a queue can be filled."""
-        await fleet.drain(self.bus, self.cluster, self.name,
-                          reason="bench: held until its counters are read")
-        if self.proc is None:
-            return
-        deadline = time.monotonic() + 30
-        while not (await asyncio.to_thread(_health, self.b, self.name)).get("drained"):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: not drained 30 s after its drain")
-            await asyncio.sleep(0.02)  # polling the worker's /healthz for the drain
-
     async def run(self, n: int) -> dict[str, Any]:
         """One half: the worker drains ``n`` queued single-image tasks; its sums."""
         b, args, pin = self.b, self.args, pinned(self.args)
-        await self._hold()
+        await hold(b, self.bus, self.cluster, self.name, [self.name] if self.proc else [],
+                   "bench: held until its counters are read")
         tasks = tasks_of(self.model, n, args.steps, self.cluster)
         await b.prefill(self.bus, self.cluster, tasks)
         if self.proc is None:
@@ -431,7 +434,7 @@ async def _release(b: Bench, bus: Bus, cluster: str, node: str, names: list[str]
         await b.drain_rate(ids, 1)
     ended, at_end = watch.result()
     window = meter.stop()
-    await fleet.drain(bus, cluster, node, reason="bench: held until the next backlog")
+    await hold(b, bus, cluster, node, names, "bench: held until the next backlog")
     n = len(tasks)
     last = max(b.results[i] for i in ids)
     # Polled, the empty stream may be seen after the last result: it was empty by then.
