@@ -41,11 +41,9 @@ Why one module of over 600 lines, not split: both paths (a whole checkpoint, a n
 part) are built from the same upload, verification and commit steps, and ``_Multipart``
 works on the mirror's pools, buffers and checks; together they keep one invariant that a
 split would spread over files: nothing is committed before every byte it lists is stored
-and verified.
-
-Longer than 600 lines on purpose: one attempt's upload, verification and commit share
-its state (the parts read, their checksums, the manifest put last), and the guarantee
-above is checked by reading them together.
+and verified. One attempt's upload, verification and commit share its state (the parts
+read, their checksums, the manifest put last), and that guarantee is checked by reading
+them together.
 """
 
 from __future__ import annotations

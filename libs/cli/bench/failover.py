@@ -39,7 +39,6 @@ from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common.bus import Bus, watch
 from tandem.common.events import TaskRecord, TaskState, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_TASKS
-from tandem.common.tasks import succeeded
 
 SMOKE = ("--repeat", "1", "--tasks", "2")
 
@@ -128,7 +127,7 @@ class Drill:
                 if entry is not None and entry.value:
                     rec = decode(entry.value, TaskRecord)
                     self.records[rec.task.task_id] = rec
-                    if succeeded(entry.value) is not None:
+                    if rec.state == TaskState.succeeded:
                         self.successes[rec.task.task_id] = self.successes.get(
                             rec.task.task_id, 0) + 1
                     self._changed.set()

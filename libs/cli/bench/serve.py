@@ -44,10 +44,11 @@ from typing import Any
 
 from nats.js.api import RetentionPolicy
 
+from tandem.cli import http
 from tandem.cli.bench import protocol, saturation, serve_pipeline, stats
 from tandem.cli.bench.children import ServiceProcess, child_env, ms, pct, wait_ready
 from tandem.cli.devstack import NatsServer, Process, S3Server, free_port
-from tandem.common import streams, subjects
+from tandem.common import fleet, streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import DrainRecord, GenerationTask, TaskRecord, encode
@@ -76,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Bench:
     """One run's servers and children (nats-server, S3, gateway, workers), the successes
     its observer saw (``on_result``: when, and by which worker) and the moves every part
-    shares (``prefill``, ``drain_rate``); ``serve_pipeline``'s parts take it too."""
+    shares (``prefill``, ``drain_rate``, ``health``, ``hold``); ``serve_pipeline``'s parts
+    take it too."""
 
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.root = root
@@ -148,6 +150,27 @@ class Bench:
                          bus.headers(t.task_id, moves.seal(self.seal_key, rev, data))))
         for i in range(0, len(sent), 256):
             await bus.send(sent[i:i + 256])
+
+    async def health(self, name: str) -> dict[str, Any]:
+        """Worker ``name``'s /healthz."""
+        got = await asyncio.to_thread(http.get_json, self.healthz[name], timeout=10.0)
+        if not isinstance(got, dict):
+            raise RuntimeError(f"{name}: no /healthz answer")
+        return got
+
+    async def hold(self, bus: Bus, cluster: str, node: str, names: list[str],
+                   reason: str) -> None:
+        """Drain ``node``, and return once each running worker of ``names`` on it says it
+        is drained (/healthz): from then on it fetches nothing (what a fetch already
+        waiting returns is handed back), so a queue can be filled and its counters read
+        before it is let go."""
+        await fleet.drain(bus, cluster, node, reason=reason)
+        deadline = time.monotonic() + 30
+        for name in names:
+            while not (await self.health(name)).get("drained"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: not drained 30 s after its node's drain")
+                await asyncio.sleep(0.02)  # polling the worker's /healthz for the drain
 
     async def drain_rate(self, ids: list[str], per: int, timeout: float = 600,
                          batch: int = 1) -> float:

@@ -65,7 +65,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from tandem.cli import http
 from tandem.cli.bench import saturation, stats
 from tandem.common import fleet, streams
 from tandem.common.events import GenerationTask
@@ -159,28 +158,6 @@ def tasks_of(model: str, n: int, steps: int, cluster: str) -> list[GenerationTas
                            cluster=cluster) for i in range(n)]
 
 
-def _health(b: Bench, name: str) -> dict[str, Any]:
-    got = http.get_json(b.healthz[name], timeout=10.0)
-    if not isinstance(got, dict):
-        raise RuntimeError(f"{name}: no /healthz answer")
-    return got
-
-
-async def hold(b: Bench, bus: Bus, cluster: str, node: str, names: list[str],
-               reason: str) -> None:
-    """Drain ``node``, and return once each running worker of ``names`` on it says it is
-    drained (``/healthz``): from then on it fetches nothing (what a fetch already waiting
-    returns is handed back), so a queue can be filled and its counters read before it is
-    let go."""
-    await fleet.drain(bus, cluster, node, reason=reason)
-    deadline = time.monotonic() + 30
-    for name in names:
-        while not (await asyncio.to_thread(_health, b, name)).get("drained"):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: not drained 30 s after its node's drain")
-            await asyncio.sleep(0.02)  # polling the worker's /healthz for the drain
-
-
 class _Held:
     """Tandem's side of one cell: one worker, kept across the cell's two halves as the bare
     side keeps its process (``_Bare``), held (its node drained) whenever its counters are
@@ -196,8 +173,8 @@ class _Held:
     async def run(self, n: int) -> dict[str, Any]:
         """One half: the worker drains ``n`` queued single-image tasks; its sums."""
         b, args, pin = self.b, self.args, pinned(self.args)
-        await hold(b, self.bus, self.cluster, self.name, [self.name] if self.proc else [],
-                   "bench: held until its counters are read")
+        await b.hold(self.bus, self.cluster, self.name, [self.name] if self.proc else [],
+                     "bench: held until its counters are read")
         tasks = tasks_of(self.model, n, args.steps, self.cluster)
         await b.prefill(self.bus, self.cluster, tasks)
         if self.proc is None:
@@ -206,7 +183,7 @@ class _Held:
                 device="cpu", torch_threads=str(args.threads), linger=LINGER, idle_poll="0.05",
                 **apart(args), **({"pipeline_process": "1", "pipeline_cpus": str(pin[0])}
                                   if pin else {}))
-        before = (await asyncio.to_thread(_health, b, self.name))["pipeline"]
+        before = (await b.health(self.name))["pipeline"]
         child = before.get("processes", {}).get(self.model)  # the calls' process, when apart
         pids = {"worker": self.proc.pid or 0, "nats-server": b.nats.pid or 0,
                 "s3": b.s3.pid or 0, "bench": saturation.this_process,
@@ -215,7 +192,7 @@ class _Held:
         await fleet.undrain(self.bus, self.cluster, self.name)
         rate = await b.drain_rate([t.task_id for t in tasks], 1, batch=self.batch)
         window = meter.stop()
-        after = (await asyncio.to_thread(_health, b, self.name))["pipeline"]
+        after = (await b.health(self.name))["pipeline"]
         wall = window.wall_s
         calls = after["calls"] - before["calls"]
         return {"counted": n - self.batch, "window_s": (n - self.batch) / rate,
@@ -412,7 +389,7 @@ async def _backlog_end(b: Bench, bus: Bus, cluster: str, names: list[str]
             break
         await asyncio.sleep(0.02)  # polling the consumer's pending count, the backlog
     at = time.perf_counter()
-    got = await asyncio.gather(*(asyncio.to_thread(_health, b, nm) for nm in names))
+    got = await asyncio.gather(*(b.health(nm) for nm in names))
     return at, {nm: h["pipeline"] for nm, h in zip(names, got, strict=True)}
 
 
@@ -422,7 +399,7 @@ async def _release(b: Bench, bus: Bus, cluster: str, node: str, names: list[str]
     go at once, and measure until every result is in; hold them again after. ``busy``:
     report each worker's pipeline busy fraction (not for no-op tasks: no pipeline)."""
     await b.prefill(bus, cluster, tasks)
-    before = {nm: (await asyncio.to_thread(_health, b, nm))["pipeline"] for nm in names}
+    before = {nm: (await b.health(nm))["pipeline"] for nm in names}
     meter = saturation.Meter({**{nm: b.procs_by_name[nm].pid or 0 for nm in names},
                               "nats-server": b.nats.pid or 0, "s3": b.s3.pid or 0,
                               "bench": saturation.this_process}).start()
@@ -434,7 +411,7 @@ async def _release(b: Bench, bus: Bus, cluster: str, node: str, names: list[str]
         await b.drain_rate(ids, 1)
     ended, at_end = watch.result()
     window = meter.stop()
-    await hold(b, bus, cluster, node, names, "bench: held until the next backlog")
+    await b.hold(bus, cluster, node, names, "bench: held until the next backlog")
     n = len(tasks)
     last = max(b.results[i] for i in ids)
     # Polled, the empty stream may be seen after the last result: it was empty by then.
