@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 
 import pytest
 from prometheus_client import REGISTRY
 
+from tandem.common import fleet
+from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask
 from tandem.common.models import Registry
+from tandem.common.streams import core_streams
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns, Usage
+from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
 
 
@@ -251,6 +256,33 @@ def test_resumed_start_is_the_first_calls_start_since_the_last_undrain() -> None
     got = u.json()
     assert (got["first_start"], got["resumed_start"], got["last_end"]) == (10.0, 20.0, 21.0)
     assert got["calls"] == 4 and got["busy_s"] == 2.0
+
+
+async def test_only_an_undrain_of_a_drained_node_resets_the_resumed_start(bus: Bus) -> None:
+    """An undrain is written even for a node that was not drained (the agent reads it as
+    "faults dealt with"): the worker's ``on_undrain`` (``Usage.resume``) must not run
+    for it, or a busy span measured from ``resumed_start`` would restart mid-work."""
+    await bus.provision(core_streams())
+    cluster = f"c{uuid.uuid4().hex[:8]}"
+    resumed: list[bool] = []
+    drain = Drain(bus, cluster, "n1", on_undrain=lambda: resumed.append(True))
+    await drain.start()
+    try:
+        await fleet.undrain(bus, cluster, "n1")  # not drained: changes nothing
+        await fleet.drain(bus, cluster, "n1", "held")
+        assert await drain.watch.wait(True, timeout=10)
+        assert resumed == []
+        await fleet.undrain(bus, cluster, "n1")
+        assert await drain.watch.wait(False, timeout=10)
+        assert resumed == [True]
+        # Once more while not drained, then a drain behind it: the drain is seen after
+        # the undrain (one key, in order), so the undrain has been handled by then.
+        await fleet.undrain(bus, cluster, "n1")
+        await fleet.drain(bus, cluster, "n1", "held again")
+        assert await drain.watch.wait(True, timeout=10)
+        assert resumed == [True]
+    finally:
+        await drain.stop()
 
 
 def test_calls_take_the_accelerator_in_the_order_they_were_handed_over() -> None:

@@ -22,12 +22,16 @@ DRAINED = metrics.Gauge("tandem_worker_drained", "1 while this worker's node is 
 
 
 class Drain:
-    """``on_undrain`` runs when an undrain is written (before the loop can pull again)."""
+    """``on_undrain`` runs when a drained node is undrained (before the loop can pull
+    again); not for an undrain of a node that was not drained, which changes nothing
+    here (the watch hands every undrain on: the agent reads any as "faults dealt
+    with")."""
 
     def __init__(self, bus: Bus, cluster: str, node: str,
                  on_undrain: Callable[[], None] | None = None) -> None:
         self.watch = DrainWatch(bus, cluster, node, on_change=self._changed)
         self.on_undrain = on_undrain
+        self._was_drained = False
 
     @property
     def drained(self) -> bool:
@@ -35,6 +39,7 @@ class Drain:
 
     async def start(self) -> None:
         await self.watch.start()
+        self._was_drained = self.drained
         DRAINED.set(int(self.drained))
         if self.watch.record is not None:
             _log.warning("worker.drained", reason=self.watch.record.reason)
@@ -43,10 +48,11 @@ class Drain:
         await self.watch.stop()
 
     async def _changed(self, record: DrainRecord | None) -> None:
+        was, self._was_drained = self._was_drained, record is not None
         DRAINED.set(int(record is not None))
         if record is not None:
             _log.warning("worker.drained", reason=record.reason, by=record.by)
-        else:
+        elif was:
             _log.info("worker.undrained")
             if self.on_undrain is not None:
                 self.on_undrain()
