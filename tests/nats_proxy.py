@@ -15,6 +15,9 @@ ordered consumer sees the gap and recreates itself from the last message it got;
 new consumer's first ``n`` messages are then held the same way, behind the answer to
 the first consumer-info request the client sends once they are all held.
 
+``cut()`` hangs up on every client and on each that connects until ``mend()``: one
+client's connection away while the server and its other clients carry on.
+
 The proxy parses the server's frames (``MSG``/``HMSG`` with their payloads, other
 lines as they are) and passes the client's bytes through untouched; ``sent`` keeps them,
 in the order the server got them.
@@ -47,6 +50,7 @@ class NatsProxy:
         self.reordered = 0  # times held messages were sent on behind an answer
         self.dropped = 0  # deliveries lost on purpose
         self.sent = bytearray()  # every client's bytes, as passed to the server
+        self._cut = False  # while cut, a client that connects is hung up on at once
 
     @property
     def url(self) -> str:
@@ -64,6 +68,17 @@ class NatsProxy:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
+
+    async def cut(self) -> None:
+        """Hang up on every client, and on each that connects until ``mend``: a
+        connection away (the server and its other clients carry on)."""
+        self._cut = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def mend(self) -> None:
+        self._cut = False
 
     def hold_deliveries(self, n: int) -> None:
         self._arm(["hold"] * n, late=False)
@@ -88,6 +103,9 @@ class NatsProxy:
 
     async def _connection(self, client_r: asyncio.StreamReader,
                           client_w: asyncio.StreamWriter) -> None:
+        if self._cut:
+            client_w.close()
+            return
         server_r, server_w = await asyncio.open_connection(*self.upstream)
         pumps = [asyncio.create_task(self._from_client(client_r, server_w)),
                  asyncio.create_task(self._from_server(server_r, client_w))]

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / bus_api.DOC
 
 # Functions of subjects.py that build something other than a subject.
-NOT_SUBJECTS = {"token", "token_list", "node", "lane", "node_key", "gen_stream_name"}
+NOT_SUBJECTS = {"token", "token_list", "node", "lane", "node_key", "cluster_keys",
+                "gen_stream_name"}
 
 
 def _printed(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

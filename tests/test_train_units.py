@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tandem.cli.devstack import NatsServer
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
@@ -278,6 +279,52 @@ async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
     assert (await sup.healthy_nodes())[0] == []
     sup.on_health("na", "healthy", "undrained")
     assert (await sup.healthy_nodes())[0] == ["na"]
+
+
+async def test_a_drain_written_while_the_coordinators_connection_was_away_reaches_its_runs(
+        nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    """The coordinator follows its cluster's drains by a KV watch: a drain written while
+    its connection was away is in the watch's values once it is back (a core
+    subscription to the keys' subject would never hear it), and another cluster's drains
+    are not its business."""
+    from tandem.common import fleet
+    from tandem.common.settings import load
+    from tandem.trainer.service import Trainer, TrainerSettings
+    from tests.nats_proxy import NatsProxy
+
+    await bus.provision(core_streams())
+    cluster = f"c{uid}"
+    heard: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+
+    class Supervisor:  # what the service hands a drain to: every run's supervisor
+        def on_health(self, node: str, current: str, reason: str) -> None:
+            heard.put_nowait((node, current))
+
+    async def next_heard() -> tuple[str, str]:
+        return await asyncio.wait_for(heard.get(), 30)
+
+    proxy = await NatsProxy(nats_server.url).start()
+    s = load(TrainerSettings, nats_url=proxy.url, cluster=cluster, node="n0")
+    coordinator = await Bus.connect(s, "trainer")
+    trainer = Trainer(s)
+    trainer.supervisors["r"] = Supervisor()  # type: ignore[assignment]
+    watch = trainer.drain_watch(coordinator)
+    await watch.start()
+    try:
+        await fleet.drain(bus, f"other{uid}", "na", "another cluster's node")
+        await fleet.drain(bus, cluster, "na", "live")
+        assert await next_heard() == ("na", "drained")
+        await proxy.cut()
+        await fleet.drain(bus, cluster, "nb", "while the coordinator was away")
+        await fleet.undrain(bus, cluster, "na")
+        proxy.mend()
+        got = {await next_heard(), await next_heard()}
+        assert got == {("nb", "drained"), ("na", "healthy")}
+        assert heard.empty()  # nothing of the other cluster's
+    finally:
+        await watch.stop()
+        await coordinator.drain()
+        await proxy.stop()
 
 
 def test_device_picks_the_backend() -> None:

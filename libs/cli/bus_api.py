@@ -126,9 +126,6 @@ FILTERS: dict[str, str] = {
     "wake-up to read the stored record again, never the record itself (the worker hears "
     "a run's rollback, `forks` in KV `runs`); to follow records as stored, watch the "
     "bucket",
-    "kv_cluster_changes(bucket, cluster)": "`$KV.<bucket>.<cluster>.*`: every put of one "
-    "cluster's node keys in a bucket keyed by node (the trainer hears its cluster's "
-    "drains)",
 }
 
 # KV buckets: the key of an entry and the ``WIRE_TYPES`` name of its value.

@@ -241,8 +241,9 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
         .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
         .publishes(subjects.MIRROR.wildcard, streams.MIRROR)  # each node's checkpointer's
-        .listens(subjects.HEALTH.wildcard, f"$KV.{streams.KV_DRAINS}.>")
-        # KV runs: watched (a client's cancel), claimed and written
+        .listens(subjects.HEALTH.wildcard)
+        # KV runs: watched (a client's cancel), claimed and written; KV drains: watched
+        # (its cluster's node keys: a drain reaches the runs it touches)
         .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         # The coordinator and its node agents share the role: orders to the agents and
         # their reports, each a request the other side answers (nodes.py).

@@ -218,10 +218,10 @@ def kv_changes(bucket: str, key: str | None = None) -> str:
     return f"$KV.{token(bucket, 'bucket')}.{'*' if key is None else token(key, 'key')}"
 
 
-def kv_cluster_changes(bucket: str, cluster: str) -> str:
-    """``$KV.<bucket>.<cluster>.*``: each put of any of ``cluster``'s node keys
-    (``node_key``) in a bucket keyed by node (``nodes``, ``drains``)."""
-    return f"$KV.{token(bucket, 'bucket')}.{token(cluster, 'cluster')}.*"
+def cluster_keys(cluster: str) -> str:
+    """``<cluster>.*``: the KV key pattern of every node of ``cluster`` (``node_key``) in a
+    bucket keyed by node (``nodes``, ``drains``), for a watch."""
+    return f"{token(cluster, 'cluster')}.*"
 
 
 def node_key(cluster: str, node: str) -> str:

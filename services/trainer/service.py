@@ -3,8 +3,11 @@
 - ``train.*.status`` (durable ``trainer-<cluster>``): a ``pending`` run whose cluster is
   this one (or unset) is claimed by compare-and-set on its KV record (``coordinator`` =
   ``<cluster>.<node>``), so of several coordinators exactly one runs it.
-- ``health.<cluster>.*`` and KV ``drains`` (core subscriptions): node health changes go
-  to every supervisor, which restarts a run without a node that turned bad.
+- ``health.<cluster>.*`` (a core subscription) and KV ``drains`` (a watch of the
+  cluster's node keys): node health changes go to every supervisor, which restarts a
+  run without a node that turned bad. The drains are a watch for the reason the runs'
+  records are (below): a drain written while this coordinator's connection was away is
+  in the watch's current values when it watches again, and reaches the runs it touches.
 - KV ``runs`` (a watch): a client's cancel reaches the run's supervisor. A watch, not a
   core subscription on ``$KV.runs.*``: a core subscriber hears every publish to the
   subject, a compare-and-set the bucket refused as well, and would act on a record that
@@ -34,7 +37,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from tandem.common import checkpoints, events, ports, storage, subjects
-from tandem.common.bus import Delivery, MapWatch
+from tandem.common.bus import Bus, Delivery, MapWatch
 from tandem.common.events import (
     HealthTransition,
     RunRecord,
@@ -171,12 +174,12 @@ class Trainer(Service):
         subs = [
             await ctx.bus.nc.subscribe(subjects.HEALTH.filter(cluster=self.s.cluster),
                                        cb=self._on_health),
-            await ctx.bus.nc.subscribe(subjects.kv_cluster_changes(KV_DRAINS, self.s.cluster),
-                                       cb=self._on_drain),
         ]
         runs = MapWatch(ctx.bus, KV_RUNS, self._on_run_record)
+        drains = self.drain_watch(ctx.bus)
         try:
             await runs.start()  # every record's current value noted (``_on_run_record``)
+            await drains.start()
             async with asyncio.TaskGroup() as tg:
                 self.tg = tg
                 for run_id, rec in (await kv.items()).items():
@@ -190,6 +193,7 @@ class Trainer(Service):
                 unclaimed.cancel()
         finally:
             await runs.stop()
+            await drains.stop()
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -317,10 +321,18 @@ class Trainer(Service):
         if sup is not None and rec is not None and rec.cancel:
             sup.request_cancel(rec.cancel)
 
-    async def _on_drain(self, msg: Any) -> None:
-        node = msg.subject.rsplit(".", 1)[-1]
-        op = (msg.headers or {}).get("KV-Operation", "")
-        drained = bool(msg.data) and op not in ("DEL", "PURGE")
+    def drain_watch(self, bus: Bus) -> MapWatch:
+        """KV ``drains``, this cluster's nodes: each drain and undrain to every
+        supervisor (``_on_drain``), once started."""
+        return MapWatch(bus, KV_DRAINS, self._on_drain,
+                        keys=subjects.cluster_keys(self.s.cluster))
+
+    def _on_drain(self, key: str, value: bytes | None, initial: bool) -> None:
+        """A node's drain as stored (``<cluster>.<node>``; None: undrained). The current
+        values of a watch made again after a reconnect come here too: a supervisor takes
+        a drain it already knows as a no-op (the attempt it would stop is gone)."""
+        node = key.rsplit(".", 1)[-1]
+        drained = value is not None
         for sup in list(self.supervisors.values()):
             sup.on_health(node, "drained" if drained else "healthy",
                           "drained by operator" if drained else "undrained")

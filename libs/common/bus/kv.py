@@ -420,13 +420,13 @@ class KeyWatch:
 
 
 class MapWatch(KeyWatch):
-    """Every key of ``bucket``, fed to ``apply(key, value or None, initial)``: the
-    current values on (re)watch (``initial`` True, deleted keys as None), then each
-    change."""
+    """Every key of ``bucket`` that matches ``keys`` (a KV key pattern: ``>`` every
+    key), fed to ``apply(key, value or None, initial)``: the current values on
+    (re)watch (``initial`` True, deleted keys as None), then each change."""
 
     def __init__(self, bus: Bus, bucket: str,
-                 apply: Callable[[str, bytes | None, bool], None]) -> None:
-        super().__init__(bus, bucket, ">")
+                 apply: Callable[[str, bytes | None, bool], None], keys: str = ">") -> None:
+        super().__init__(bus, bucket, keys)
         self.apply = apply
         self.keys: set[str] = set()
 
