@@ -10,6 +10,7 @@ and that the README's bare nats-py example runs as printed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -195,7 +196,7 @@ def test_the_python_client_answers_the_same_over_nats_and_http(jobs: Jobs,
 def test_the_readme_example_runs_as_printed(jobs: Jobs, tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     [code] = re.findall(r"<!-- bus-example -->\n```python\n(.*?)```", readme, re.S)
-    assert len([line for line in code.splitlines() if line.strip()]) <= 13
+    assert len([line for line in code.splitlines() if line.strip()]) <= 16
     script = tmp_path / "example.py"
     script.write_text(code)
     res = subprocess.run([PYTHON, "-I", str(script)], capture_output=True, text=True,
@@ -203,8 +204,43 @@ def test_the_readme_example_runs_as_printed(jobs: Jobs, tmp_path: Path) -> None:
                                            "TANDEM_API_KEY": jobs.keys["alice"]})
     assert res.returncode == 0, res.stderr[-3000:]
     assert re.search(r"^queued [0-9a-f]{32} on jobs$", res.stdout, re.M), res.stdout
-    assert re.search(r"^images: \['images/[0-9a-f]{32}/0\.png'\]$", res.stdout, re.M), \
+    assert re.search(r"^succeeded images: \['images/[0-9a-f]{32}/0\.png'\]$", res.stdout,
+                     re.M), \
         res.stdout
+
+
+async def test_a_nats_follower_that_missed_the_final_write_reads_the_record_again(
+        jobs: Jobs) -> None:
+    """``tandem.client`` over NATS follows a task's record by a core subscription, which
+    hears nothing while its connection is away: a task cancelled then (its last write)
+    still ends the follow, by the record read again once nothing was heard for a while."""
+    from tandem.client import connect
+    from tandem.common import fleet
+    from tandem.common.bus import Bus
+    from tandem.common.settings import Settings, load
+    from tests.nats_proxy import NatsProxy
+
+    bus = await Bus.connect(load(Settings, nats_url=jobs.nats.url), "test")
+    worker = next(c for c in jobs.children if c.name == "w-jobs")
+    await fleet.drain(bus, CLUSTER, "w-jobs", "keep the task queued")
+    proxy = await NatsProxy(jobs.nats.url).start()
+    try:
+        await asyncio.to_thread(worker.wait_healthy, lambda h: h.get("drained"))
+        async with await connect(proxy.url, jobs.keys["alice"], recheck=0.5) as follower, \
+                await connect(jobs.nats.url, jobs.keys["alice"]) as other:
+            task = await follower.generate(model="digits", class_label=2)
+            events = follower.events(task["id"])
+            assert (await anext(events))["state"] == "queued"  # subscribed, record read
+            await proxy.cut()
+            assert (await other.cancel(task["id"]))["state"] == "cancelled"
+            proxy.mend()
+            final = await asyncio.wait_for(anext(e async for e in events
+                                                 if e["event"] == "final"), 60)
+            assert final["record"]["state"] == "cancelled"
+    finally:
+        await fleet.undrain(bus, CLUSTER, "w-jobs")
+        await proxy.stop()
+        await bus.drain()
 
 
 def test_train_submit_goes_through_the_job_service_and_names_each_bad_field(

@@ -110,18 +110,29 @@ class Client:
 class NatsClient(Client):
     """Over the NATS job service (``tandem.jobs.*``, request/reply) and the task's own
     subjects: ``gen.progress.<task>`` (each step) and ``$KV.tasks.<task>`` (each write of
-    its record, the one source of its state and result)."""
+    its record, the one source of its state and result).
 
-    def __init__(self, nc: Any, api_key: str | None = None, timeout: float = 10.0) -> None:
+    A write heard on ``$KV.tasks.<task>`` is a wake-up, not the record: a core
+    subscription hears every write as it is published, one the bucket refused too, maybe
+    before the bucket stored it, and none while the connection is away. So a terminal
+    write is confirmed by reading the record (``status``), and while nothing is heard
+    for ``recheck`` seconds the record is read again: a final write that was missed, or
+    read before it was stored, ends the follow within ``recheck``."""
+
+    def __init__(self, nc: Any, api_key: str | None = None, timeout: float = 10.0,
+                 recheck: float = 5.0) -> None:
         self.nc = nc
         self.api_key = api_key
         self.timeout = timeout
+        self.recheck = recheck
 
     @classmethod
-    async def connect(cls, url: str, api_key: str | None = None, **options: Any) -> NatsClient:
+    async def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0,
+                      recheck: float = 5.0, **options: Any) -> NatsClient:
+        """``options`` go to ``nats.connect``."""
         import nats
 
-        return cls(await nats.connect(url, **options), api_key)
+        return cls(await nats.connect(url, **options), api_key, timeout, recheck)
 
     async def request(self, endpoint: str, body: Any,
                       headers: dict[str, str] | None = None) -> Any:
@@ -177,7 +188,13 @@ class NatsClient(Client):
             yield {"event": "state", "state": state, "cluster": record["cluster"],
                    "worker": record["worker"]}
             while state not in TERMINAL:
-                kind, data = await queue.get()
+                try:
+                    kind, data = await asyncio.wait_for(queue.get(), self.recheck)
+                except TimeoutError:  # nothing heard: read the record (see the class)
+                    record = await self.status(task_id)
+                    if record["state"] in TERMINAL:
+                        state = record["state"]
+                    continue
                 if kind == "progress":
                     if state == "queued":  # its first step: it runs (written later)
                         state = "running"
