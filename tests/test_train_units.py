@@ -281,14 +281,18 @@ async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
     assert (await sup.healthy_nodes())[0] == ["na"]
 
 
-async def test_a_drain_written_while_the_coordinators_connection_was_away_reaches_its_runs(
+async def test_what_is_written_while_the_coordinators_connection_is_away_reaches_its_runs(
         nats_server: NatsServer, bus: Bus, uid: str) -> None:
-    """The coordinator follows its cluster's drains by a KV watch: a drain written while
+    """Drains: the coordinator follows its cluster's by a KV watch, so one written while
     its connection was away is in the watch's values once it is back (a core
-    subscription to the keys' subject would never hear it), and another cluster's drains
-    are not its business."""
+    subscription to the keys' subject never hears it), and another cluster's are not its
+    business. Health: transitions come by a core subscription, so after a reconnect the
+    heartbeats of the nodes its runs are placed on are read again."""
     from tandem.common import fleet
+    from tandem.common.events import Health, NodeHeartbeat
     from tandem.common.settings import load
+    from tandem.common.streams import KV_NODES
+    from tandem.trainer.launcher import Placement
     from tandem.trainer.service import Trainer, TrainerSettings
     from tests.nats_proxy import NatsProxy
 
@@ -296,7 +300,10 @@ async def test_a_drain_written_while_the_coordinators_connection_was_away_reache
     cluster = f"c{uid}"
     heard: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
-    class Supervisor:  # what the service hands a drain to: every run's supervisor
+    class Supervisor:  # what the service hands a node's change to: each run's supervisor
+        def __init__(self) -> None:
+            self.cluster, self.placement = cluster, Placement(["na", "nb", "nc"], 1)
+
         def on_health(self, node: str, current: str, reason: str) -> None:
             heard.put_nowait((node, current))
 
@@ -310,6 +317,7 @@ async def test_a_drain_written_while_the_coordinators_connection_was_away_reache
     trainer.supervisors["r"] = Supervisor()  # type: ignore[assignment]
     watch = trainer.drain_watch(coordinator)
     await watch.start()
+    recheck = trainer.recheck_health_on_reconnect(coordinator)
     try:
         await fleet.drain(bus, f"other{uid}", "na", "another cluster's node")
         await fleet.drain(bus, cluster, "na", "live")
@@ -317,11 +325,15 @@ async def test_a_drain_written_while_the_coordinators_connection_was_away_reache
         await proxy.cut()
         await fleet.drain(bus, cluster, "nb", "while the coordinator was away")
         await fleet.undrain(bus, cluster, "na")
+        await (await bus.typed(KV_NODES, NodeHeartbeat)).put(  # as nc's agent writes it
+            subjects.node_key(cluster, "nc"),
+            NodeHeartbeat(cluster=cluster, node="nc", health=Health.unhealthy))
         proxy.mend()
-        got = {await next_heard(), await next_heard()}
-        assert got == {("nb", "drained"), ("na", "healthy")}
+        got = {await next_heard() for _ in range(3)}
+        assert got == {("nb", "drained"), ("na", "healthy"), ("nc", "unhealthy")}
         assert heard.empty()  # nothing of the other cluster's
     finally:
+        coordinator.reconnected.remove(recheck)
         await watch.stop()
         await coordinator.drain()
         await proxy.stop()

@@ -8,6 +8,10 @@
   run without a node that turned bad. The drains are a watch for the reason the runs'
   records are (below): a drain written while this coordinator's connection was away is
   in the watch's current values when it watches again, and reaches the runs it touches.
+  A health change published meanwhile is not heard by the subscription: after each
+  reconnect the heartbeats (KV ``nodes``) of the nodes the runs are placed on are read,
+  and one that says ``unhealthy`` goes to its runs as the event would have
+  (``recheck_health``).
 - KV ``runs`` (a watch): a client's cancel reaches the run's supervisor. A watch, not a
   core subscription on ``$KV.runs.*``: a core subscriber hears every publish to the
   subject, a compare-and-set the bucket refused as well, and would act on a record that
@@ -30,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +43,9 @@ from pydantic import Field, field_validator
 from tandem.common import checkpoints, events, ports, storage, subjects
 from tandem.common.bus import Bus, Delivery, MapWatch
 from tandem.common.events import (
+    Health,
     HealthTransition,
+    NodeHeartbeat,
     RunRecord,
     RunState,
     TrainStatus,
@@ -48,7 +54,14 @@ from tandem.common.events import (
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings
-from tandem.common.streams import KV_DRAINS, KV_RUNS, Spec, core_streams, trainer_consumer
+from tandem.common.streams import (
+    KV_DRAINS,
+    KV_NODES,
+    KV_RUNS,
+    Spec,
+    core_streams,
+    trainer_consumer,
+)
 from tandem.trainer.launcher import Launcher, LocalLauncher
 from tandem.trainer.nodes import NodeLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
@@ -177,6 +190,7 @@ class Trainer(Service):
         ]
         runs = MapWatch(ctx.bus, KV_RUNS, self._on_run_record)
         drains = self.drain_watch(ctx.bus)
+        recheck = self.recheck_health_on_reconnect(ctx.bus)
         try:
             await runs.start()  # every record's current value noted (``_on_run_record``)
             await drains.start()
@@ -192,6 +206,7 @@ class Trainer(Service):
                 await consumer.run(ctx.stopping)
                 unclaimed.cancel()
         finally:
+            ctx.bus.reconnected.remove(recheck)
             await runs.stop()
             await drains.stop()
             for sub in subs:
@@ -320,6 +335,26 @@ class Trainer(Service):
         sup = self.supervisors.get(run_id)
         if sup is not None and rec is not None and rec.cancel:
             sup.request_cancel(rec.cancel)
+
+    def recheck_health_on_reconnect(self, bus: Bus) -> Callable[[], Awaitable[None]]:
+        """``recheck_health`` after each reconnect of ``bus``; the hook, to remove."""
+        async def recheck() -> None:
+            await self.recheck_health(bus)
+
+        bus.reconnected.append(recheck)
+        return recheck
+
+    async def recheck_health(self, bus: Bus) -> None:
+        """The heartbeat of each node a run is placed on: one whose health is bad goes to
+        the run's supervisor (as a ``health`` event would have; one it already knows
+        changes nothing, as the attempt it would stop is not on that node any more)."""
+        beats = await bus.typed(KV_NODES, NodeHeartbeat)
+        for sup in list(self.supervisors.values()):
+            for node in list(sup.placement.nodes if sup.placement else ()):
+                got = await beats.get(subjects.node_key(sup.cluster, node))
+                if got is not None and got[0].health == Health.unhealthy:
+                    sup.on_health(node, got[0].health.value, "heartbeat read after a "
+                                  "reconnect: " + (", ".join(got[0].findings) or "unhealthy"))
 
     def drain_watch(self, bus: Bus) -> MapWatch:
         """KV ``drains``, this cluster's nodes: each drain and undrain to every

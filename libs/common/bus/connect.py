@@ -89,6 +89,10 @@ class Bus(Publishing):
             self.js = nc.jetstream()
             self.api_prefix = "$JS.API"
         self.service = service
+        # Run after each reconnect: what a core subscription missed while the connection
+        # was away is read again by whoever needs it (a KV watch or a consumer does not).
+        self.reconnected: list[Callable[[], Awaitable[None]]] = []
+        self._hooks: set[asyncio.Future[None]] = set()
         self._kv: dict[str, KeyValue] = {}
         self._typed: dict[tuple[str, type], TypedKV[Any]] = {}
         self._acks = None  # the pipelined publish's inbox, made on the first send
@@ -110,9 +114,13 @@ class Bus(Publishing):
         async def on_disconnect() -> None:
             lg.warning("nats.disconnected")
 
+        made: list[Bus] = []
+
         async def on_reconnect() -> None:
             url = nc.connected_url.netloc if nc.connected_url else ""
             lg.info("nats.reconnected", url=str(url))
+            if made:
+                made[0]._reconnected_now()
 
         auth: dict[str, Any] = {}
         if settings.nats_user:
@@ -144,7 +152,22 @@ class Bus(Publishing):
         )
         opts.update(options)
         nc = await nats.connect(**opts)
-        return cls(nc, service, settings.nats_js_domain, settings.nats_js_api_prefix)
+        made.append(cls(nc, service, settings.nats_js_domain, settings.nats_js_api_prefix))
+        return made[0]
+
+    def _reconnected_now(self) -> None:
+        """Each ``reconnected`` hook, as a task of its own (nats-py awaits its callback
+        inside its reconnect: a request made there could wait on itself)."""
+        for hook in list(self.reconnected):
+            task = asyncio.ensure_future(hook())
+            self._hooks.add(task)
+            task.add_done_callback(self._hook_done)
+
+    def _hook_done(self, task: asyncio.Future[None]) -> None:
+        self._hooks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("nats.reconnected_hook_failed", service=self.service,
+                         error=repr(task.exception()))
 
     async def provision(self, specs: Sequence[Spec]) -> list[str]:
         created = await provision(self.js, specs)
