@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     channel.send(Hello(rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
                        world=world))
 
+    # A rank trains diffusers' own models (a UNet, a DiT), never a Hugging Face
+    # transformers one, but diffusers imports transformers whenever it is installed
+    # (its quantizer configs, its LoRA loaders): 1-2 s of CPU of every rank's start
+    # here, paid again on every restart. Hidden, it is taken as not installed.
+    sys.modules.setdefault("transformers", None)  # type: ignore[arg-type]
     import torch
     import torch.distributed as dist
 
