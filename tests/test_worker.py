@@ -4,6 +4,7 @@ the model registry it is built from."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 import uuid
 
@@ -18,6 +19,7 @@ from tandem.common.streams import core_streams
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns, Usage
 from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
+from tests.conftest import PYTHON, service_env
 
 
 def test_class_unet_same_seed_gives_byte_identical_pngs_and_other_seeds_differ() -> None:
@@ -46,6 +48,36 @@ def test_tiny_text_pipeline_is_deterministic_per_seed() -> None:
     two = pipe.generate([Item(seed=4, prompt="a boat", negative_prompt="fog")], params,
                         lambda s, t: None)
     assert one == two and len(one) == 1
+
+
+WITHOUT_TRANSFORMERS = """
+import sys
+from tandem.common.settings import load
+from tandem.inference_worker.pipelines import Item, Params, build
+from tandem.inference_worker.service import InferenceWorker, WorkerSettings
+
+worker = InferenceWorker(load(WorkerSettings))
+images = build(worker.registry.get("digits"), "cpu", "float32").generate(
+    [Item(seed=1, class_label=3)], Params(16, 16, 2, 1.0), lambda s, t: None)
+print(len(images), images[0][:4] == b"\\x89PNG", "diffusers" in sys.modules,
+      sys.modules.get("transformers", "absent"))
+"""
+
+
+def test_a_worker_that_serves_no_text_model_leaves_transformers_out() -> None:
+    """diffusers imports Hugging Face transformers whenever it is installed (1-2 s of a
+    process's start): a worker whose models never use it leaves it out, and they still
+    build and generate; only the built-in text model and pipeline folders may use it."""
+    reg = Registry.parse("")
+    assert [m for m in reg.names() if (spec := reg.get(m)) and spec.needs_transformers] == [
+        "tiny-text"]
+    folder = Registry.parse('[{"name": "f", "source": "dir:/models/f"}]').get("f")
+    assert folder is not None and folder.needs_transformers
+    for serve, loaded in (("digits", "None"), ("digits,tiny-text", "<module 'transformers'")):
+        res = subprocess.run([PYTHON, "-c", WITHOUT_TRANSFORMERS], capture_output=True,
+                             text=True, timeout=300, env=service_env(serve=serve))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.startswith(f"1 True True {loaded}"), (serve, res.stdout)
 
 
 def test_fault_models_are_refused_unless_enabled() -> None:

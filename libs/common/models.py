@@ -18,6 +18,7 @@ A model's ``source`` says where its weights come from::
 from __future__ import annotations
 
 import json
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ from tandem.common.subjects import token
 
 SOURCE_KINDS = ("builtin", "dir", "run", "noop", "fault")
 BUILTINS = ("class-unet", "tiny-text")
+
+
+def without_transformers() -> None:
+    """Leave Hugging Face transformers out of this process, for one whose models never
+    use it (``ModelSpec.needs_transformers``; a training rank). diffusers imports it
+    whenever it is installed (its quantizer configs, its LoRA loaders), which cost 1-2 s
+    of CPU of each such process's start here; hidden (``sys.modules`` entry None),
+    diffusers takes it as not installed. Call before diffusers is first imported."""
+    sys.modules.setdefault("transformers", None)  # type: ignore[arg-type]
 
 
 class Conditioning(StrEnum):
@@ -87,6 +97,14 @@ class ModelSpec(BaseModel):
     @property
     def source_arg(self) -> str:
         return self.source.partition(":")[2]
+
+    @property
+    def needs_transformers(self) -> bool:
+        """Whether this model's pipeline may use Hugging Face transformers (a text
+        encoder): the built-in text model and any pipeline folder may; a class UNet, a
+        run's checkpoint (a UNet or a DiT), no-op and fault models never do."""
+        kind = self.source_kind
+        return kind == "dir" or (kind == "builtin" and self.source_arg != "class-unet")
 
     def size_error(self, value: int) -> str | None:
         """Why ``value`` is not an allowed width/height for this model, or None."""

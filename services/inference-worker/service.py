@@ -55,7 +55,7 @@ from tandem.common.events import (
     decode,
 )
 from tandem.common.jobs import JobLimitSettings, Problem, check_task
-from tandem.common.models import RegistrySettings
+from tandem.common.models import RegistrySettings, without_transformers
 from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import (
@@ -190,6 +190,8 @@ class InferenceWorker(Service):
         if unknown:
             raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
         self.served = served
+        if not any((spec := self.registry.get(m)) and spec.needs_transformers for m in served):
+            without_transformers()  # before diffusers is first imported (a pipeline load)
         # Pinned (TANDEM_PIPELINE_CPUS or _CPU_COUNT): the calls on these CPUs, this
         # process on the rest.
         pinned = settings.pinning()

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from tandem.common.events import CheckpointWritten
+from tandem.common.models import without_transformers
 from tandem.common.runs import RunConfig
 from tandem.trainer.channel import (
     Anomaly,
@@ -83,11 +84,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     channel.send(Hello(rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
                        world=world))
 
-    # A rank trains diffusers' own models (a UNet, a DiT), never a Hugging Face
-    # transformers one, but diffusers imports transformers whenever it is installed
-    # (its quantizer configs, its LoRA loaders): 1-2 s of CPU of every rank's start
-    # here, paid again on every restart. Hidden, it is taken as not installed.
-    sys.modules.setdefault("transformers", None)  # type: ignore[arg-type]
+    without_transformers()  # a rank trains diffusers' own UNet or DiT, on every restart
     import torch
     import torch.distributed as dist
 
