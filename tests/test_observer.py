@@ -7,13 +7,15 @@ and a node that is down must not keep showing its GPUs' last figures.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from tandem.common import metrics, streams, subjects
+from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import GpuBrief, NodeHeartbeat, encode
+from tandem.common.events import GenerationTask, GpuBrief, NodeHeartbeat, TaskRecord, encode
 from tandem.common.runs import submit_run
 from tandem.gateway import observe
 from tandem.gateway.observe import Observer
@@ -67,3 +69,48 @@ async def test_a_run_that_leaves_the_view_loses_its_series(
     await obs.refresh()
     assert set(obs.runs) == {new}
     assert f'run="{old}"' not in exposed()
+
+
+async def test_a_success_the_bucket_refused_is_never_shown(bus: Bus, uid: str) -> None:
+    """The observer hears every write of a task's record on core NATS, one the bucket
+    refused too: a stale worker's second success, a success after a cancel. Only what
+    is stored shows, once a task."""
+    await bus.provision(streams.core_streams())
+    kv = await bus.typed(streams.KV_TASKS, TaskRecord)
+    obs = Observer(bus, [], interval=0.05)
+    stop = asyncio.Event()
+    running = asyncio.create_task(obs.run(stop))
+    tasks = {name: GenerationTask(task_id=f"{name}{uid}", model="noop", noop=True, steps=1,
+                                  cluster="c") for name in ("done", "cancelled", "last")}
+
+    def success(name: str, worker: str) -> TaskRecord | None:
+        return moves.to_succeeded([f"images/{name}/{worker}.png"], cluster="c",
+                                  worker=worker, attempt=1, started_at=time.time())(
+            moves.queued(tasks[name], "c"))
+
+    async def refused(name: str, worker: str) -> None:  # its revision moved on: refused
+        await bus.nc.publish(f"$KV.{streams.KV_TASKS}.{tasks[name].task_id}",
+                             encode(success(name, worker)),
+                             headers={"Nats-Expected-Last-Subject-Sequence": "1"})
+
+    try:
+        await asyncio.wait_for(obs.ready.wait(), 30)
+        for name in tasks:
+            await kv.put(tasks[name].task_id, moves.queued(tasks[name], "c"))
+        await kv.update(tasks["done"].task_id, lambda r: success("done", "w1"))
+        await kv.update(tasks["cancelled"].task_id, moves.to_cancelled())
+        await refused("done", "w2")
+        await refused("cancelled", "w1")
+        await bus.nc.flush()
+        await kv.update(tasks["last"].task_id, lambda r: success("last", "w1"))
+        # Heard after the refused ones (one connection, in order): once it shows, they
+        # have been read and judged.
+        deadline = time.monotonic() + 30
+        while not any(g["id"] == tasks["last"].task_id for g in obs.generations):
+            assert time.monotonic() < deadline, obs.generations
+            await asyncio.sleep(0.02)  # polling the view, refreshed every 0.05 s
+        shown = [(g["id"], g["worker"]) for g in obs.snapshot()["generations"]]
+        assert shown == [(tasks["last"].task_id, "w1"), (tasks["done"].task_id, "w1")]
+    finally:
+        stop.set()
+        await running

@@ -4,7 +4,8 @@ The ``Observer`` runs beside the HTTP API in the gateway. Every ``interval`` sec
 reads the fleet (KV ``nodes`` and ``drains``), each cluster's queue per lane (the
 ``GEN_<CLUSTER>`` work-queue streams: how many tasks wait and how old the oldest is) and
 the training runs (KV ``runs``); from core NATS it follows training steps, checkpoints
-and the writes of task records (``$KV.tasks.*``), keeping the ones that succeeded. It
+and the writes of task records (``$KV.tasks.*``), showing the tasks that succeeded as
+their records are stored (a write heard may be one the bucket refused). It
 keeps a bounded history (a loss curve per run, the last generations) and sets the
 Prometheus gauges below, so a scrape of the gateway's ``/metrics`` shows the whole
 system's state alongside the gateway's own counters (the way kube-state-metrics does
@@ -31,11 +32,13 @@ from tandem.common.events import (
     CheckpointWritten,
     GenerationTask,
     RunRecord,
+    TaskRecord,
+    TaskState,
     TrainEvent,
     TrainStep,
     decode,
 )
-from tandem.common.streams import KV_RUNS
+from tandem.common.streams import KV_RUNS, KV_TASKS
 from tandem.common.tasks import succeeded
 
 _log = log.get("tandem.gateway.observe")
@@ -101,6 +104,7 @@ class Observer:
         self._subs: list[Any] = []
         self._urls: dict[str, tuple[str, float]] = {}  # key -> (presigned URL, made at)
         self._nodes: set[tuple[str, str]] = set()  # (cluster, node) with series now
+        self._heard: list[str] = []  # tasks whose success was heard, not yet shown
 
     # ------------------------------------------------------------------------- life
 
@@ -133,6 +137,7 @@ class Observer:
         self._fleet_gauges(view)
         self.queues = [q for c in self.clusters for q in await self._queues(c)]
         await self._runs()
+        await self._generations()
         self.refreshed_at = time.time()
 
     # ---------------------------------------------------------------------- readers
@@ -249,12 +254,35 @@ class Observer:
 
     async def _on_record(self, msg: Any) -> None:
         rec = succeeded(msg.data)
-        if rec is None:
+        if rec is not None:
+            self._heard.append(rec.task.task_id)
+            del self._heard[:-MAX_GENERATIONS]  # only the newest can be shown
+
+    async def _generations(self) -> None:
+        """The successes heard since the last refresh, each shown once, as its record is
+        stored. A subscriber to ``$KV.tasks.*`` hears every write published, one the
+        bucket refused too (a stale worker's second success; a success written after a
+        cancel), and such a write must not show as a generation. At most
+        ``MAX_GENERATIONS`` reads a refresh, whatever the rate of successes."""
+        heard, self._heard = self._heard, []
+        shown = {g["id"] for g in self.generations}
+        wanted = [t for t in dict.fromkeys(heard) if t not in shown]
+        if not wanted:
             return
-        self.generations.appendleft({
-            "id": rec.task.task_id, "cluster": rec.cluster, "worker": rec.worker,
-            "checkpoint": rec.checkpoint, "checkpoint_step": rec.checkpoint_step,
-            "images": list(rec.images), "at": rec.finished_at or rec.updated_at})
+        try:
+            kv = await self.bus.typed(KV_TASKS, TaskRecord)
+            got = await asyncio.gather(*(kv.get(t) for t in wanted))
+        except BaseException:  # kept for the next refresh
+            self._heard = (heard + self._heard)[-MAX_GENERATIONS:]
+            raise
+        for entry in got:
+            rec = entry[0] if entry is not None else None
+            if rec is None or rec.state != TaskState.succeeded:
+                continue  # the success heard was refused
+            self.generations.appendleft({
+                "id": rec.task.task_id, "cluster": rec.cluster, "worker": rec.worker,
+                "checkpoint": rec.checkpoint, "checkpoint_step": rec.checkpoint_step,
+                "images": list(rec.images), "at": rec.finished_at or rec.updated_at})
 
     # -------------------------------------------------------------------------- view
 
