@@ -8,6 +8,7 @@ endpoints, and stop them after. ``uid`` gives each test names no other test sees
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -100,3 +101,16 @@ def thread_cpus(pid: int) -> set[int]:
 
 
 PYTHON = sys.executable
+
+
+def ports_taken_at_once(code: str, processes: int = 2) -> list[set[int]]:
+    """Run ``code`` (it prints the ports it was given) in ``processes`` Python processes
+    at once; each one's ports (the test fails if one exits non-zero)."""
+    procs = [subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    got = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        got.append({int(x) for x in out.split()})
+    return got

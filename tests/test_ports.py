@@ -12,6 +12,7 @@ import pytest
 
 from tandem.cli.devstack import free_port
 from tandem.common import ports
+from tests.conftest import ports_taken_at_once
 
 
 def test_both_bands_lie_below_the_kernels_range_and_apart() -> None:
@@ -88,3 +89,23 @@ def test_where_the_kernels_range_leaves_no_band_the_kernel_picks(
 def test_a_dev_stacks_ports_never_come_from_the_kernels_range_or_the_trainers_band() -> None:
     got = {free_port() for _ in range(300)}
     assert len(got) == 300 and got <= set(ports.band_range(ports.LISTEN))
+
+
+def test_two_node_agents_on_one_host_are_never_given_one_rendezvous_port(
+        tmp_path: Path) -> None:
+    # Two agents of a test's simulated nodes drew one port for two runs 40 ms apart (a
+    # suite at 72c2c0d): one run's first attempt failed to rendezvous (EADDRINUSE).
+    # Nothing binds here, so with probes alone about 33 of 2 x 100 drawn from 300 would
+    # repeat; the leases keep them apart. The two share a lease file of their own: the
+    # user's holds this test's leases of a run a minute ago, and other tests'.
+    band = ports.band_range(ports.RENDEZVOUS)
+    allowed = range(band.stop - 300, band.stop)  # apart from test_train_nodes' ports
+    take = ("from pathlib import Path; from tandem.common import ports; "
+            f"ports.LEASES = Path({str(tmp_path / 'leases')!r}); "
+            "from tandem.trainer.launcher import rendezvous_port; "
+            f"print(*(rendezvous_port('127.0.0.1', allowed=range({allowed.start}, "
+            f"{allowed.stop})) for _ in range(100)))")
+    got = ports_taken_at_once(take)
+    assert len(got[0]) == len(got[1]) == 100
+    assert not got[0] & got[1]
+    assert all(port in allowed for port in got[0] | got[1])

@@ -23,6 +23,7 @@ from tandem.cli.stack_config import StackConfig
 from tandem.cli.supervise import Child, Output, ProcessSpec, stop_children
 from tandem.common.errors import SettingsError
 from tandem.common.settings import ENV_PREFIX
+from tests.conftest import ports_taken_at_once
 
 from .conftest import ROOT, service_env
 from .settings_support import unknown_settings
@@ -139,13 +140,7 @@ def test_two_processes_are_never_given_one_port() -> None:
     # with probes alone about ten of 2 x 400 would repeat; the leases that every process
     # shares keep them apart.
     take = "from tandem.cli.devstack import free_port; print(*(free_port() for _ in range(400)))"
-    procs = [subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    got = []
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0
-        got.append({int(x) for x in out.split()})
+    got = ports_taken_at_once(take)
     assert len(got[0]) == len(got[1]) == 400
     assert not got[0] & got[1]
     assert not (got[0] | got[1]) & {free_port() for _ in range(100)}

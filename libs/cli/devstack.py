@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,14 +31,9 @@ from tandem.cli import http
 from tandem.common import ports
 from tandem.common.errors import ServerStartError
 
-# Ports handed out by free_port, on this machine, and until when (epoch seconds): the
-# lease covers the window between the probe and the child's bind. A file shared by every
-# process of this user (pytest's workers, a bench beside a suite), locked while read and
-# rewritten; this process's own leases stand in when the file cannot be used.
+# How long a port free_port hands out stays leased (ports.lease): the window between the
+# probe and the child's bind, with room to spare.
 PORT_LEASE_S = 600.0
-PORT_LEASES = Path(tempfile.gettempdir()) / f"tandem-port-leases-{os.getuid()}"
-_OWN_LEASES: dict[int, float] = {}
-_LEASES_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,47 +46,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     closed before the child binds, so two probes could return the same port: a dev stack
     of a dozen processes got one metrics port twice (suite run at 6c44973), and two test
     workers starting stacks at once could as well; leased ports are skipped
-    (``PORT_LEASES``). A program that is not Tandem's can still bind a port before the
+    (``ports.lease``). A program that is not Tandem's can still bind a port before the
     child does; servers the tests start themselves bind port 0 instead."""
-    now = time.time()
-    with _LEASES_LOCK, _leases(now) as leased:
-        for _ in range(1000):
-            port = ports.draw(host, ports.band_range(ports.LISTEN), skip=leased)
-            if port not in leased:
-                leased[port] = _OWN_LEASES[port] = now + PORT_LEASE_S
-                return port
-    raise ServerStartError("free_port", f"no port on {host} left that is not leased "
-                           f"({len(leased)} leased in {PORT_LEASES})")
-
-
-@contextlib.contextmanager
-def _leases(now: float) -> Iterator[dict[int, float]]:
-    """The leases still running, for the block to add to; written back after it, all
-    under an exclusive lock on the file (``port expiry`` per line)."""
-    for port, until in list(_OWN_LEASES.items()):
-        if until <= now:
-            del _OWN_LEASES[port]
     try:
-        f = open(PORT_LEASES, "a+", encoding="ascii")
-    except OSError:
-        yield dict(_OWN_LEASES)
-        return
-    import fcntl
-
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        leased = dict(_OWN_LEASES)
-        for line in f.read().splitlines():
-            port_s, _, until_s = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                if (until := float(until_s)) > now:
-                    leased[int(port_s)] = max(until, leased.get(int(port_s), 0.0))
-        yield leased
-        f.seek(0)
-        f.truncate()
-        f.write("".join(f"{port} {until:.0f}\n" for port, until in leased.items()))
-        f.flush()
+        return ports.lease(host, ports.band_range(ports.LISTEN), PORT_LEASE_S)
+    except OSError as exc:
+        raise ServerStartError("free_port", str(exc)) from None
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

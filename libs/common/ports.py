@@ -8,15 +8,26 @@ a program that binds a port of its choosing can take one.
 
 Two bands, so the trainer's draws and the dev stacks' never meet: ``RENDEZVOUS`` (the
 trainer's torchrun store, ``tandem.trainer.launcher``) and ``LISTEN`` (the children of
-dev stacks, benches and tests, ``tandem.cli.devstack.free_port``, which also leases what
-it hands out, so two of its own callers never get one port).
+dev stacks, benches and tests, ``tandem.cli.devstack.free_port``).
+
+A probe's socket is closed before the port's taker binds it, so two draws on one host
+can return one port: a dev stack of a dozen processes got one metrics port twice, and
+two node agents on one host (a test's simulated nodes) once handed two runs one
+rendezvous port, 40 ms apart. ``lease`` draws a port no process of this user leased in
+the last seconds it names, and leases it (``LEASES``, a file locked while it is read and
+rewritten).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
-from collections.abc import Container
+import tempfile
+import threading
+import time
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -79,3 +90,54 @@ def parse_range(text: str) -> range:
     if not sep or not 1024 <= lo <= hi <= 65535:
         raise ValueError(f"{text!r}: want first-last with 1024 <= first <= last <= 65535")
     return range(lo, hi + 1)
+
+
+LEASES = Path(tempfile.gettempdir()) / f"tandem-port-leases-{os.getuid()}"
+_OWN_LEASES: dict[int, float] = {}
+_LEASES_LOCK = threading.Lock()
+
+
+def lease(host: str, candidates: range, seconds: float, *, rng: random.Random | None = None,
+          fallback: bool = True) -> int:
+    """``draw``, skipping every port a process of this user leased in the last
+    ``seconds`` (the other draws' ports, not bound yet), and lease the one drawn for
+    ``seconds``. ``OSError`` when no port is left that is free and not leased."""
+    now = time.time()
+    with _LEASES_LOCK, _leases(now) as leased:
+        for _ in range(1000):
+            port = draw(host, candidates, rng=rng, skip=leased, fallback=fallback)
+            if port not in leased:  # the kernel's own pick can be a leased one
+                leased[port] = _OWN_LEASES[port] = now + seconds
+                return port
+    raise OSError(f"no port on {host} in {candidates.start}-{candidates.stop - 1} left "
+                  f"that is not leased ({len(leased)} leased in {LEASES})")
+
+
+@contextlib.contextmanager
+def _leases(now: float) -> Iterator[dict[int, float]]:
+    """The leases still running, for the block to add to; written back after it, all
+    under an exclusive lock on the file (``port expiry`` per line)."""
+    for port, until in list(_OWN_LEASES.items()):
+        if until <= now:
+            del _OWN_LEASES[port]
+    try:
+        f = open(LEASES, "a+", encoding="ascii")
+    except OSError:
+        yield dict(_OWN_LEASES)
+        return
+    import fcntl
+
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        leased = dict(_OWN_LEASES)
+        for line in f.read().splitlines():
+            port_s, _, until_s = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if (until := float(until_s)) > now:
+                    leased[int(port_s)] = max(until, leased.get(int(port_s), 0.0))
+        yield leased
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port} {until:.0f}\n" for port, until in leased.items()))
+        f.flush()

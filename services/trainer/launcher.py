@@ -247,6 +247,9 @@ def rendezvous_id(run_id: str, attempt: int) -> str:
     return f"{run_id}-a{attempt}"
 
 
+RENDEZVOUS_LEASE_S = 120.0  # torchrun binds the store within seconds of its start
+
+
 def rendezvous_port(host: str, rng: random.Random | None = None,
                     allowed: range | None = None) -> int:
     """A port for the attempt's rendezvous, which every agent must be told before any
@@ -255,12 +258,15 @@ def rendezvous_port(host: str, rng: random.Random | None = None,
     Free when drawn, at random among ``allowed`` (``TANDEM_RENDEZVOUS_PORTS``: the ports
     a firewall between training nodes admits; ``OSError`` when none is free), else below
     the kernel's ephemeral range, in a band of its own (``ports.RENDEZVOUS``: no
-    connection's local end and no dev stack's port comes from there). If another process
-    still takes it before torchrun binds it, the attempt fails to rendezvous and is
+    connection's local end and no dev stack's port comes from there). Leased for
+    ``RENDEZVOUS_LEASE_S`` (``ports.lease``): two attempts starting at once on one host
+    (two runs' node 0, or two agents of a test's simulated nodes, which once drew one
+    port 40 ms apart) never get the same one while torchrun has not bound it yet. If a
+    program that is not Tandem's takes it first, the attempt fails to rendezvous and is
     restarted like any failed attempt, with a new port."""
     if allowed is not None:
-        return ports.draw(host, allowed, rng=rng, fallback=False)
-    return ports.draw(host, ports.band_range(ports.RENDEZVOUS), rng=rng)
+        return ports.lease(host, allowed, RENDEZVOUS_LEASE_S, rng=rng, fallback=False)
+    return ports.lease(host, ports.band_range(ports.RENDEZVOUS), RENDEZVOUS_LEASE_S, rng=rng)
 
 
 def children(pid: int) -> list[int]:
