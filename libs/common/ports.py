@@ -92,7 +92,10 @@ def parse_range(text: str) -> range:
     return range(lo, hi + 1)
 
 
-LEASES = Path(tempfile.gettempdir()) / f"tandem-port-leases-{os.getuid()}"
+# The lease file shared by every process of this user; None: tandem-port-leases-<uid> in
+# the temporary directory (found when first used: a process with none still leases, in
+# its own memory).
+LEASES: Path | None = None
 _OWN_LEASES: dict[int, float] = {}
 _LEASES_LOCK = threading.Lock()
 
@@ -110,7 +113,11 @@ def lease(host: str, candidates: range, seconds: float, *, rng: random.Random | 
                 leased[port] = _OWN_LEASES[port] = now + seconds
                 return port
     raise OSError(f"no port on {host} in {candidates.start}-{candidates.stop - 1} left "
-                  f"that is not leased ({len(leased)} leased in {LEASES})")
+                  f"that is not leased ({len(leased)} leased)")
+
+
+def _lease_file() -> Path:
+    return LEASES or Path(tempfile.gettempdir()) / f"tandem-port-leases-{os.getuid()}"
 
 
 @contextlib.contextmanager
@@ -121,8 +128,8 @@ def _leases(now: float) -> Iterator[dict[int, float]]:
         if until <= now:
             del _OWN_LEASES[port]
     try:
-        f = open(LEASES, "a+", encoding="ascii")
-    except OSError:
+        f = open(_lease_file(), "a+", encoding="ascii")
+    except OSError:  # no temporary directory, or none this user may write
         yield dict(_OWN_LEASES)
         return
     import fcntl
