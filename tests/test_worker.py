@@ -50,34 +50,37 @@ def test_tiny_text_pipeline_is_deterministic_per_seed() -> None:
     assert one == two and len(one) == 1
 
 
-WITHOUT_TRANSFORMERS = """
+LEFT_OUT = """
 import sys
 from tandem.common.settings import load
 from tandem.inference_worker.pipelines import Item, Params, build
 from tandem.inference_worker.service import InferenceWorker, WorkerSettings
 
 worker = InferenceWorker(load(WorkerSettings))
-images = build(worker.registry.get("digits"), "cpu", "float32").generate(
-    [Item(seed=1, class_label=3)], Params(16, 16, 2, 1.0), lambda s, t: None)
-print(len(images), images[0][:4] == b"\\x89PNG", "diffusers" in sys.modules,
-      sys.modules.get("transformers", "absent"))
+made = [build(worker.registry.get(m), "cpu", "float32").generate(
+    [Item(seed=1, class_label=3, prompt="a boat")], Params(16, 16, 2, 1.0), lambda s, t: None)
+    for m in worker.served]
+print(all(len(i) == 1 and i[0][:4] == b"\\x89PNG" for i in made), "diffusers" in sys.modules,
+      *(p in sys.modules and sys.modules[p] is None for p in ("transformers", "scipy")))
 """
 
 
-def test_a_worker_that_serves_no_text_model_leaves_transformers_out() -> None:
-    """diffusers imports Hugging Face transformers whenever it is installed (1-2 s of a
-    process's start): a worker whose models never use it leaves it out, and they still
-    build and generate; only the built-in text model and pipeline folders may use it."""
+def test_a_worker_leaves_out_the_optional_packages_its_models_never_use() -> None:
+    """diffusers imports Hugging Face transformers and scipy whenever they are installed
+    (1-2 s each of a process's start): a worker leaves out those none of its models uses,
+    and they still build and generate; only the built-in text model (transformers) and
+    pipeline folders (both) may use them."""
     reg = Registry.parse("")
-    assert [m for m in reg.names() if (spec := reg.get(m)) and spec.needs_transformers] == [
-        "tiny-text"]
+    assert {m: sorted(spec.optional) for m in reg.names() if (spec := reg.get(m))} == {
+        "digits": [], "tiny-text": ["transformers"], "noop": []}
     folder = Registry.parse('[{"name": "f", "source": "dir:/models/f"}]').get("f")
-    assert folder is not None and folder.needs_transformers
-    for serve, loaded in (("digits", "None"), ("digits,tiny-text", "<module 'transformers'")):
-        res = subprocess.run([PYTHON, "-c", WITHOUT_TRANSFORMERS], capture_output=True,
+    assert folder is not None and folder.optional == {"transformers", "scipy"}
+    # What is printed per package: whether it was left out (hidden from diffusers).
+    for serve, out in (("digits", "True True"), ("digits,tiny-text", "False True")):
+        res = subprocess.run([PYTHON, "-c", LEFT_OUT], capture_output=True,
                              text=True, timeout=300, env=service_env(serve=serve))
         assert res.returncode == 0, res.stderr[-3000:]
-        assert res.stdout.startswith(f"1 True True {loaded}"), (serve, res.stdout)
+        assert res.stdout.startswith(f"True True {out}"), (serve, res.stdout)
 
 
 def test_fault_models_are_refused_unless_enabled() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,23 @@ SOURCE_KINDS = ("builtin", "dir", "run", "noop", "fault")
 BUILTINS = ("class-unet", "tiny-text")
 
 
-def without_transformers() -> None:
-    """Leave Hugging Face transformers out of this process, for one whose models never
-    use it (``ModelSpec.needs_transformers``; a training rank). diffusers imports it
-    whenever it is installed (its quantizer configs, its LoRA loaders), which cost 1-2 s
-    of CPU of each such process's start here; hidden (``sys.modules`` entry None),
-    diffusers takes it as not installed. Call before diffusers is first imported."""
-    sys.modules.setdefault("transformers", None)  # type: ignore[arg-type]
+# Packages diffusers imports whenever they are installed, though few models use them:
+# transformers (its quantizer configs, its LoRA loaders; a text encoder uses it) and scipy
+# (its schedulers' module imports ``scipy.stats``, which only a few schedulers use). Each
+# costs 1-2 s of CPU of every start of a process that imports diffusers.
+OPTIONAL = ("transformers", "scipy")
+
+
+def leave_out(keep: Iterable[str] = ()) -> list[str]:
+    """Leave the ``OPTIONAL`` packages not in ``keep`` out of this process, for one whose
+    models never use them (``ModelSpec.optional``; a training rank keeps none): hidden
+    (a ``sys.modules`` entry of None), diffusers takes them as not installed. Call before
+    diffusers is first imported; returns what it left out (what was already imported
+    stays)."""
+    out = [name for name in OPTIONAL if name not in keep and name not in sys.modules]
+    for name in out:
+        sys.modules[name] = None  # type: ignore[assignment]
+    return out
 
 
 class Conditioning(StrEnum):
@@ -99,12 +110,17 @@ class ModelSpec(BaseModel):
         return self.source.partition(":")[2]
 
     @property
-    def needs_transformers(self) -> bool:
-        """Whether this model's pipeline may use Hugging Face transformers (a text
-        encoder): the built-in text model and any pipeline folder may; a class UNet, a
-        run's checkpoint (a UNet or a DiT), no-op and fault models never do."""
+    def optional(self) -> frozenset[str]:
+        """Which ``OPTIONAL`` packages this model's pipeline may use: a pipeline folder
+        any (a text encoder, a scheduler on scipy); the built-in text model transformers
+        (its text encoder); a class UNet, a run's checkpoint (a UNet or a DiT), no-op and
+        fault models none."""
         kind = self.source_kind
-        return kind == "dir" or (kind == "builtin" and self.source_arg != "class-unet")
+        if kind == "dir":
+            return frozenset(OPTIONAL)
+        if kind == "builtin" and self.source_arg != "class-unet":
+            return frozenset({"transformers"})
+        return frozenset()
 
     def size_error(self, value: int) -> str | None:
         """Why ``value`` is not an allowed width/height for this model, or None."""

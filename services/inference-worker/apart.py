@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tandem.common import log
-from tandem.common.models import ModelSpec, without_transformers
+from tandem.common.models import ModelSpec, leave_out
 
 from .pipelines import (
     CallTime,
@@ -344,8 +344,7 @@ def _serve(conn: Connection) -> None:
             threads = threads or len(cpus)
         if not eligible(spec):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
-        if not spec.needs_transformers:
-            without_transformers()  # one model per child: before its build imports diffusers
+        leave_out(spec.optional)  # one model per child: before its build imports diffusers
         if threads:
             set_threads(threads)
         pipe = build(spec, device, dtype)

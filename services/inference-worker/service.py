@@ -55,7 +55,7 @@ from tandem.common.events import (
     decode,
 )
 from tandem.common.jobs import JobLimitSettings, Problem, check_task
-from tandem.common.models import RegistrySettings, without_transformers
+from tandem.common.models import RegistrySettings, leave_out
 from tandem.common.runner import Context, Service
 from tandem.common.storage import ensure_bucket, s3_client
 from tandem.common.streams import (
@@ -190,8 +190,9 @@ class InferenceWorker(Service):
         if unknown:
             raise ValueError(f"TANDEM_SERVE names models not in the registry: {unknown}")
         self.served = served
-        if not any((spec := self.registry.get(m)) and spec.needs_transformers for m in served):
-            without_transformers()  # before diffusers is first imported (a pipeline load)
+        # Before diffusers is first imported (a pipeline load): what no served model uses.
+        leave_out(set().union(*(spec.optional for m in served
+                                if (spec := self.registry.get(m)) is not None)))
         # Pinned (TANDEM_PIPELINE_CPUS or _CPU_COUNT): the calls on these CPUs, this
         # process on the rest.
         pinned = settings.pinning()

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from tandem.common.events import CheckpointWritten
-from tandem.common.models import without_transformers
+from tandem.common.models import leave_out
 from tandem.common.runs import RunConfig
 from tandem.trainer.channel import (
     Anomaly,
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     channel.send(Hello(rank=rank, pid=os.getpid(), node=node, attempt=spec.attempt,
                        world=world))
 
-    without_transformers()  # a rank trains diffusers' own UNet or DiT, on every restart
+    leave_out()  # a rank trains diffusers' own UNet or DiT, on every restart
     import torch
     import torch.distributed as dist
 
