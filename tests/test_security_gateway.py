@@ -20,16 +20,27 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from tandem.cli.devstack import S3Server
+from tandem.cli.devstack import NatsServer, S3Server
 from tandem.client import JobError, SyncClient
 from tandem.common.bus import Bus
-from tandem.common.events import RunRecord, RunState, struct_replace
+from tandem.common.events import RateMark, RunRecord, RunState, struct_replace
+from tandem.common.jobs import Caller
 from tandem.common.settings import Settings, load
-from tandem.common.streams import KV_RUNS, core_streams
+from tandem.common.streams import KV_RATES, KV_RUNS, core_streams
 from tandem.gateway.api import caller
-from tandem.gateway.auth import AuthSettings, Guard, Keyring, Limits, hash_key, new_key, parse_keys
+from tandem.gateway.auth import (
+    AuthSettings,
+    Denied,
+    Guard,
+    Keyring,
+    Limits,
+    hash_key,
+    new_key,
+    parse_keys,
+)
 from tandem.gateway.training import add_training_routes
 from tests.conftest import PYTHON, service_env
+from tests.nats_proxy import NatsProxy
 from tests.security_support import TIMEOUT, Gateway, https_gateway
 
 KEYS = {  # name -> (scopes, extra limits)
@@ -234,16 +245,16 @@ def test_a_bad_key_list_stops_the_gateway_at_start_naming_the_setting(tmp_path: 
 
 
 @contextlib.asynccontextmanager
-async def runs_gateway(bus: Bus, max_runs: int,
-                       keys: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
+async def runs_gateway(bus: Bus, max_runs: int, keys: dict[str, str], rate: float = 1000.0,
+                       burst: int = 1000) -> AsyncIterator[httpx.AsyncClient]:
     """One gateway's Guard in front of its training-run routes, on a real bus: its own
     ``Limits``, as each replica (or a restarted one) has; ``keys``: name -> key."""
     entries = [{"name": n, "sha256": hash_key(k), "scopes": ["train"]}
                for n, k in keys.items()]
     settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=max_runs,
-                    rate_limit=1000.0, rate_burst=1000)
+                    rate_limit=rate, rate_burst=burst)
     keyring = Keyring(parse_keys(settings.api_keys))
-    limits = Limits(keyring, settings)
+    limits = Limits(keyring, settings, await bus.typed(KV_RATES, RateMark))
     app = FastAPI()
     add_training_routes(app, bus, caller, limits)  # the gateway's own route, submitting for real
     guard = Guard.wrap(app, keyring, limits)
@@ -325,6 +336,58 @@ async def test_a_keys_unfinished_runs_are_bounded_across_gateways_and_restarts(
         late = await restarted.post("/v1/training-runs", json=config, headers=a)
         assert late.status_code == 429, late.text
         assert len(await unfinished()) == 2
+
+
+async def test_a_keys_rate_is_one_budget_across_gateways_and_restarts(
+        bus: Bus, uid: str) -> None:
+    """Requests raced through two replicas take from one budget (KV ``rates``): exactly
+    the burst gets through, as through one gateway; one started later (a restarted one)
+    knows nothing in memory and still refuses; another key is unaffected."""
+    await bus.provision(core_streams())
+    keys = {f"rate-{uid}": new_key(), f"other-{uid}": new_key()}
+    a, b = ({"Authorization": f"Bearer {k}"} for k in keys.values())
+    async with runs_gateway(bus, 2, keys, rate=0.001, burst=3) as one, \
+            runs_gateway(bus, 2, keys, rate=0.001, burst=3) as two:
+        raced = await asyncio.gather(*(gw.get(f"/v1/training-runs/none-{uid}", headers=a)
+                                       for gw in (one, two) * 4))
+        codes = sorted(r.status_code for r in raced)
+        assert codes == [404] * 3 + [429] * 5, codes  # admitted ones find no such run
+        refused = [r for r in raced if r.status_code == 429]
+        assert all("rate limit of 0.001 requests/s (burst 3)" in r.json()["detail"]
+                   and int(r.headers["retry-after"]) >= 1 for r in refused)
+        assert (await two.get(f"/v1/training-runs/none-{uid}", headers=b)).status_code == 404
+    async with runs_gateway(bus, 2, keys, rate=0.001, burst=3) as restarted:
+        late = await restarted.get(f"/v1/training-runs/none-{uid}", headers=a)
+        assert late.status_code == 429, late.text
+
+
+async def test_a_rate_that_cannot_be_read_refuses_the_request_with_503(
+        nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    """No request goes through unaccounted: with its connection to NATS away, the
+    gateway answers 503 naming KV ``rates``, and serves again once it is back."""
+    await bus.provision(core_streams())
+    proxy = await NatsProxy(nats_server.url).start()
+    away = await Bus.connect(load(Settings, nats_url=proxy.url), "gateway")
+    key = new_key()
+    settings = load(AuthSettings, api_keys=json.dumps(
+        [{"name": f"k-{uid}", "sha256": hash_key(key), "scopes": ["train"]}]))
+    limits = Limits(Keyring(parse_keys(settings.api_keys)), settings,
+                    await away.typed(KV_RATES, RateMark))
+    caller = Caller(key=f"k-{uid}")
+    try:
+        await limits.admit(caller)
+        await proxy.cut()
+        with pytest.raises(Denied) as refused:
+            await limits.admit(caller)
+        assert refused.value.status == 503 and "KV rates" in refused.value.message
+        proxy.mend()
+        await asyncio.wait_for(away.nc.flush(), TIMEOUT)  # reconnected
+        await limits.admit(caller)
+        mark = await (await bus.typed(KV_RATES, RateMark)).get(f"k-{uid}")
+        assert mark is not None and mark[1] >= 2  # both requests let through are written
+    finally:
+        await away.drain()
+        await proxy.stop()
 
 
 def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Server,

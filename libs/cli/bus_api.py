@@ -136,6 +136,7 @@ KV_VALUES: dict[str, tuple[str, str]] = {
     streams.KV_NODES: ("`<cluster>.<node>`", "NodeHeartbeat"),
     streams.KV_DRAINS: ("`<cluster>.<node>`", "DrainRecord"),
     streams.KV_IDEMPOTENCY: ("`k<sha256 of the Idempotency-Key>`", "IdempotencyRecord"),
+    streams.KV_RATES: ("`<API key name>`", "RateMark"),
 }
 
 HEADERS: list[tuple[str, str, str]] = [

@@ -73,6 +73,7 @@ WIRE_TYPES: list[WireType] = [
     WireType("NodeHeartbeat", events.NodeHeartbeat, "KV `nodes`, key `<cluster>.<node>`"),
     WireType("DrainRecord", events.DrainRecord, "KV `drains`, key `<cluster>.<node>`"),
     WireType("IdempotencyRecord", events.IdempotencyRecord, "KV `idempotency`"),
+    WireType("RateMark", events.RateMark, "KV `rates`, key `<API key name>`"),
     WireType("NodeLaunch", events.NodeLaunch,
              "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
     WireType("NodeStop", events.NodeStop,

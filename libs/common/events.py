@@ -194,6 +194,16 @@ class IdempotencyRecord(Event, kw_only=True):
     at: float = msgspec.field(default_factory=now)
 
 
+class RateMark(Event, kw_only=True):
+    """Value of KV ``rates``, key ``<API key name>``: the key's request rate, shared by
+    every gateway replica (GCRA: ``tat`` is the theoretical arrival time, in Unix
+    seconds, of the key's next request at its rate; one is let through while ``tat`` is
+    less than a burst's worth of intervals ahead of now). Moved by compare-and-set, so
+    requests through several replicas take from one budget."""
+
+    tat: float
+
+
 # ------------------------------------------------------------------------- fleet and health
 
 

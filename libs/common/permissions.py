@@ -200,6 +200,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .kv(streams.KV_CANCELS, write=True)  # a cancel's notice to the workers
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS, write=True)
+        .kv(streams.KV_RATES, write=True)  # each key's rate, one budget for every replica
         .publishes(subjects.train_kind_filter("status"), streams.TRAIN)  # a run submitted
         # the dashboard (observe.py): live steps, checkpoints and results, a run's history
         .listens(subjects.train_kind_filter("step"), subjects.train_kind_filter("checkpoint"),

@@ -120,6 +120,7 @@ KV_CANCELS = "cancels"
 KV_RUNS = "runs"
 KV_DRAINS = "drains"
 KV_IDEMPOTENCY = "idempotency"
+KV_RATES = "rates"  # each API key's request rate, shared by the gateway replicas
 
 HEARTBEAT_TTL = 6.0
 
@@ -185,6 +186,8 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
         # The gateway's notice that it cancelled a task, watched by every worker.
         KVSpec(KV_CANCELS, ttl=DAY, replicas=replicas),
         KVSpec(KV_IDEMPOTENCY, ttl=DAY, replicas=replicas),
+        # A key quiet for a day has a full bucket again, whether or not its mark is there.
+        KVSpec(KV_RATES, ttl=DAY, history=1, replicas=replicas),
         KVSpec(KV_RUNS, replicas=replicas),
         KVSpec(KV_DRAINS, replicas=replicas),
     ]

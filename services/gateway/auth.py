@@ -8,10 +8,11 @@ default rule (admin) until it is given its own in ``RULES``:
   prints a new one once, with the line to configure);
 - no key or an unknown one → ``401``; a key without the route's scope → ``403``
   naming the scope; ``admin`` holds every scope;
-- per key: a token bucket of requests (``429`` + ``Retry-After``), concurrent SSE
-  streams, and training runs not yet finished (``429`` naming the limit): ``Limits``,
-  one per gateway process, which the NATS job service shares, so the bucket and the
-  runs of a key are the same whichever door it uses.
+- per key: a rate of requests (``429`` + ``Retry-After``), concurrent SSE streams, and
+  training runs not yet finished (``429`` naming the limit): ``Limits``, one per gateway
+  process, which the NATS job service shares, so the rate and the runs of a key are the
+  same whichever door it uses; both are kept in KV, so they are the same whichever
+  replica serves it.
 
 With no keys configured (``TANDEM_API_KEYS`` empty: the local stack, the demo) the
 middleware is not installed and the API is open; the request-shape limits (body size,
@@ -37,9 +38,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
+from tandem.common.bus import TypedKV
 from tandem.common.errors import TooManyRuns
+from tandem.common.events import RateMark
 from tandem.common.jobs import OPEN, Caller
 from tandem.common.settings import Settings
+from tandem.common.streams import KV_RATES
 from tandem.common.subjects import token
 
 _log = log.get("tandem.gateway.auth")
@@ -235,74 +239,88 @@ def bearer(value: str) -> str:
 # ------------------------------------------------------------------------------ the limits
 
 
-@dataclass
-class Bucket:
-    """A token bucket: ``rate`` tokens/s up to ``burst``; a request takes one."""
-
-    rate: float
-    burst: int
-    tokens: float = 0.0
-    at: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self) -> None:
-        self.tokens = float(self.burst)
-
-    def take(self, now: float | None = None) -> float:
-        """0 if a token was taken, else the seconds until one is available."""
-        now = time.monotonic() if now is None else now
-        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
+def gcra(tat: float, now: float, rate: float, burst: int) -> tuple[float, float]:
+    """One request at ``now`` against a key's theoretical arrival time ``tat`` (GCRA: a
+    token bucket of ``burst`` refilled at ``rate``/s, kept as one number): ``(new tat,
+    0)`` if it is let through, else ``(tat, seconds until one would be)``."""
+    interval = 1.0 / rate
+    tat = max(tat, now)
+    allowed_at = tat - burst * interval + interval
+    if now < allowed_at:
+        return tat, allowed_at - now
+    return tat + interval, 0.0
 
 
 @dataclass
 class KeyState:
-    bucket: Bucket
     streams: int = 0
     run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rate_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    mark: tuple[RateMark, int] | None = None  # the key's last known mark and revision
 
 
 class Limits:
     """Every key's limits, one object per gateway process that both doors share.
 
-    The HTTP Guard and the NATS job service take from the same token bucket per key
+    The HTTP Guard and the NATS job service take from the same budget per key
     (``admit``), and a training run submitted by either door counts against the same
     unfinished runs of its key (``run_limit``), so neither door is a way around the
     other's limits. SSE streams (``stream``) exist over HTTP only. The open caller (no
     keys configured) has no limits. Each refusal is ``Denied(429)`` with its
     ``retry_after`` and a message naming the limit.
 
-    The rate and the streams are this process's: each gateway replica enforces them on
-    what it serves. The unfinished runs are the fleet's: counted in KV ``runs`` as each
-    run is submitted (``runs.submit_run``), so no replica, and no restart, adds to them.
+    The rate and the unfinished runs are the fleet's, so no replica and no restart adds
+    to them: the rate is a mark per key in KV ``rates`` (``RateMark``, GCRA), moved by
+    compare-and-set (one write a request let through, from the last mark this process
+    saw; a read only when another replica moved it since; none to refuse, as the mark
+    only moves forward); the unfinished runs are counted in KV ``runs`` as each run is
+    submitted (``runs.submit_run``). The open SSE streams are this process's: each
+    replica enforces them on what it serves.
     """
 
-    def __init__(self, keys: Keyring, settings: AuthSettings) -> None:
+    def __init__(self, keys: Keyring, settings: AuthSettings,
+                 rates: TypedKV[RateMark]) -> None:
         self.keys = keys
         self.s = settings
+        self.rates = rates
         self.state: dict[str, KeyState] = {}
 
     def _state(self, key: ApiKey) -> KeyState:
         st = self.state.get(key.name)
         if st is None:
-            st = self.state[key.name] = KeyState(Bucket(key.rate or self.s.rate_limit,
-                                                        key.burst or self.s.rate_burst))
+            st = self.state[key.name] = KeyState()
         return st
 
-    def admit(self, caller: Caller) -> None:
-        """Take one request from the caller's bucket, or raise ``Denied(429)``."""
+    async def admit(self, caller: Caller) -> None:
+        """Take one request from the caller's rate, or raise ``Denied(429)`` (``503`` if
+        KV ``rates`` cannot be reached: no request goes through unaccounted)."""
         key = self.keys.named(caller.key)
         if key is None:
             return
         st = self._state(key)
-        wait = st.bucket.take()
+        rate, burst = key.rate or self.s.rate_limit, key.burst or self.s.rate_burst
+        wait = 0.0
+
+        def take(cur: RateMark | None) -> RateMark | None:
+            nonlocal wait
+            tat, wait = gcra(cur.tat if cur else 0.0, time.time(), rate, burst)
+            return None if wait else RateMark(tat=tat)
+
+        async with st.rate_lock:  # this process's requests in turn; replicas race by CAS
+            if st.mark is not None and take(st.mark[0]) is None:
+                pass  # refused on the last mark seen: the stored one is no earlier
+            else:
+                try:
+                    st.mark = await self.rates.move(key.name, take, expect=st.mark)
+                except Exception as exc:  # whatever failed: no budget read, no request
+                    st.mark = None
+                    _log.warning("auth.rates_unavailable", key=key.name, error=repr(exc))
+                    raise Denied(503, f"the rate limit of key {key.name!r} cannot be read "
+                                 f"(KV {KV_RATES}): {exc!r}", retry_after=1) from None
         if wait > 0:
             AUTH.labels("rate_limited").inc()
             raise Denied(429, f"key {key.name!r} is over its rate limit of "
-                         f"{st.bucket.rate:g} requests/s (burst {st.bucket.burst})",
+                         f"{rate:g} requests/s (burst {burst})",
                          retry_after=max(1, math.ceil(wait)))
 
     @contextlib.asynccontextmanager
@@ -374,7 +392,7 @@ class Guard:
         async with contextlib.AsyncExitStack() as held:
             try:
                 caller = self.keys.check(_presented(scope), need, f"{method} {path}")
-                self.limits.admit(caller)
+                await self.limits.admit(caller)
                 if method == "GET" and SSE.fullmatch(path):
                     await held.enter_async_context(self.limits.stream(caller))
             except Denied as exc:

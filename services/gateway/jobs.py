@@ -52,7 +52,7 @@ _log = log.get("tandem.gateway.jobs")
 NAME = "tandem-jobs"
 VERSION = "1.0.0"
 PREFIX = subjects.JOBS.template.rsplit(".", 1)[0]  # tandem.jobs
-Auth = Callable[[str], Caller]  # the needed scope -> the caller, or raises Denied
+Auth = Callable[[str], Awaitable[Caller]]  # the needed scope -> the caller, or raises Denied
 Handler = Callable[[Any, dict[str, str], Auth], Awaitable[dict[str, Any]]]
 _WHICH = {"type": "object", "properties": {
     "id": {"type": "string", "description": "a generation's task id"},
@@ -99,10 +99,10 @@ class JobService:
         async def serve(req: Request) -> None:
             headers = req.headers or {}
 
-            def auth(need: str) -> Caller:
+            async def auth(need: str) -> Caller:
                 caller = self.keys.check(bearer(headers.get("Authorization", "")), need,
                                          subjects.jobs(name))
-                self.limits.admit(caller)  # the key's one bucket, shared with HTTP
+                await self.limits.admit(caller)  # the key's one rate, shared with HTTP
                 return caller
 
             try:
@@ -136,7 +136,7 @@ class JobService:
 
     async def generate(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Queue a generation (a GenerationRequest); the accepted record."""
-        caller = auth(Scope.generate)
+        caller = await auth(Scope.generate)
         try:
             req = GenerationRequest.model_validate(body)
         except ValidationError as exc:
@@ -150,22 +150,22 @@ class JobService:
 
     async def train(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Submit a training run (a RunConfig); the run's record."""
-        return run_view(await submit_training(self.gw.bus, body, auth(Scope.train),
+        return run_view(await submit_training(self.gw.bus, body, await auth(Scope.train),
                                               self.limits))
 
     async def cancel(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Cancel a generation ({"id"}) or a training run ({"run_id"}); its record."""
         kind, job_id = _which(body)
         if kind == "run_id":
-            return run_view(await cancel_training(self.gw.bus, job_id, auth(Scope.train)))
-        return self.gw.view(await self.gw.cancel(job_id, auth(Scope.generate)))
+            return run_view(await cancel_training(self.gw.bus, job_id, await auth(Scope.train)))
+        return self.gw.view(await self.gw.cancel(job_id, await auth(Scope.generate)))
 
     async def status(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """A generation's ({"id"}) or a training run's ({"run_id"}) record."""
         kind, job_id = _which(body)
         if kind == "run_id":
-            return run_view(await training_run(self.gw.bus, job_id, auth(Scope.train)))
-        rec = await self.gw.record(job_id, auth(Scope.generate))
+            return run_view(await training_run(self.gw.bus, job_id, await auth(Scope.train)))
+        rec = await self.gw.record(job_id, await auth(Scope.generate))
         if rec is None:
             raise JobRefused(404, f"no task {job_id!r}")
         return self.gw.view(rec)
@@ -173,7 +173,7 @@ class JobService:
 
     async def models(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """The model registry: what each model takes, and where it is loaded."""
-        auth(ANY_KEY)
+        await auth(ANY_KEY)
         return {"models": await self.gw.models()}
 
 
