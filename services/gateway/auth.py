@@ -307,9 +307,9 @@ class Limits:
             return None if wait else RateMark(tat=tat)
 
         async with st.rate_lock:  # this process's requests in turn; replicas race by CAS
-            if st.mark is not None and take(st.mark[0]) is None:
-                pass  # refused on the last mark seen: the stored one is no earlier
-            else:
+            # Refused on the last mark seen: the stored one is no earlier, so it would be too.
+            refused = st.mark is not None and take(st.mark[0]) is None
+            if not refused:
                 try:
                     st.mark = await self.rates.move(key.name, take, expect=st.mark)
                 except Exception as exc:  # whatever failed: no budget read, no request
