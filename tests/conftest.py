@@ -100,6 +100,12 @@ def thread_cpus(pid: int) -> set[int]:
     return set(next(iter(seen)))
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return any("libtorch_cpu" in line for line in maps)
+
+
 PYTHON = sys.executable
 
 

@@ -26,7 +26,7 @@ from tandem.common.events import GenerationTask, TaskRecord, TaskState
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_TASKS
 from tests.checkpoint_support import FaultProxy
-from tests.conftest import PYTHON, thread_cpus
+from tests.conftest import PYTHON, thread_cpus, torch_loaded
 from tests.serving_stack import (
     DEADLINE,
     Child,
@@ -398,6 +398,9 @@ async def test_a_pipeline_apart_makes_the_same_images_and_its_killed_child_loses
         assert pid != w.proc.pid
         assert health["cpus"] == cpus[-1:] and health["worker_cpus"] == cpus[:-1]
         assert thread_cpus(pid) == {cpus[-1]} and thread_cpus(w.proc.pid) == set(cpus[:-1])
+        # torch is the child's alone (the worker's start and memory), one thread a CPU.
+        assert torch_loaded(pid) and not torch_loaded(w.proc.pid)
+        assert health["torch_threads"] == 1
 
         # 100 steps: at rest ~6.6 ms each, so the kill, sent on step 2, lands mid-call
         # (attempts == 2 below says it did); the attempt after it runs them all again,

@@ -163,6 +163,12 @@ class ProcessPipeline(Pipeline):
         child = self._child
         return child.proc.pid if child is not None else None
 
+    @property
+    def threads(self) -> int | None:
+        """The torch intra-op threads of its calls (set in the child, where they run)."""
+        child = self._child
+        return child.threads if child is not None else None
+
     def _live(self, dead: _Child | None = None) -> _Child:
         """The child, started afresh if there is none, it exited, or it is ``dead``."""
         with self._lock:
@@ -209,6 +215,7 @@ class _Child:
         self._calls: dict[int, queue.SimpleQueue[tuple[Any, ...]]] = {}
         self._next = 0
         self._dead: BaseException | None = None
+        self.threads: int | None = None  # the torch threads in force there, once ready
 
     @classmethod
     def start(cls, model: str, args: tuple[Any, ...], timeout: float) -> _Child:
@@ -236,6 +243,7 @@ class _Child:
         if reply[0] != "ready":
             child.close()
             raise ModelLoadError(model, reply[1])
+        child.threads = reply[1]
         threading.Thread(target=child._read, name=f"pipeline-process-{proc.pid}",
                          daemon=True).start()
         _log.info("worker.pipeline_process", model=model, pid=proc.pid)
@@ -345,8 +353,7 @@ def _serve(conn: Connection) -> None:
         if not eligible(spec):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
         leave_out(spec.optional)  # one model per child: before its build imports diffusers
-        if threads:
-            set_threads(threads)
+        in_force = set_threads(threads)  # 0: torch's own count
         pipe = build(spec, device, dtype)
     except ModelLoadError as exc:
         conn.send(("error", exc.reason))
@@ -354,7 +361,7 @@ def _serve(conn: Connection) -> None:
     except Exception as exc:
         conn.send(("error", repr(exc)))
         return
-    conn.send(("ready",))
+    conn.send(("ready", in_force))
 
     queued: collections.deque[tuple[Any, ...]] = collections.deque()
     stopped: set[int] = set()

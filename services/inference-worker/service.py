@@ -243,7 +243,7 @@ class InferenceWorker(Service):
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
                 "inflight": self.inflight, "batches": self.batcher.batches,
-                "pipeline": {**self.batcher.usage.json(), "torch_threads": self.torch_threads,
+                "pipeline": {**self.batcher.usage.json(), "torch_threads": self._threads(),
                              "processes": {m: p.pid for m, p in self.pipelines.items()
                                            if isinstance(p, apart.ProcessPipeline)},
                              "cpus": sorted(self.pipeline_cpus) or None,
@@ -294,6 +294,13 @@ class InferenceWorker(Service):
 
     # ---------------------------------------------------------------------------- life
 
+    def _threads(self) -> int | None:
+        """The torch threads calls run with: this process's, else its children's."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        return next((p.threads for p in self.pipelines.values()
+                     if isinstance(p, apart.ProcessPipeline) and p.threads is not None), None)
+
     async def run(self, ctx: Context) -> None:
         if self.own_cpus:
             apart.pin(self.own_cpus)
@@ -316,7 +323,10 @@ class InferenceWorker(Service):
         self.records = Records(self.tasks, cancels, self.seal_key, self.worker_id)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
-        if any(uses_torch(spec) for m in self.served if (spec := self.registry.get(m))):
+        # torch in this process only for calls made here: a worker whose models all run
+        # apart leaves it to their children (its start and its memory).
+        if any(uses_torch(spec) and not (self.s.pipeline_process and apart.eligible(spec))
+               for m in self.served if (spec := self.registry.get(m))):
             self.torch_threads = await asyncio.to_thread(set_threads, self.s.torch_threads)
         await self.hotswap.attach(bus)  # KV runs: the newest committed step of each run
         if self.s.preload:
