@@ -40,16 +40,14 @@ BUILTINS = ("class-unet", "tiny-text")
 OPTIONAL = ("transformers", "scipy")
 
 
-def leave_out(keep: Iterable[str] = ()) -> list[str]:
+def leave_out(keep: Iterable[str] = ()) -> None:
     """Leave the ``OPTIONAL`` packages not in ``keep`` out of this process, for one whose
     models never use them (``ModelSpec.optional``; a training rank keeps none): hidden
     (a ``sys.modules`` entry of None), diffusers takes them as not installed. Call before
-    diffusers is first imported; returns what it left out (what was already imported
-    stays)."""
-    out = [name for name in OPTIONAL if name not in keep and name not in sys.modules]
-    for name in out:
-        sys.modules[name] = None  # type: ignore[assignment]
-    return out
+    diffusers is first imported (what was already imported stays)."""
+    for name in OPTIONAL:
+        if name not in keep:
+            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
 
 class Conditioning(StrEnum):

@@ -294,6 +294,11 @@ class InferenceWorker(Service):
 
     # ---------------------------------------------------------------------------- life
 
+    def _torch_here(self) -> list[str]:
+        """The served models whose torch calls are made in this process (not apart)."""
+        return [m for m in self.served if (spec := self.registry.get(m)) and uses_torch(spec)
+                and not (self.s.pipeline_process and apart.eligible(spec))]
+
     def _threads(self) -> int | None:
         """The torch threads calls run with: this process's, else its children's."""
         if self.torch_threads is not None:
@@ -305,9 +310,7 @@ class InferenceWorker(Service):
         if self.own_cpus:
             apart.pin(self.own_cpus)
             # Models whose calls stay in this process (run:) compute on its own CPUs.
-            here = [m for m in self.served
-                    if (spec := self.registry.get(m)) and not apart.eligible(spec)
-                    and uses_torch(spec)]
+            here = self._torch_here()
             _log.info("worker.pinned", pipeline_cpus=sorted(self.pipeline_cpus),
                       worker_cpus=sorted(self.own_cpus), in_worker_models=here)
             if here:
@@ -325,8 +328,7 @@ class InferenceWorker(Service):
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
         # torch in this process only for calls made here: a worker whose models all run
         # apart leaves it to their children (its start and its memory).
-        if any(uses_torch(spec) and not (self.s.pipeline_process and apart.eligible(spec))
-               for m in self.served if (spec := self.registry.get(m))):
+        if self._torch_here():
             self.torch_threads = await asyncio.to_thread(set_threads, self.s.torch_threads)
         await self.hotswap.attach(bus)  # KV runs: the newest committed step of each run
         if self.s.preload:
