@@ -26,6 +26,7 @@ class Job:
     checkpoint_every: int = 2
     resume: str = ""  # checkpoint folder to resume from
     fsdp: dict[str, Any] = field(default_factory=dict)
+    full_at: int = 0  # a step whose write fails as on a full disk (the node's commit)
 
     def config(self, world: int) -> dict[str, Any]:
         return {"run_id": self.name, "model": TINY_DIT, "parallelism": "fsdp",
@@ -67,7 +68,8 @@ def run_jobs(rank: int, world: int, port: int, jobs: list[Job], out: str) -> Non
                 loop.load(Path(job.resume))
                 seen["full"]["loaded"] = full_state(loop)
             writer = ShardedCheckpointer(job.root, job.name, rank=rank, local_rank=rank,
-                                         world=world, node="n0")
+                                         world=world, node="n0",
+                                         before_commit=full_disk(job.full_at))
             while loop.step < cfg.steps:
                 r = loop.train_step()
                 assert r.anomaly is None, r.anomaly
@@ -76,12 +78,25 @@ def run_jobs(rank: int, world: int, port: int, jobs: list[Job], out: str) -> Non
                     seen["blocked"].append(loop.checkpoint(writer))
                     seen["full"][r.step] = full_state(loop)
             writer.close()
-            assert not writer.errors, writer.errors
+            seen["errors"] = [(step, getattr(exc, "errno", None))
+                              for step, exc in writer.errors]
+            assert job.full_at or not writer.errors, writer.errors
             if rank == 0:
                 torch.save(seen, Path(out) / f"{job.name}.pt")
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def full_disk(at: int) -> Any:
+    """A ``before_commit`` hook failing step ``at``'s write as a full disk would."""
+    import errno
+
+    def hook(step: int) -> None:
+        if step == at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    return hook if at else None
 
 
 def spawn(world: int, jobs: list[Job], out: Path) -> None:

@@ -70,9 +70,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> dict[
 
     spawn(4, [Job("ref4", str(root / "ref4")),
               Job("up", str(root / "up"), resume=str(restored.path))], out)
-    spawn(2, [Job("down", str(root / "down"), resume=str(root / "ref4/ref4/step-2"))], out)
+    spawn(2, [Job("down", str(root / "down"), resume=str(root / "ref4/ref4/step-2")),
+              Job("full", str(root / "full"), full_at=2)], out)
     return {"root": root, "restored": restored, "s3": s3, "bucket": bucket,
-            **{n: _load(out, n) for n in ("ref2", "same", "ref4", "up", "down")}}
+            **{n: _load(out, n) for n in ("ref2", "same", "ref4", "up", "down", "full")}}
 
 
 def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
@@ -97,6 +98,17 @@ def test_every_rank_writes_its_shards_and_the_manifest_lists_each_with_its_check
         assert shards == [f"shards/__{r}_0.distcp" for r in range(world)]
         assert {ck.DCP_METADATA, *ck.SHARDED_STATE} <= {f.name for f in manifest.files}
     assert all(b > 0 for b in runs["ref2"]["blocked"])
+
+
+def test_a_sharded_write_the_disk_had_no_room_for_leaves_no_folder_and_the_next_commits(
+        runs: dict[str, Any]) -> None:
+    import errno
+
+    assert runs["full"]["errors"] == [(2, errno.ENOSPC)]  # the node's first rank's
+    folder = runs["root"] / "full" / "full"
+    # Every rank's shards of step 2 were written, then removed once all had ended.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+    assert ck.verify(folder / "step-4").world_size == 2
 
 
 def test_same_world_size_resume_is_bitwise_the_uninterrupted_run(runs: dict[str, Any]) -> None:

@@ -114,7 +114,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
                    "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}",
-                   "linger": f"linger-{uid}", "fsdp": f"fsdp-{uid}"},
+                   "linger": f"linger-{uid}", "fsdp": f"fsdp-{uid}", "full": f"full-{uid}"},
                metrics_url="", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
@@ -128,12 +128,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tiny(bg["linger"], cluster=st.cluster, ranks=1, steps=2, checkpoint_every=2,
              faults={"hang_on_exit_rank": 0},
              watchdog={"hang_floor_s": 120, "startup_timeout_s": 200, "teardown_grace_s": 1}),
+        tiny(bg["full"], cluster=st.cluster, ranks=1, steps=6, checkpoint_every=2,
+             faults={"fail_checkpoint_write_at_step": 4}),
         tiny(bg["fsdp"], cluster=st.cluster, steps=8, checkpoint_every=2, model=TINY_DIT,
              parallelism="fsdp", faults={"nan_at_data_pos": [5]},
              loss_health={"min_history": 5, "skip_batches": 2}),
     ]))
+    # Every run of the module keeps its series on /metrics until the module ends.
     proc = start_coordinator(nats, st.cluster, root, st.log, max_runs="8",
-                             metrics_port="0", otlp_endpoint=st.otlp.url)
+                             metrics_port="0", otlp_endpoint=st.otlp.url,
+                             metrics_keep_ended="64")
     try:
         st.metrics_url = f"http://127.0.0.1:{logged_metrics_port(proc, st.log)}/metrics"
         yield st
@@ -484,6 +488,33 @@ async def test_a_rank_that_hangs_on_exit_after_its_goodbye_is_stopped_and_the_ru
     assert proc_state(int(rank["pid"])) in ("gone", "Z")  # stopped, not left behind
     assert (stack.ckpt_root / rec.run_id / "step-2" / "model.safetensors").is_file()
     assert "run.exit_hung_after_goodbye" in stack.log.read_text()
+
+
+async def test_a_checkpoint_the_disk_had_no_room_for_is_reported_and_training_goes_on(
+        stack: Stack, tbus: Bus) -> None:
+    run = stack.background["full"]
+    rec = await finished(tbus, run)
+    assert rec.state == RunState.succeeded, render_status(rec)
+    assert rec.restarts == 0 and rec.incidents == []
+    [failure] = rec.checkpoint_failures
+    assert {k: failure[k] for k in ("kind", "step", "rank", "node", "attempt",
+                                    "last_written")} == {
+        "kind": "checkpoint_write_failed", "step": 4, "rank": 0, "node": "n0", "attempt": 1,
+        "last_written": 2}
+    assert "No space left on device" in failure["error"]
+    # Its files are gone (on a full disk they would hold the next one's room); the
+    # checkpoints before and after it are whole, and training went on past it.
+    folder = stack.ckpt_root / run
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-6"]
+    evs = await events_of(tbus, run)
+    said = [e for e in evs if isinstance(e, TrainStatus) and e.incident
+            and e.incident.get("kind") == "checkpoint_write_failed"]
+    assert len(said) == 1 and said[0].reason.startswith("checkpoint step 4 not written on n0")
+    assert "training goes on, the newest written is step 2" in said[0].reason
+    assert [e.step for e in evs if isinstance(e, CheckpointWritten)] == [2, 6]
+    got = run_series(await asyncio.to_thread(scrape, stack.metrics_url), run)
+    assert got["tandem_checkpoint_write_failures_total"] == 1
+    assert "checkpoint step 4 not written on n0 (rank 0, attempt 1)" in render_status(rec)
 
 
 async def test_nan_loss_rolls_back_past_a_newer_checkpoint_into_a_lineage_of_its_own(

@@ -229,6 +229,35 @@ def test_async_checkpoint_blocks_only_for_the_copy_and_loads_back_weights_only(
     assert again.train_step().loss == resumed.train_step().loss
 
 
+def test_a_checkpoint_write_that_fails_leaves_no_folder_and_the_next_one_commits(
+        tmp_path: Path) -> None:
+    import errno
+
+    import torch
+
+    from tandem.trainer.async_ckpt import AsyncCheckpointer
+
+    def full_disk(step: int) -> None:  # the drill's hook: its files are written by now
+        assert (tmp_path / "r" / f"step-{step}.incomplete" / "model.safetensors").is_file()
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    failed: list[tuple[int, BaseException]] = []
+    writer = AsyncCheckpointer(tmp_path, "r", before_commit=full_disk,
+                               on_error=lambda step, exc: failed.append((step, exc)))
+    for step in (1, 2, 3):
+        writer.snapshot(step, {"model": {"w": torch.full((4,), float(step))}},
+                        {"trainer": {"step": step}})
+        writer.wait()
+    writer.close()
+    assert [(step, getattr(exc, "errno", None)) for step, exc in failed] == [(2, errno.ENOSPC)]
+    assert [w.step for w in writer.written] == [1, 3]
+    # Nothing of step 2 is left (its files would hold the room the next one needs), and
+    # the checkpoints around it are whole.
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["step-1", "step-3"]
+    assert [ck.verify(tmp_path / "r" / f"step-{s}").step for s in (1, 3)] == [1, 3]
+
+
 def test_dit_and_image_folder_are_config_changes(tmp_path: Path) -> None:
     from PIL import Image
 

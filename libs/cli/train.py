@@ -235,6 +235,9 @@ def render_status(rec: RunRecord) -> str:
                      f"{s.get('score')}x the median step time (from step {s.get('step')})")
     for c in rec.corrupt_checkpoints:
         lines.append(f"  corrupt checkpoint step {c.get('step')}: {c.get('reason')}")
+    for c in rec.checkpoint_failures:
+        lines.append(f"  checkpoint step {c.get('step')} not written on {c.get('node')} "
+                     f"(rank {c.get('rank')}, attempt {c.get('attempt')}): {c.get('error')}")
     if rec.skipped:
         lines.append(f"  skipped data windows: {rec.skipped}")
     return "\n".join(lines)

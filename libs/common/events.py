@@ -489,6 +489,9 @@ class RunRecord(Event, kw_only=True):
     stragglers: list[dict[str, Any]] = []  # ranks flagged slow, with score, node, telemetry
     skipped: list[list[int]] = []  # data windows [first, last] skipped after loss anomalies
     corrupt_checkpoints: list[dict[str, Any]] = []  # local checkpoints that failed verification
+    # Checkpoints a rank could not write (a full disk), the newest 20: step, rank, node,
+    # error, attempt, the newest written before it. Training went on past each.
+    checkpoint_failures: list[dict[str, Any]] = []
     ranks: list[dict[str, Any]] = []  # current attempt: rank, pid, node of each rank
     owner: str = ""  # the API key (its name) that submitted the run; empty: an open door
     # A client asked to stop the run, and why: its coordinator stops the ranks and ends

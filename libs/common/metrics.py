@@ -115,19 +115,22 @@ TRAIN_SAMPLES = Gauge("tandem_train_samples_per_second", "Training throughput, s
 CKPT_BLOCKED = Histogram(
     "tandem_checkpoint_blocked_seconds", "Time a checkpoint blocked training, seconds",
     ["run"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+CKPT_WRITE_FAILURES = Counter(
+    "tandem_checkpoint_write_failures", "Checkpoints a run's ranks could not write (a full "
+    "disk), once per step and node", ["run"])
 GOODPUT = Gauge("tandem_train_goodput_ratio", "Productive share of a run's wall-clock time "
                 "(0..1)", ["run"])
 RESTARTS = Gauge("tandem_train_restarts", "Restarts of a run so far", ["run"])
 RUN_SERIES = (TRAIN_LOSS, TRAIN_STEP, TRAIN_STEP_SECONDS, TRAIN_SAMPLES, CKPT_BLOCKED, GOODPUT,
-              RESTARTS)
+              RESTARTS, CKPT_WRITE_FAILURES)
 GPU_SERIES = (GPU_UTIL, GPU_TEMP, GPU_POWER, GPU_MEM)
 
 __all__ = [
-    "CKPT_BLOCKED", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS", "GOODPUT", "GPU_MEM",
-    "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL", "INFLIGHT", "PHASE_SECONDS",
-    "PUBLISHED", "RESTARTS", "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES", "TRAIN_STEP",
-    "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "Phases", "exposition",
-    "forget_gpus", "forget_run", "set_gpus", "train_step",
+    "CKPT_BLOCKED", "CKPT_WRITE_FAILURES", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS",
+    "GOODPUT", "GPU_MEM", "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL", "INFLIGHT",
+    "PHASE_SECONDS", "PUBLISHED", "RESTARTS", "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES",
+    "TRAIN_STEP", "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "Phases",
+    "exposition", "forget_gpus", "forget_run", "set_gpus", "train_step",
 ]
 
 

@@ -140,6 +140,10 @@ class FaultSpec(_Spec):
         "rank waits before the local commit until it is killed), while the other nodes "
         "commit theirs: a node lost in the middle of a checkpoint, for kill drills.")
     stall_checkpoint_rank: int = 0
+    fail_checkpoint_write_at_step: int | None = Field(
+        None, description="Every attempt: the write of this step's checkpoint on the node of "
+        "rank 0 fails as on a full disk (OSError ENOSPC once its files are written, before "
+        "the commit): the run must go on, report it, and leave no partial folder behind.")
 
 
 class FSDPSpec(_Spec):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -83,9 +84,11 @@ class AsyncCheckpointer:
     def __init__(self, root: str | Path, run_id: str, *, pin: bool = False,
                  on_written: Callable[[Written], None] | None = None,
                  on_error: Callable[[int, BaseException], None] | None = None,
-                 line: ck.Lineage | None = None) -> None:
+                 line: ck.Lineage | None = None,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.run_id = run_id
+        self.before_commit = before_commit  # a fault hook (drills): called with the step
         self.line = line or ck.Lineage()  # each step is written in the lineage owning it
         self.on_written = on_written
         self.on_error = on_error
@@ -149,17 +152,25 @@ class AsyncCheckpointer:
                     self._idle.set()
 
     def write(self, snap: Snapshot) -> Written:
-        """Write ``snap`` to ``step-<N>.incomplete/`` and commit it (any thread)."""
+        """Write ``snap`` to ``step-<N>.incomplete/`` and commit it (any thread). A write
+        that fails (a full disk) removes what it wrote: those files are never a
+        checkpoint, and on a full disk they hold the room the next one needs."""
         t0 = time.perf_counter()
         lineage = self.line.owner(snap.step)
         tmp = ck.prepare_incomplete(self.root, snap.run_id, snap.step, lineage)
-        for stem, tensors in snap.tensors.items():
-            save_file(tensors, str(tmp / f"{stem}.safetensors"))
-        for stem, obj in snap.objects.items():
-            torch.save(obj, tmp / f"{stem}.pt")
-        for name, obj in snap.jsons.items():
-            (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
-        path, manifest = ck.commit(snap.run_id, snap.step, tmp, lineage=lineage)
+        try:
+            for stem, tensors in snap.tensors.items():
+                save_file(tensors, str(tmp / f"{stem}.safetensors"))
+            for stem, obj in snap.objects.items():
+                torch.save(obj, tmp / f"{stem}.pt")
+            for name, obj in snap.jsons.items():
+                (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
+            if self.before_commit is not None:
+                self.before_commit(snap.step)
+            path, manifest = ck.commit(snap.run_id, snap.step, tmp, lineage=lineage)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return Written(run_id=snap.run_id, step=snap.step, path=path, manifest=manifest,
                        blocked_s=snap.blocked_s, write_s=time.perf_counter() - t0)
 

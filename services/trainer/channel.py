@@ -89,8 +89,10 @@ class StepReport(_Message, tag="step"):
 
 
 class CheckpointWriteFailed(_Message, tag="checkpoint_failed"):
-    """Rank 0's background checkpoint write failed; training goes on and the coordinator
-    logs it (the next checkpoint may succeed; a resume uses the newest whole one)."""
+    """A rank's background checkpoint write failed (rank 0's; sharded, any rank's) and
+    what it wrote of the step is removed; training goes on and the coordinator reports
+    it (status event, KV ``checkpoint_failures``, a counter): the next checkpoint may
+    succeed, and a resume uses the newest whole one."""
 
     step: int
     error: str  # repr of the exception

@@ -12,6 +12,7 @@ the bad update, ``channel.ORPHANED`` (17) coordinator gone.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import os
 import signal
@@ -189,29 +190,43 @@ def checkpoint_writer(spec: LaunchSpec, channel: EventChannel, node: str,
         return ShardedCheckpointer(spec.checkpoint_root, spec.run_id, rank=rank,
                                    local_rank=local_rank, world=world, node=node, pin=pin,
                                    on_written=written, on_error=failed, line=line,
-                                   before_commit=stall_hook(spec, node, rank_nodes or []))
+                                   before_commit=fault_hook(spec, node, rank_nodes or []))
     return AsyncCheckpointer(spec.checkpoint_root, spec.run_id, pin=pin, on_written=written,
-                             on_error=failed, line=line)
+                             on_error=failed, line=line,
+                             before_commit=fault_hook(spec, node, rank_nodes or []))
 
 
-def stall_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
-    """The fault hook ``faults.stall_checkpoint_at_step`` for this node, or None: in the
-    first attempt, the node of ``stall_checkpoint_rank`` (``rank_nodes``: every rank's)
-    never commits its part of that step (its first rank waits here until the drill kills
-    it)."""
+def fault_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
+    """The checkpoint fault hooks of ``spec``'s run for this node's writer (called with the
+    step once its files are written, before the commit), or None:
+
+    - ``faults.stall_checkpoint_at_step``: in the first attempt, the node of
+      ``stall_checkpoint_rank`` (``rank_nodes``: every rank's) never commits its part of
+      that step (its first rank waits here until the drill kills it);
+    - ``faults.fail_checkpoint_write_at_step``: the node of rank 0 (every attempt) fails
+      that step's write as a full disk would (``OSError`` ENOSPC).
+    """
     faults = RunConfig.model_validate(spec.config).faults
-    at, victim = faults.stall_checkpoint_at_step, faults.stall_checkpoint_rank
-    if at is None or spec.attempt != 1 or victim >= len(rank_nodes) \
-            or rank_nodes[victim] != node:
+    stall, victim = faults.stall_checkpoint_at_step, faults.stall_checkpoint_rank
+    if stall is not None and (spec.attempt != 1 or victim >= len(rank_nodes)
+                              or rank_nodes[victim] != node):
+        stall = None  # sharded runs only: a whole checkpoint's writer has no rank_nodes
+    first = rank_nodes[0] if rank_nodes else node  # a whole checkpoint: rank 0 writes it
+    full = faults.fail_checkpoint_write_at_step if first == node else None
+    if stall is None and full is None:
         return None
 
-    def stall(step: int) -> None:
-        if step == at:
-            print(f"tandem node {node}: fault hook stall_checkpoint_at_step={at}",
+    def hook(step: int) -> None:
+        if step == stall:
+            print(f"tandem node {node}: fault hook stall_checkpoint_at_step={stall}",
                   file=sys.stderr, flush=True)
             threading.Event().wait()  # until killed: the drill's whole point
+        if step == full:
+            print(f"tandem node {node}: fault hook fail_checkpoint_write_at_step={full}",
+                  file=sys.stderr, flush=True)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    return stall
+    return hook
 
 
 def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: int,

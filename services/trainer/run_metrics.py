@@ -7,8 +7,9 @@ published ones, ``step_event_every``), every checkpoint written, and goodput and
 each time the run's record is written to KV ``runs``.
 
 Series are labelled by run. A run's stay after it ends, so a scrape after the end still
-reads its final figures, but only for the last ``KEEP_ENDED`` ended runs: a coordinator
-that lives through many runs keeps a bounded ``/metrics``.
+reads its final figures, but only for the last ``KEEP_ENDED`` ended runs
+(``TANDEM_METRICS_KEEP_ENDED``, set by the service): a coordinator that lives through
+many runs keeps a bounded ``/metrics``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import OrderedDict
 
 from tandem.common import metrics
 
-KEEP_ENDED = 8
+KEEP_ENDED = 8  # the service sets it from its settings
 _ended: OrderedDict[str, None] = OrderedDict()  # run ids whose series remain, oldest first
 
 
@@ -33,6 +34,9 @@ class RunMetrics:
 
     def checkpoint(self, blocked_s: float) -> None:
         metrics.CKPT_BLOCKED.labels(self.run_id).observe(blocked_s)
+
+    def checkpoint_failed(self) -> None:
+        metrics.CKPT_WRITE_FAILURES.labels(self.run_id).inc()
 
     def progress(self, restarts: int, goodput: float | None) -> None:
         metrics.RESTARTS.labels(self.run_id).set(restarts)

@@ -62,6 +62,7 @@ from tandem.common.streams import (
     core_streams,
     trainer_consumer,
 )
+from tandem.trainer import run_metrics
 from tandem.trainer.launcher import Launcher, LocalLauncher
 from tandem.trainer.nodes import NodeLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
@@ -121,6 +122,10 @@ class TrainerSettings(Settings):
         30.0, gt=0, le=3600, description="Coordinator: a pending run of this cluster still "
         "unclaimed this long after this coordinator saw it (its announcement never went "
         "out) is claimed from KV runs.")
+    metrics_keep_ended: int = Field(
+        8, ge=0, le=10_000, description="Coordinator: ended runs whose series stay on its "
+        "/metrics (the newest), so a scrape after a run's end still reads its final figures "
+        "while /metrics stays bounded.")
     launch_within_s: float = Field(
         30.0, gt=0, le=3600, description="Coordinator, launcher=nodes: how long a launch "
         "order is retried while a node has no agent (a pod restarting) before the attempt "
@@ -146,6 +151,7 @@ class Trainer(Service):
         super().__init__(settings)
         assert isinstance(settings, TrainerSettings)
         self.s: TrainerSettings = settings
+        run_metrics.KEEP_ENDED = settings.metrics_keep_ended  # one coordinator a process
         self.me = subjects.node_key(settings.cluster, settings.node)
         self.supervisors: dict[str, RunSupervisor] = {}
         self.launcher: Launcher = LocalLauncher(

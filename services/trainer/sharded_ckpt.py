@@ -28,7 +28,9 @@ DCP's own planner loads with ``weights_only=False``) with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -126,6 +128,13 @@ class ShardedCheckpointer:
                 self.on_written(written)
         except BaseException as exc:
             self.errors.append((step, exc))
+            if self.local_rank == 0:
+                # Never a checkpoint, and on a full disk its files hold the room the next
+                # one needs: the node's first rank removes them once every rank's writes
+                # have ended (DCP's future settles after its collective finish).
+                with contextlib.suppress(BaseException):
+                    future.exception()
+                shutil.rmtree(tmp, ignore_errors=True)
             if self.on_error is not None:
                 self.on_error(step, exc)
 

@@ -114,6 +114,7 @@ class RunSupervisor(AttemptWatch):
         self.pids: dict[int, int] = {}
         self.rank_node: dict[int, str] = {}  # each rank's node, as its hello says
         self._byes: set[int] = set()
+        self._ckpt_failed: set[tuple[int, int, str]] = set()  # (lineage, step, node) reported
         self._kv: TypedKV[RunRecord] | None = None
         self._last_kv = 0.0
         self.stragglers = StragglerDetector(config.straggler.ratio, config.straggler.window)
@@ -394,6 +395,7 @@ class RunSupervisor(AttemptWatch):
         spec_path.write_bytes(msgspec.json.encode(spec))
         self.placement = placement
         self.pids, self.rank_node, self._byes = {}, {}, set()
+        self._ckpt_failed = set()  # a step failing again in this attempt is reported again
         self.stragglers.reset()
         await self._status(RunState.starting,
                            f"attempt {self.attempt_no} on {','.join(placement.nodes)} "

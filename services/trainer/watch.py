@@ -58,6 +58,8 @@ from tandem.trainer.launcher import (
 )
 from tandem.trainer.run_metrics import RunMetrics
 
+MAX_FAILURES = 20  # checkpoint write failures a run's record keeps, the newest
+
 if TYPE_CHECKING:
     from tandem.trainer.supervisor import SupervisorConfig
 
@@ -84,6 +86,7 @@ class AttemptWatch:
     pids: dict[int, int]
     rank_node: dict[int, str]
     _byes: set[int]
+    _ckpt_failed: set[tuple[int, int, str]]
     latest_step: int
     last_ckpt_step: int
     line: ck.Lineage
@@ -235,8 +238,7 @@ class AttemptWatch:
                         case CheckpointWritten():
                             await self._on_checkpoint(message)
                         case CheckpointWriteFailed():
-                            self.log.error("run.checkpoint_failed", step=message.step,
-                                           error=message.error)
+                            await self._on_checkpoint_failed(item[2], message)
                         case Anomaly():
                             anomaly = Outcome("loss_anomaly", {
                                 "anomaly": message.anomaly, "data_pos": message.data_pos,
@@ -335,6 +337,30 @@ class AttemptWatch:
                 f"{self.run_id}-step-{step}-l{lineage}-a{self.attempt_no}", retry_for=2.0)
         if time.monotonic() - self._last_kv >= self.cfg.status_every_s:
             await self._record(latest_step=step)
+
+    async def _on_checkpoint_failed(self, rank: int, failed: CheckpointWriteFailed) -> None:
+        """A rank could not write a checkpoint (a full disk): training goes on (the next
+        one may be written, and a resume uses the newest whole one), and the run says so:
+        a status event, KV ``checkpoint_failures`` and a counter. Once per step and node
+        (every rank of a sharded checkpoint may report the same write)."""
+        node = self._node_of(rank) if rank >= 0 else self.cfg.node
+        self.log.error("run.checkpoint_failed", step=failed.step, rank=rank, node=node,
+                       error=failed.error)
+        key = (self.line.owner(failed.step), failed.step, node)
+        if key in self._ckpt_failed:
+            return
+        self._ckpt_failed.add(key)
+        self.metrics.checkpoint_failed()
+        record = {"kind": "checkpoint_write_failed", "step": failed.step, "rank": rank,
+                  "node": node, "error": failed.error, "attempt": self.attempt_no,
+                  "last_written": self.last_ckpt_step or None, "at": time.time()}
+        rec = await self._current()
+        before = rec.checkpoint_failures if rec else []
+        newest = (f"the newest written is step {self.last_ckpt_step}" if self.last_ckpt_step
+                  else "no checkpoint is written yet")
+        await self._status(RunState.running, f"checkpoint step {failed.step} not written on "
+                           f"{node} (rank {rank}): {failed.error}; training goes on, {newest}",
+                           record, checkpoint_failures=[*before, record][-MAX_FAILURES:])
 
     async def _on_checkpoint(self, written: CheckpointWritten) -> None:
         step = written.step
