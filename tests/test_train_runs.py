@@ -114,7 +114,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(nats=nats, cluster=f"t{uid}", ckpt_root=root / "ckpt", work_root=root / "work",
                log=root / "trainer.log", background={
                    "reference": f"ref-{uid}", "nan": f"nan-{uid}", "crash": f"crash-{uid}",
-                   "linger": f"linger-{uid}", "fsdp": f"fsdp-{uid}", "full": f"full-{uid}"},
+                   "linger": f"linger-{uid}", "fsdp": f"fsdp-{uid}", "full": f"full-{uid}",
+                   "lost": f"lost-{uid}"},
                metrics_url="", otlp=Receiver())
     bg = st.background
     asyncio.run(_submit_all(nats.url, [
@@ -130,6 +131,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              watchdog={"hang_floor_s": 120, "startup_timeout_s": 200, "teardown_grace_s": 1}),
         tiny(bg["full"], cluster=st.cluster, ranks=1, steps=6, checkpoint_every=2,
              faults={"fail_checkpoint_write_at_step": 4}),
+        tiny(bg["lost"], cluster=st.cluster, ranks=1, steps=4, checkpoint_every=2,
+             faults={"fail_checkpoint_write_at_step": 4},
+             watchdog={"hang_floor_s": 120, "backoff_s": 0.2, "max_restarts": 1,
+                       "startup_timeout_s": 200}),
         tiny(bg["fsdp"], cluster=st.cluster, steps=8, checkpoint_every=2, model=TINY_DIT,
              parallelism="fsdp", faults={"nan_at_data_pos": [5]},
              loss_health={"min_history": 5, "skip_batches": 2}),
@@ -515,6 +520,22 @@ async def test_a_checkpoint_the_disk_had_no_room_for_is_reported_and_training_go
     got = run_series(await asyncio.to_thread(scrape, stack.metrics_url), run)
     assert got["tandem_checkpoint_write_failures_total"] == 1
     assert "checkpoint step 4 not written on n0 (rank 0, attempt 1)" in render_status(rec)
+
+
+async def test_a_run_whose_last_checkpoint_cannot_be_written_does_not_succeed(
+        stack: Stack, tbus: Bus) -> None:
+    # The last step's checkpoint is the run's result: every step trained without it is
+    # not a success. Each attempt resumes from step 2, trains to 4 and cannot write it.
+    rec = await finished(tbus, stack.background["lost"])
+    assert rec.state == RunState.failed, render_status(rec)
+    assert [(i["kind"], i["attempt"], i["node"], i["checkpoint_step"], i["resume_from"])
+            for i in rec.incidents] == [("final_checkpoint_unwritten", 1, "n0", 4, 2),
+                                        ("final_checkpoint_unwritten", 2, "n0", 4, 2)]
+    assert [(f["step"], f["attempt"]) for f in rec.checkpoint_failures] == [(4, 1), (4, 2)]
+    final = await until_event(tbus, rec.run_id, lambda e: isinstance(e, TrainStatus)
+                              and e.state == RunState.failed)
+    assert "gave up after 1 restarts; last: final_checkpoint_unwritten" in final.reason
+    assert sorted(p.name for p in (stack.ckpt_root / rec.run_id).iterdir()) == ["step-2"]
 
 
 async def test_nan_loss_rolls_back_past_a_newer_checkpoint_into_a_lineage_of_its_own(

@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 @dataclass
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
-    #            no_healthy_nodes, launch_failed, restore_failed, stopping, cancelled
+    #            final_checkpoint_unwritten, no_healthy_nodes, launch_failed,
+    #            restore_failed, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -140,6 +141,8 @@ class AttemptWatch:
         finished_at: float | None = None  # when the last step was done and all said goodbye
         anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
         exits: dict[str, int] = {}
+        closed: set[int] = set()  # ranks whose connection ended: all they sent is read
+        ending = False  # every agent exited after the last step: deciding once all is read
         try:
             while True:
                 now = time.monotonic()
@@ -164,7 +167,7 @@ class AttemptWatch:
                                          grace_s=wd.teardown_grace_s,
                                          rank_states={r: proc_state(p)
                                                       for r, p in sorted(self.pids.items())})
-                        return Outcome("succeeded")
+                        return self._ended()
                     kind = "startup_timeout" if last_step_at is None else "hang"
                     states = {r: proc_state(p) for r, p in sorted(self.pids.items())}
                     stopped = [r for r, s in states.items() if s in ("T", "t")]
@@ -197,7 +200,13 @@ class AttemptWatch:
                             "detector": "torchrun agent exited non-zero"})
                     if len(exits) == len(attempt.agents):
                         if done:
-                            return Outcome("succeeded")
+                            # Each node's last checkpoint write is told on its own rank's
+                            # connection: decided once every rank's is read to its end.
+                            if len(closed) >= self.config.ranks:
+                                return self._ended()
+                            ending = True
+                            finished_at = finished_at or time.monotonic()
+                            continue
                         return Outcome("rank_exit", {"detector": "ranks exited before the "
                                                      "last step", "exit_code": 0})
                 elif tag == "health":
@@ -207,6 +216,10 @@ class AttemptWatch:
                                                  "detector": "health event / drain"})
                 elif tag == "closed":
                     rank = item[2]
+                    if rank >= 0:
+                        closed.add(rank)
+                    if ending and len(closed) >= self.config.ranks:
+                        return self._ended()
                     if rank >= 0 and rank not in self._byes and anomaly is None:
                         pid = self.pids.get(rank, 0)
                         return Outcome("rank_exit", {
@@ -253,6 +266,20 @@ class AttemptWatch:
             for w in waiters:
                 w.cancel()
             await asyncio.gather(stop_task, *waiters, return_exceptions=True)
+
+    def _ended(self) -> Outcome:
+        """Every step trained: succeeded, unless the last step's checkpoint (the run's
+        result) could not be written on some node in this attempt. Then it restarts as
+        after a failure, from the newest whole checkpoint, and writes it again (the
+        node named goes last in the next placement), bounded by ``max_restarts``."""
+        last = self.config.steps
+        line = self.line.owner(last)
+        nodes = sorted(n for ln, step, n in self._ckpt_failed if (ln, step) == (line, last))
+        if not nodes:
+            return Outcome("succeeded")
+        return Outcome("final_checkpoint_unwritten", {
+            "node": nodes[0], "nodes": nodes, "checkpoint_step": last,
+            "detector": f"the last step's checkpoint was not written on {', '.join(nodes)}"})
 
     def _node_of(self, rank: int) -> str:
         """The node ``rank`` said it runs on (the rendezvous placed it); before its hello,
