@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tandem.cli.devstack import S3Server
+from tandem.cli.devstack import NatsServer, S3Server
 from tandem.common import subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
@@ -216,6 +217,55 @@ async def test_openapi_documents_the_generation_api(http: httpx.AsyncClient) -> 
     assert {"/v1/generations", "/v1/generations/{task_id}",
             "/v1/generations/{task_id}/events", "/v1/models"} <= set(paths)
     assert (await http.get("/docs")).status_code == 200
+
+
+async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_none(
+        tmp_path: Path, s3_server: S3Server) -> None:
+    # A JetStream store of 1 MB, filled by a stream of another program's: no room for a
+    # task's record. A 503 that says so (not the retry window of a leader election, not
+    # a bare class name), the task accepted before it intact, and served once room is made.
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'jetstream {{ store_dir: "{tmp_path / "js"}", max_file_store: 1MB }}\n')
+    nats = NatsServer(name="full", log_path=tmp_path / "nats.log", store_dir=tmp_path / "js",
+                      config_path=conf).start()
+    try:
+        bus = await Bus.connect(load(Settings, nats_url=nats.url, cluster="c1", node="n0"),
+                                "test")
+        try:
+            await bus.provision([*core_streams(), gen_stream("c1")])
+            s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
+                                s3_secret_key="tandem"))
+            gw = Gateway(bus, Registry.parse(""), ["c1"], s3=s3, bucket="b", url_ttl=60,
+                         publish_retry_for=600.0, limits=JobLimits(), seal_key=SEAL_KEY)
+            await gw.start()
+            asgi, _ = create_app(gw, max_body_bytes=MAX_BODY)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
+                                         base_url="http://gw") as http:
+                ask = {"model": "tiny-text", "prompt": "a cat"}
+                first = await http.post("/v1/generations", json=ask)
+                assert first.status_code == 202, first.text
+                await bus.js.add_stream(name="FILL", subjects=["fill.>"])
+                while b'"error"' not in (await bus.nc.request("fill.x", b"x" * 4096,
+                                                              timeout=5)).data:
+                    pass
+                # publish_retry_for is 600 s: a refusal that waited it out would time the
+                # test out instead of answering.
+                full = await http.post("/v1/generations", json=ask)
+                assert full.status_code == 503, full.text
+                assert "could not record the task: insufficient resources (JetStream " \
+                       "error 503/10023)" in full.json()["detail"]
+                assert full.headers["retry-after"]
+                view = await http.get(first.json()["status_url"])
+                assert view.status_code == 200 and view.json()["state"] == "queued"
+                assert await queued_on(bus, "c1") == 1
+                await bus.js.purge_stream("FILL")
+                again = await http.post("/v1/generations", json=ask)
+                assert again.status_code == 202, again.text
+                assert await queued_on(bus, "c1") == 2
+        finally:
+            await bus.drain()
+    finally:
+        nats.stop()
 
 
 def test_gateway_imports_without_torch_or_diffusers() -> None:

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
-from tandem.common.bus import TypedKV
+from tandem.common.bus import TypedKV, describe
 from tandem.common.errors import TooManyRuns
 from tandem.common.events import RateMark
 from tandem.common.jobs import OPEN, Caller
@@ -314,9 +314,10 @@ class Limits:
                     st.mark = await self.rates.move(key.name, take, expect=st.mark)
                 except Exception as exc:  # whatever failed: no budget read, no request
                     st.mark = None
-                    _log.warning("auth.rates_unavailable", key=key.name, error=repr(exc))
+                    _log.warning("auth.rates_unavailable", key=key.name,
+                                 error=describe(exc))
                     raise Denied(503, f"the rate limit of key {key.name!r} cannot be read "
-                                 f"(KV {KV_RATES}): {exc!r}", retry_after=1) from None
+                                 f"(KV {KV_RATES}): {describe(exc)}", retry_after=1) from None
         if wait > 0:
             AUTH.labels("rate_limited").inc()
             raise Denied(429, f"key {key.name!r} is over its rate limit of "

@@ -22,7 +22,7 @@ import msgspec
 
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV, retry_transient, watch
+from tandem.common.bus import Bus, TypedKV, describe, retry_transient, watch
 from tandem.common.events import (
     CancelNotice,
     GenerationTask,
@@ -192,8 +192,12 @@ class Gateway:
         try:
             await self._publish(task, cluster, revision)
         except Exception as exc:
-            reason = f"could not enqueue on cluster {cluster}: {exc!r}"
-            await self.tasks.update(task_id, moves.to_failed(reason))
+            reason = f"could not enqueue on cluster {cluster}: {describe(exc)}"
+            try:
+                await self.tasks.update(task_id, moves.to_failed(reason))
+            except Exception as again:  # the bus that refused the task refuses this too
+                _log.warning("gateway.record_not_failed", task_id=task_id,
+                             reason=reason, error=describe(again))
             SUBMITTED.labels(req.lane, "enqueue_failed").inc()
             raise Conflict(503, reason) from exc
         SUBMITTED.labels(req.lane, "accepted").inc()
@@ -209,7 +213,7 @@ class Gateway:
                                          self.publish_retry_for, what=f"record {task_id}")
         except Exception as exc:
             SUBMITTED.labels(rec.task.lane, "record_failed").inc()
-            raise Conflict(503, f"could not record the task: {exc!r}") from exc
+            raise Conflict(503, f"could not record the task: {describe(exc)}") from exc
 
     async def _publish(self, task: GenerationTask, cluster: str,
                        revision: int | None = None) -> None:

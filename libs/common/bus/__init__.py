@@ -22,7 +22,7 @@ from tandem.common.bus.connect import Bus, DomainJetStream, synced
 from tandem.common.bus.consumer import Consumer, Delivery, Poller
 from tandem.common.bus.headers import EXPECTED_LAST, MSG_ID, TRACEPARENT
 from tandem.common.bus.kv import KeyWatch, MapWatch, TypedKV, Watch, snapshot, watch
-from tandem.common.bus.retry import retry_transient, transient
+from tandem.common.bus.retry import describe, no_room, retry_transient, transient
 
 __all__ = [
     "EXPECTED_LAST",
@@ -40,6 +40,8 @@ __all__ = [
     "TypedKV",
     "Watch",
     "delivered_count",
+    "describe",
+    "no_room",
     "retry_transient",
     "snapshot",
     "synced",

@@ -22,12 +22,33 @@ _RETRYABLE = (NatsTimeout, asyncio.TimeoutError, NoRespondersError, NoStreamResp
               ConnectionClosedError)
 
 
+# JetStream's "insufficient resources" (10023), memory (10028) and storage (10047)
+# limits exceeded: the server or account has no room for the write, and will not have
+# any until something is deleted or purged. Also a 503, but one that does not pass.
+NO_ROOM = (10023, 10028, 10047)
+
+
+def no_room(exc: BaseException) -> bool:
+    """Whether ``exc`` is JetStream refusing a write for want of storage."""
+    return isinstance(exc, APIError) and exc.err_code in NO_ROOM
+
+
 def transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a bus error that passes: a timeout, no responders or a 503 while
-    a stream elects a leader, a reconnect."""
+    a stream elects a leader, a reconnect. Not a full store (``no_room``): waiting out a
+    retry window for it would only hold the caller."""
     if isinstance(exc, APIError):
-        return (exc.code or 0) in (503, 0)
+        return (exc.code or 0) in (503, 0) and not no_room(exc)
     return isinstance(exc, _RETRYABLE)
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` for a message a person reads: a JetStream error's own description and
+    codes (its repr is only the class name), else its repr."""
+    if isinstance(exc, APIError):
+        what = exc.description or type(exc).__name__
+        return f"{what} (JetStream error {exc.code}/{exc.err_code})"
+    return repr(exc)
 
 
 async def retry_transient(op: Callable[[], Awaitable[T]], retry_for: float,
@@ -40,7 +61,7 @@ async def retry_transient(op: Callable[[], Awaitable[T]], retry_for: float,
         fields["what"] = what
 
     def logged(exc: BaseException, _: Retries) -> None:
-        _log.warning(event, error=repr(exc), **fields)
+        _log.warning(event, error=describe(exc), **fields)
 
     return await retry(op, TRANSIENT_BACKOFF, when=transient, within=retry_for,
                        on_retry=logged)
