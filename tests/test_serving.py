@@ -4,6 +4,7 @@ child processes on a real NATS server and S3 endpoint, and what each survives.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,11 +21,12 @@ import httpx
 import pytest
 
 from tandem.cli.devstack import S3Server, free_port
-from tandem.common import subjects
+from tandem.common import streams, subjects
+from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationTask, TaskRecord, TaskState
+from tandem.common.events import GenerationTask, TaskRecord, TaskState, encode
 from tandem.common.storage import s3_client
-from tandem.common.streams import KV_TASKS
+from tandem.common.streams import KV_TASKS, core_streams
 from tests.checkpoint_support import FaultProxy
 from tests.conftest import PYTHON, thread_cpus, torch_loaded
 from tests.serving_stack import (
@@ -595,3 +597,65 @@ def test_a_worker_is_not_ready_while_its_models_load(stack: Stack, tmp_path: Pat
         assert health["models_loaded"] == []
     finally:
         w.kill()
+
+
+async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_once(
+        tmp_path: Path, s3_server: S3Server) -> None:
+    """A JetStream store with no room for a result (1 MB, filled by another program's
+    stream once the task is queued): the worker makes the task and holds it, trying its
+    commit again in place, rather than hand it back to be run again until the DLQ takes
+    it; once room is made, the task succeeds on its first delivery."""
+    st = ServingStack(tmp_path, s3_server, "full")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'jetstream {{ store_dir: "{tmp_path / "js"}", max_file_store: 1MB }}\n')
+    st.nats.config_path = conf
+    st.nats.start()
+    try:
+        async with st.bus() as bus:
+            await bus.provision([*core_streams(), streams.gen_stream("c1"),
+                                 *streams.gen_consumers("c1", ack_wait=5.0)])
+            task = GenerationTask(task_id=uuid.uuid4().hex, model="noop", noop=True, steps=1,
+                                  cluster="c1")
+            kv = await bus.typed(KV_TASKS, TaskRecord)
+            rev = await kv.create(task.task_id, moves.queued(task, "c1"))
+            data = encode(task)
+            await bus.send([(subjects.gen("c1", task.lane), data, bus.headers(
+                task.task_id, moves.seal(st.seal_key.encode(), rev, data)))])
+            await bus.js.add_stream(name="FILL", subjects=["fill.>"])
+            while b'"error"' not in (await bus.nc.request("fill.x", b"x" * 4096,
+                                                          timeout=5)).data:
+                pass
+            w = worker(tmp_path, "w-full", **st.env(cluster="c1", node="w-full", serve="noop",
+                                                    ack_wait="5"))
+            st.children.append(w.start())
+            # Its fifth try comes 7.5 s after the first: past its ack_wait (5 s), so
+            # only its keepalive has kept the task from being delivered again.
+            deadline = time.monotonic() + DEADLINE
+            while max((line.get("tries", 0) for line in logged(w)
+                       if line.get("event") == "worker.commit_no_room"), default=0) < 5:
+                assert w.running and time.monotonic() < deadline, w.tail()
+                await asyncio.sleep(0.05)  # polling the worker's log for its retries
+            got = await kv.get(task.task_id)
+            assert got is not None and got[0].state == TaskState.queued
+            await bus.js.purge_stream("FILL")
+            rec = await terminal(bus, task.task_id)
+            assert rec.state == TaskState.succeeded and rec.attempts == 1, rec
+            info = await bus.js.consumer_info(subjects.gen_stream_name("c1"),
+                                              streams.gen_consumer("c1", lane=task.lane).durable)
+            assert info.num_redelivered == 0
+            assert {line.get("error") for line in logged(w)
+                    if line.get("event") == "worker.commit_no_room"} == {
+                "insufficient resources (JetStream error 503/10023)"}
+    finally:
+        st.stop()
+
+
+def logged(child: Child) -> list[dict[str, Any]]:
+    """The JSON lines of a child's log so far."""
+    out = []
+    for line in child.tail(1_000_000).splitlines():
+        with contextlib.suppress(ValueError):
+            got = json.loads(line)
+            if isinstance(got, dict):
+                out.append(got)
+    return out

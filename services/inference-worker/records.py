@@ -22,17 +22,21 @@ elsewhere) reads it and decides again on what is stored.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.common import log
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, Delivery, MapWatch, TypedKV, delivered_count
+from tandem.common.backoff import Backoff
+from tandem.common.bus import Bus, Delivery, MapWatch, TypedKV, delivered_count, describe, no_room
 from tandem.common.events import CancelNotice, GenerationTask, TaskRecord, decode
 from tandem.common.streams import DAY, KV_CANCELS
 
 _log = log.get("tandem.inference_worker.records")
+# A commit JetStream has no room for waits in place: room comes when something is purged.
+NO_ROOM_BACKOFF = Backoff(0.5, max_delay=5.0)
 
 
 @dataclass(slots=True)
@@ -168,20 +172,38 @@ class Records:
         """Move each record to ``succeeded`` with its images: the commit point, for many
         tasks in one pipelined write (``TypedKV.move_many``). Each task's outcome is its
         own: the record as it now stands (``cancelled`` if a cancel came first), or what
-        its write raised."""
-        got = await self.kv.move_many([(e.held.task.task_id, moves.to_succeeded(
-            e.images, cluster=e.held.cluster, worker=self.worker, attempt=e.held.attempt,
-            started_at=e.held.taken, checkpoint=e.checkpoint,
-            checkpoint_step=e.checkpoint_step, timings=e.timings), e.held.expect)
-            for e in ends])
-        out: list[TaskRecord | BaseException | None] = []
-        for e, one in zip(ends, got, strict=True):
-            if isinstance(one, tuple):
-                e.held.expect = one
-                out.append(one[0])
-            else:
-                out.append(one)
-        return out
+        its write raised.
+
+        A write JetStream refused for want of room (``no_room``: its store is full) is
+        tried again in place, from 0.5 s up to every 5 s, for as long as it takes: the
+        images are made and stored, and the tasks stay held (their keepalive goes on), so
+        none is delivered again, run again or dead-lettered for a full store; and a
+        worker whose held tasks all wait here fetches nothing new. Cancelled (the worker
+        stopping), they are handed back as any held task is."""
+        out: list[TaskRecord | BaseException | None] = [None] * len(ends)
+        todo, tries = list(range(len(ends))), 0
+        while True:
+            got = await self.kv.move_many([(ends[i].held.task.task_id, moves.to_succeeded(
+                ends[i].images, cluster=ends[i].held.cluster, worker=self.worker,
+                attempt=ends[i].held.attempt, started_at=ends[i].held.taken,
+                checkpoint=ends[i].checkpoint, checkpoint_step=ends[i].checkpoint_step,
+                timings=ends[i].timings), ends[i].held.expect) for i in todo])
+            full = []
+            for i, one in zip(todo, got, strict=True):
+                if isinstance(one, tuple):
+                    ends[i].held.expect = one
+                    out[i] = one[0]
+                elif no_room(one):
+                    full.append(i)
+                else:
+                    out[i] = one
+            if not full:
+                return out
+            tries += 1
+            _log.warning("worker.commit_no_room", tasks=len(full), tries=tries,
+                         error=describe(got[todo.index(full[0])]))
+            await asyncio.sleep(NO_ROOM_BACKOFF.delay(tries))
+            todo = full
 
     async def failed(self, body: GenerationTask, reason: str) -> TaskRecord | None:
         """A dead-lettered task's record ends ``failed`` with ``reason``: its own record
