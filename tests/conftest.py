@@ -120,3 +120,22 @@ def ports_taken_at_once(code: str, processes: int = 2) -> list[set[int]]:
         assert p.returncode == 0, err[-2000:]
         got.append({int(x) for x in out.split()})
     return got
+
+
+# A JetStream store that fills in a moment: tests of what a full one does.
+FILL = "FILL"  # the stream that fills it (another program's); purge it to make room
+
+
+def small_store(root: Path) -> Path:
+    """A nats-server config (``NatsServer.config_path``) whose JetStream holds 1 MB."""
+    conf = root / "nats.conf"
+    conf.write_text(f'jetstream {{ store_dir: "{root / "js"}", max_file_store: 1MB }}\n')
+    return conf
+
+
+async def fill_store(bus: Bus) -> None:
+    """Write to a stream of its own (``FILL``) until JetStream has no room; from then on
+    it refuses every write, whatever its size, until ``FILL`` is purged."""
+    await bus.js.add_stream(name=FILL, subjects=["fill.>"])
+    while b'"error"' not in (await bus.nc.request("fill.x", b"x" * 4096, timeout=5)).data:
+        pass

@@ -30,7 +30,7 @@ from tandem.common.storage import s3_client
 from tandem.common.streams import KV_CANCELS, KV_NODES, KV_TASKS, core_streams, gen_stream
 from tandem.gateway.api import create_app
 from tandem.gateway.generations import Gateway
-from tests.conftest import PYTHON
+from tests.conftest import FILL, PYTHON, fill_store, small_store
 
 MAX_BODY = 4096
 SEAL_KEY = b"a test seal key, not a secret"
@@ -224,10 +224,8 @@ async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_no
     # A JetStream store of 1 MB, filled by a stream of another program's: no room for a
     # task's record. A 503 that says so (not the retry window of a leader election, not
     # a bare class name), the task accepted before it intact, and served once room is made.
-    conf = tmp_path / "nats.conf"
-    conf.write_text(f'jetstream {{ store_dir: "{tmp_path / "js"}", max_file_store: 1MB }}\n')
     nats = NatsServer(name="full", log_path=tmp_path / "nats.log", store_dir=tmp_path / "js",
-                      config_path=conf).start()
+                      config_path=small_store(tmp_path)).start()
     try:
         bus = await Bus.connect(load(Settings, nats_url=nats.url, cluster="c1", node="n0"),
                                 "test")
@@ -244,10 +242,7 @@ async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_no
                 ask = {"model": "tiny-text", "prompt": "a cat"}
                 first = await http.post("/v1/generations", json=ask)
                 assert first.status_code == 202, first.text
-                await bus.js.add_stream(name="FILL", subjects=["fill.>"])
-                while b'"error"' not in (await bus.nc.request("fill.x", b"x" * 4096,
-                                                              timeout=5)).data:
-                    pass
+                await fill_store(bus)
                 # publish_retry_for is 600 s: a refusal that waited it out would time the
                 # test out instead of answering.
                 full = await http.post("/v1/generations", json=ask)
@@ -258,7 +253,7 @@ async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_no
                 view = await http.get(first.json()["status_url"])
                 assert view.status_code == 200 and view.json()["state"] == "queued"
                 assert await queued_on(bus, "c1") == 1
-                await bus.js.purge_stream("FILL")
+                await bus.js.purge_stream(FILL)
                 again = await http.post("/v1/generations", json=ask)
                 assert again.status_code == 202, again.text
                 assert await queued_on(bus, "c1") == 2

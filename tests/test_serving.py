@@ -28,7 +28,7 @@ from tandem.common.events import GenerationTask, TaskRecord, TaskState, encode
 from tandem.common.storage import s3_client
 from tandem.common.streams import KV_TASKS, core_streams
 from tests.checkpoint_support import FaultProxy
-from tests.conftest import PYTHON, thread_cpus, torch_loaded
+from tests.conftest import FILL, PYTHON, fill_store, small_store, thread_cpus, torch_loaded
 from tests.serving_stack import (
     DEADLINE,
     Child,
@@ -606,9 +606,7 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
     commit again in place, rather than hand it back to be run again until the DLQ takes
     it; once room is made, the task succeeds on its first delivery."""
     st = ServingStack(tmp_path, s3_server, "full")
-    conf = tmp_path / "nats.conf"
-    conf.write_text(f'jetstream {{ store_dir: "{tmp_path / "js"}", max_file_store: 1MB }}\n')
-    st.nats.config_path = conf
+    st.nats.config_path = small_store(tmp_path)
     st.nats.start()
     try:
         async with st.bus() as bus:
@@ -621,10 +619,7 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
             data = encode(task)
             await bus.send([(subjects.gen("c1", task.lane), data, bus.headers(
                 task.task_id, moves.seal(st.seal_key.encode(), rev, data)))])
-            await bus.js.add_stream(name="FILL", subjects=["fill.>"])
-            while b'"error"' not in (await bus.nc.request("fill.x", b"x" * 4096,
-                                                          timeout=5)).data:
-                pass
+            await fill_store(bus)
             w = worker(tmp_path, "w-full", **st.env(cluster="c1", node="w-full", serve="noop",
                                                     ack_wait="5"))
             st.children.append(w.start())
@@ -637,7 +632,7 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
                 await asyncio.sleep(0.05)  # polling the worker's log for its retries
             got = await kv.get(task.task_id)
             assert got is not None and got[0].state == TaskState.queued
-            await bus.js.purge_stream("FILL")
+            await bus.js.purge_stream(FILL)
             rec = await terminal(bus, task.task_id)
             assert rec.state == TaskState.succeeded and rec.attempts == 1, rec
             info = await bus.js.consumer_info(subjects.gen_stream_name("c1"),

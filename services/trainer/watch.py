@@ -142,7 +142,6 @@ class AttemptWatch:
         anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
         exits: dict[str, int] = {}
         closed: set[int] = set()  # ranks whose connection ended: all they sent is read
-        ending = False  # every agent exited after the last step: deciding once all is read
         try:
             while True:
                 now = time.monotonic()
@@ -204,7 +203,6 @@ class AttemptWatch:
                             # connection: decided once every rank's is read to its end.
                             if len(closed) >= self.config.ranks:
                                 return self._ended()
-                            ending = True
                             finished_at = finished_at or time.monotonic()
                             continue
                         return Outcome("rank_exit", {"detector": "ranks exited before the "
@@ -218,8 +216,9 @@ class AttemptWatch:
                     rank = item[2]
                     if rank >= 0:
                         closed.add(rank)
-                    if ending and len(closed) >= self.config.ranks:
-                        return self._ended()
+                    if (done and len(exits) == len(attempt.agents)
+                            and len(closed) >= self.config.ranks):
+                        return self._ended()  # the last connection read after the exits
                     if rank >= 0 and rank not in self._byes and anomaly is None:
                         pid = self.pids.get(rank, 0)
                         return Outcome("rank_exit", {
