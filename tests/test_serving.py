@@ -632,9 +632,15 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
                 await asyncio.sleep(0.05)  # polling the worker's log for its retries
             got = await kv.get(task.task_id)
             assert got is not None and got[0].state == TaskState.queued
+            # An operator sees the stall on the worker's /healthz and /metrics.
+            assert await waiting(w) == (1, 1.0)
             await bus.js.purge_stream(FILL)
             rec = await terminal(bus, task.task_id)
             assert rec.state == TaskState.succeeded and rec.attempts == 1, rec
+            # The record is written before the worker reads the server's ack of it.
+            while (now := await waiting(w)) != (0, 0.0):
+                assert time.monotonic() < deadline, now
+                await asyncio.sleep(0.05)  # polling the worker's /healthz
             info = await bus.js.consumer_info(subjects.gen_stream_name("c1"),
                                               streams.gen_consumer("c1", lane=task.lane).durable)
             assert info.num_redelivered == 0
@@ -643,6 +649,18 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
                 "insufficient resources (JetStream error 503/10023)"}
     finally:
         st.stop()
+
+
+async def waiting(w: Child) -> tuple[int, float]:
+    """A worker's commits waiting for room: its /healthz count and its gauge."""
+    base = f"http://127.0.0.1:{w.metrics()}"
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        health = (await client.get("/healthz")).json()
+        text = (await client.get("/metrics")).text
+    gauge = [float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("tandem_worker_commits_waiting ")]
+    assert len(gauge) == 1, text
+    return health["commit_waiting"], gauge[0]
 
 
 def logged(child: Child) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.common import log
+from tandem.common import log, metrics
 from tandem.common import tasks as moves
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Bus, Delivery, MapWatch, TypedKV, delivered_count, describe, no_room
@@ -37,6 +37,8 @@ from tandem.common.streams import DAY, KV_CANCELS
 _log = log.get("tandem.inference_worker.records")
 # A commit JetStream has no room for waits in place: room comes when something is purged.
 NO_ROOM_BACKOFF = Backoff(0.5, max_delay=5.0)
+COMMITS_WAITING = metrics.Gauge(
+    "tandem_worker_commits_waiting", "Made tasks whose commit waits for room in JetStream")
 
 
 @dataclass(slots=True)
@@ -117,6 +119,7 @@ class Records:
         self.cancels = cancels
         self.seal_key = seal_key
         self.worker = worker
+        self.waiting = 0  # made tasks whose commit waits for room (``finish``)
 
     def claim_now(self, d: Delivery[GenerationTask], cluster: str) -> Held | None:
         """``claim`` as far as it goes without a read: None if a cancel notice came; a
@@ -179,31 +182,43 @@ class Records:
         images are made and stored, and the tasks stay held (their keepalive goes on), so
         none is delivered again, run again or dead-lettered for a full store; and a
         worker whose held tasks all wait here fetches nothing new. Cancelled (the worker
-        stopping), they are handed back as any held task is."""
+        stopping), they are handed back as any held task is. While they wait they are
+        counted in ``waiting`` (the worker's ``/healthz`` ``commit_waiting`` and
+        ``tandem_worker_commits_waiting``): a fleet stalled on a full JetStream shows it."""
         out: list[TaskRecord | BaseException | None] = [None] * len(ends)
-        todo, tries = list(range(len(ends))), 0
-        while True:
-            got = await self.kv.move_many([(ends[i].held.task.task_id, moves.to_succeeded(
-                ends[i].images, cluster=ends[i].held.cluster, worker=self.worker,
-                attempt=ends[i].held.attempt, started_at=ends[i].held.taken,
-                checkpoint=ends[i].checkpoint, checkpoint_step=ends[i].checkpoint_step,
-                timings=ends[i].timings), ends[i].held.expect) for i in todo])
-            full = []
-            for i, one in zip(todo, got, strict=True):
-                if isinstance(one, tuple):
-                    ends[i].held.expect = one
-                    out[i] = one[0]
-                elif no_room(one):
-                    full.append(i)
-                else:
-                    out[i] = one
-            if not full:
-                return out
-            tries += 1
-            _log.warning("worker.commit_no_room", tasks=len(full), tries=tries,
-                         error=describe(got[todo.index(full[0])]))
-            await asyncio.sleep(NO_ROOM_BACKOFF.delay(tries))
-            todo = full
+        todo, tries, counted = list(range(len(ends))), 0, 0
+        try:
+            while True:
+                got = await self.kv.move_many([(ends[i].held.task.task_id, moves.to_succeeded(
+                    ends[i].images, cluster=ends[i].held.cluster, worker=self.worker,
+                    attempt=ends[i].held.attempt, started_at=ends[i].held.taken,
+                    checkpoint=ends[i].checkpoint, checkpoint_step=ends[i].checkpoint_step,
+                    timings=ends[i].timings), ends[i].held.expect) for i in todo])
+                full = []
+                for i, one in zip(todo, got, strict=True):
+                    if isinstance(one, tuple):
+                        ends[i].held.expect = one
+                        out[i] = one[0]
+                    elif no_room(one):
+                        full.append(i)
+                    else:
+                        out[i] = one
+                self._waiting(len(full) - counted)
+                counted = len(full)
+                if not full:
+                    return out
+                tries += 1
+                _log.warning("worker.commit_no_room", tasks=len(full), tries=tries,
+                             error=describe(got[todo.index(full[0])]))
+                await asyncio.sleep(NO_ROOM_BACKOFF.delay(tries))
+                todo = full
+        finally:
+            self._waiting(-counted)  # cancelled while waiting: handed back
+
+    def _waiting(self, change: int) -> None:
+        if change:
+            self.waiting += change
+            COMMITS_WAITING.inc(change)
 
     async def failed(self, body: GenerationTask, reason: str) -> TaskRecord | None:
         """A dead-lettered task's record ends ``failed`` with ``reason``: its own record

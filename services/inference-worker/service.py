@@ -243,6 +243,7 @@ class InferenceWorker(Service):
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
                 "inflight": self.inflight, "batches": self.batcher.batches,
+                "commit_waiting": self.records.waiting if self.records else 0,
                 "pipeline": {**self.batcher.usage.json(), "torch_threads": self._threads(),
                              "processes": {m: p.pid for m, p in self.pipelines.items()
                                            if isinstance(p, apart.ProcessPipeline)},
