@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from nats.js.api import RetentionPolicy
+from nats.js.errors import APIError
 
 from tandem.cli.devstack import NatsServer
 from tandem.common import streams, subjects
@@ -133,7 +134,14 @@ async def test_poison_message_goes_to_dlq_and_loop_continues(bus: Bus, uid: str)
     assert info.state.messages == 0  # all settled: nothing left behind in the work queue
 
 
-async def test_failing_handler_is_dead_lettered_after_max_deliver(bus: Bus, uid: str) -> None:
+@pytest.mark.parametrize(("error", "told"), [
+    (RuntimeError("worker blew up"), "RuntimeError('worker blew up')"),
+    # A JetStream error's repr is its bare class name: the reason gives its description.
+    (APIError(code=503, err_code=10023, description="insufficient resources"),
+     "insufficient resources (JetStream error 503/10023)"),
+], ids=["python", "jetstream"])
+async def test_failing_handler_is_dead_lettered_after_max_deliver(
+        bus: Bus, uid: str, error: Exception, told: str) -> None:
     stream, consumer = _work(uid)
     await bus.provision([*streams.core_streams(), stream, consumer])
     await bus.publish(f"w.{uid}.x", GenerationTask(task_id="boom", model="m"))
@@ -143,12 +151,13 @@ async def test_failing_handler_is_dead_lettered_after_max_deliver(bus: Bus, uid:
     async def handler(d: Delivery[GenerationTask]) -> None:
         if d.event.task_id == "boom":
             attempts.append(d.num_delivered)
-            raise RuntimeError("worker blew up")
+            raise error
 
     dead = asyncio.Event()
+    reasons: list[str] = []
 
     async def on_dead(msg, reason: str) -> None:  # type: ignore[no-untyped-def]
-        assert "worker blew up" in reason
+        reasons.append(reason)
         dead.set()
 
     stop = asyncio.Event()
@@ -160,6 +169,7 @@ async def test_failing_handler_is_dead_lettered_after_max_deliver(bus: Bus, uid:
     # max_deliver=3: the handler runs on deliveries 1 and 2; the 2nd failure dead-letters.
     assert attempts == [1, 2]
     assert c.handled == 1
+    assert reasons == [f"failed 2 times: {told}"]
 
 
 async def test_a_message_held_past_its_ack_wait_is_kept_and_never_redelivered(

@@ -339,7 +339,7 @@ class Gateway:
         try:
             beats = await self.nodes.items()
         except Exception as exc:
-            _log.warning("gateway.nodes_unreadable", error=repr(exc))
+            _log.warning("gateway.nodes_unreadable", error=describe(exc))
             beats = {}
         out = []
         for spec in self.registry:

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from tandem.common import log, metrics, subjects
+from tandem.common.bus import describe
 from tandem.common.events import (
     CheckpointWritten,
     GenerationTask,
@@ -120,7 +121,7 @@ class Observer:
                 try:
                     await self.refresh()
                 except Exception as exc:  # NATS restarting, a bucket not there yet
-                    _log.warning("observe.refresh_failed", error=repr(exc))
+                    _log.warning("observe.refresh_failed", error=describe(exc))
                 self.ready.set()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tandem.common import log, metrics, subjects
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, describe
 from tandem.common.clusters import ClusterBoard, ClusterSummary
 from tandem.common.settings import Settings
 from tandem.common.streams import HEARTBEAT_TTL
@@ -129,7 +129,7 @@ class Router:
         try:
             info = await self.bus.js.stream_info(subjects.gen_stream_name(cluster))
         except Exception as exc:  # a reconnect or election: keep the last known depth
-            _log.debug("routing.depth_unreadable", cluster=cluster, error=repr(exc))
+            _log.debug("routing.depth_unreadable", cluster=cluster, error=describe(exc))
             return None
         return int(info.state.messages)
 

@@ -36,7 +36,7 @@ from nats.js.errors import NotFoundError
 from pydantic import Field, field_validator
 
 from tandem.common import log, metrics, subjects
-from tandem.common.bus import Bus, Consumer
+from tandem.common.bus import Bus, Consumer, describe
 from tandem.common.clusters import ClusterBoard
 from tandem.common.errors import StreamConflict
 from tandem.common.settings import Settings
@@ -108,7 +108,7 @@ async def work_queues(bus: Bus) -> list[str]:
                                          timeout=1.0)
             subs = json.loads(reply.data)["config"]["subjects"] or []
         except Exception as exc:
-            _log.warning("failover.queue_unreadable", stream=name, error=repr(exc))
+            _log.warning("failover.queue_unreadable", stream=name, error=describe(exc))
             continue
         if len(subs) != 1:
             continue
@@ -200,7 +200,7 @@ class Failover:
         try:
             found = await work_queues(self.bus)
         except Exception as exc:  # a reconnect: discover again next time
-            _log.warning("failover.discovery_failed", error=repr(exc))
+            _log.warning("failover.discovery_failed", error=describe(exc))
             return
         for c in found:
             if c not in self.own and c not in self.candidates:
@@ -241,7 +241,7 @@ class Failover:
             consumers = self._bound.get(cluster) or await self._bind(cluster)
         except Exception as exc:  # no stream yet, a reconnect: try again a little later
             self._retry_at[cluster] = now + max(1.0, self.grace)
-            _log.warning("failover.bind_failed", cluster=cluster, error=repr(exc))
+            _log.warning("failover.bind_failed", cluster=cluster, error=describe(exc))
             return False
         self._bound[cluster] = consumers
         self.adopted[cluster] = now

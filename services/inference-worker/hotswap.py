@@ -46,7 +46,7 @@ from typing import Any
 from tandem.common import checkpoints as ck
 from tandem.common import log, metrics, subjects
 from tandem.common.backoff import Backoff
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus, TypedKV, describe
 from tandem.common.errors import CheckpointError
 from tandem.common.events import CheckpointMirrored, RunRecord, decode
 from tandem.common.models import ModelSpec
@@ -161,7 +161,7 @@ class HotSwapper:
         try:
             self.runs = await bus.typed(KV_RUNS, RunRecord)
         except Exception as exc:
-            _log.warning("worker.run_records_unavailable", error=repr(exc))
+            _log.warning("worker.run_records_unavailable", error=describe(exc))
 
     async def recorded(self, model: str) -> ck.CheckpointId | None:
         """The newest committed checkpoint KV ``runs`` records for ``model``'s run (and

@@ -43,7 +43,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tandem.common import log, metrics, subjects
 from tandem.common.backoff import Backoff
-from tandem.common.bus import Consumer, Delivery, Poller, TypedKV
+from tandem.common.bus import Consumer, Delivery, Poller, TypedKV, describe
 from tandem.common.bus.consumer import Outcome
 from tandem.common.errors import InvalidTask, Reject, Retry
 from tandem.common.events import (
@@ -741,7 +741,7 @@ class InferenceWorker(Service):
                 try:
                     rec = await self.records.progress(held, step / total)
                 except Exception as exc:
-                    _log.warning("worker.progress_write_failed", error=repr(exc))
+                    _log.warning("worker.progress_write_failed", error=describe(exc))
                     continue
                 if rec is not None and rec.state == TaskState.cancelled:
                     self.batcher.cancel(task_id)  # its notice may not have come yet

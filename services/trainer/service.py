@@ -41,7 +41,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from tandem.common import checkpoints, events, ports, storage, subjects
-from tandem.common.bus import Bus, Delivery, MapWatch
+from tandem.common.bus import Bus, Delivery, MapWatch, describe
 from tandem.common.events import (
     Health,
     HealthTransition,
@@ -277,7 +277,7 @@ class Trainer(Service):
                     await self._claim(run_id, unannounced=True)
                 except Exception as exc:  # NATS away: try again later
                     self.ctx.log.warning("trainer.claim_failed", run_id=run_id,
-                                         error=repr(exc))
+                                         error=describe(exc))
                     self._unclaimed[run_id] = loop.time() + min(5.0, self.s.unclaimed_after_s)
             first = min(self._unclaimed.values(), default=None)
             with contextlib.suppress(TimeoutError):

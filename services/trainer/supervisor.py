@@ -41,7 +41,7 @@ import msgspec
 from tandem.common import checkpoints as ck
 from tandem.common import subjects, tracing
 from tandem.common.backoff import Backoff, retry
-from tandem.common.bus import Bus, TypedKV
+from tandem.common.bus import Bus, TypedKV, describe
 from tandem.common.events import (
     Health,
     NodeHeartbeat,
@@ -167,7 +167,7 @@ class RunSupervisor(AttemptWatch):
         try:
             return await retry(update, RECORD_BACKOFF, within=self.cfg.record_retry_s)
         except Exception as exc:
-            self.log.warning("run.record_failed", error=repr(exc))
+            self.log.warning("run.record_failed", error=describe(exc))
             return None
 
     async def _current(self) -> RunRecord | None:
@@ -175,7 +175,7 @@ class RunSupervisor(AttemptWatch):
         try:
             got = await (await self.kv()).get(self.run_id)
         except Exception as exc:
-            self.log.warning("run.record_unreadable", error=repr(exc))
+            self.log.warning("run.record_unreadable", error=describe(exc))
             return None
         return got[0] if got else None
 
@@ -195,7 +195,7 @@ class RunSupervisor(AttemptWatch):
         try:
             await self.bus.publish(subject, event, msg_id=msg_id, retry_for=retry_for)
         except Exception as exc:  # the bus is down for long: the run goes on, KV catches up
-            self.log.warning("run.publish_failed", subject=subject, error=repr(exc))
+            self.log.warning("run.publish_failed", subject=subject, error=describe(exc))
 
     # --------------------------------------------------------------------------- health
 

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 
 from tandem.common import log, metrics
 from tandem.common.backoff import Backoff
+from tandem.common.bus.retry import describe
 from tandem.common.errors import Reject, Retry
 from tandem.common.streams import ConsumerSpec
 
@@ -96,10 +97,10 @@ class AckPolicy:
         elif isinstance(exc, Exception):
             n = delivered_count(msg)
             if n + 1 >= self.spec.max_deliver:
-                await self.dead(msg, f"failed {n} times: {exc!r}")
+                await self.dead(msg, f"failed {n} times: {describe(exc)}")
             else:
                 _log.warning("consumer.handler_failed", stream=self.spec.stream,
-                             subject=msg.subject, attempt=n, error=repr(exc))
+                             subject=msg.subject, attempt=n, error=describe(exc))
                 await msg.nak(delay=HANDLER_BACKOFF.delay(n))
                 metrics.CONSUMED.labels(self.spec.stream, "nak").inc()
         else:
@@ -111,7 +112,7 @@ class AckPolicy:
             await self.bus.dead_letter(msg, reason, consumer=self.spec.durable)
         except Exception as exc:
             # The DLQ is unreachable: keep the message (redelivered later), never drop it.
-            _log.error("consumer.dlq_failed", error=repr(exc), reason=reason)
+            _log.error("consumer.dlq_failed", error=describe(exc), reason=reason)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=DLQ_UNREACHABLE_DELAY)
             return
@@ -119,7 +120,7 @@ class AckPolicy:
             try:
                 await self.on_dead(msg, reason)
             except Exception as exc:
-                _log.error("consumer.on_dead_failed", error=repr(exc))
+                _log.error("consumer.on_dead_failed", error=describe(exc))
         await msg.term()
         metrics.CONSUMED.labels(self.spec.stream, "dead").inc()
 

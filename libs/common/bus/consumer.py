@@ -31,6 +31,7 @@ from tandem.common.backoff import Backoff
 from tandem.common.bus.acks import AckPolicy, DeadHook, hand_back
 from tandem.common.bus.headers import MSG_ID, TRACEPARENT, attach_remote
 from tandem.common.bus.pull import Pull
+from tandem.common.bus.retry import describe
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import decode
 from tandem.common.streams import ConsumerSpec
@@ -408,7 +409,7 @@ class Poller:
                         msgs = await c.fetch(room, wait)
                     except Exception as exc:
                         _log.warning("consumer.fetch_failed", stream=c.spec.stream,
-                                     consumer=c.spec.durable, error=repr(exc))
+                                     consumer=c.spec.durable, error=describe(exc))
                         if not await retries.wait():
                             break  # stopping
                         continue

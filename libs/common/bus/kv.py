@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from tandem.common import log
 from tandem.common.backoff import Backoff
 from tandem.common.bus.headers import EXPECTED_LAST, WRONG_LAST
+from tandem.common.bus.retry import describe
 from tandem.common.events import decode, encode
 
 if TYPE_CHECKING:
@@ -386,7 +387,7 @@ class KeyWatch:
             except Exception as exc:  # a reconnect, a server restart: watch again
                 if not self.ready.is_set() and attempt >= 5:
                     raise
-                _log.warning("kv.watch_failed", bucket=self.bucket, error=repr(exc))
+                _log.warning("kv.watch_failed", bucket=self.bucket, error=describe(exc))
             finally:
                 if watcher is not None:
                     with contextlib.suppress(Exception):
