@@ -27,6 +27,9 @@ class Job:
     resume: str = ""  # checkpoint folder to resume from
     fsdp: dict[str, Any] = field(default_factory=dict)
     full_at: int = 0  # a step whose write fails as on a full disk (the node's commit)
+    # A step whose write fails on rank 0's own files (torch.save), before DCP's shards of
+    # every rank are known written.
+    save_full_at: int = 0
 
     def config(self, world: int) -> dict[str, Any]:
         return {"run_id": self.name, "model": TINY_DIT, "parallelism": "fsdp",
@@ -70,6 +73,8 @@ def run_jobs(rank: int, world: int, port: int, jobs: list[Job], out: str) -> Non
             writer = ShardedCheckpointer(job.root, job.name, rank=rank, local_rank=rank,
                                          world=world, node="n0",
                                          before_commit=full_disk(job.full_at))
+            if job.save_full_at:
+                writer.save = no_room_for_rank0(writer.save, job.save_full_at)  # type: ignore[method-assign]
             while loop.step < cfg.steps:
                 r = loop.train_step()
                 assert r.anomaly is None, r.anomaly
@@ -80,7 +85,7 @@ def run_jobs(rank: int, world: int, port: int, jobs: list[Job], out: str) -> Non
             writer.close()
             seen["errors"] = [(step, getattr(exc, "errno", None))
                               for step, exc in writer.errors]
-            assert job.full_at or not writer.errors, writer.errors
+            assert job.full_at or job.save_full_at or not writer.errors, writer.errors
             if rank == 0:
                 torch.save(seen, Path(out) / f"{job.name}.pt")
             dist.barrier()
@@ -97,6 +102,25 @@ def full_disk(at: int) -> Any:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     return hook if at else None
+
+
+class _NoRoom:
+    """A rank-0 payload that ``torch.save`` fails to write as on a full disk."""
+
+    def __reduce__(self) -> Any:
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def no_room_for_rank0(save: Any, at: int) -> Any:
+    """``ShardedCheckpointer.save`` whose rank-0 files of step ``at`` cannot be written."""
+    def wrapped(step: int, state: Any, rank0: Any = None, jsons: Any = None) -> float:
+        if step == at and rank0:
+            rank0 = {**rank0, "no_room": _NoRoom()}
+        return save(step, state, rank0, jsons)
+
+    return wrapped
 
 
 def spawn(world: int, jobs: list[Job], out: Path) -> None:

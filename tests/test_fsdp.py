@@ -71,7 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> dict[
     spawn(4, [Job("ref4", str(root / "ref4")),
               Job("up", str(root / "up"), resume=str(restored.path))], out)
     spawn(2, [Job("down", str(root / "down"), resume=str(root / "ref4/ref4/step-2")),
-              Job("full", str(root / "full"), full_at=2)], out)
+              Job("full", str(root / "full"), steps=6, full_at=2, save_full_at=4)], out)
     return {"root": root, "restored": restored, "s3": s3, "bucket": bucket,
             **{n: _load(out, n) for n in ("ref2", "same", "ref4", "up", "down", "full")}}
 
@@ -104,11 +104,14 @@ def test_a_sharded_write_the_disk_had_no_room_for_leaves_no_folder_and_the_next_
         runs: dict[str, Any]) -> None:
     import errno
 
-    assert runs["full"]["errors"] == [(2, errno.ENOSPC)]  # the node's first rank's
+    # Step 2 failed at the node's commit, step 4 on rank 0's own files (torch.save)
+    # while the other rank's shards were still being written: the node's first rank's
+    # errors.
+    assert runs["full"]["errors"] == [(2, errno.ENOSPC), (4, errno.ENOSPC)]
     folder = runs["root"] / "full" / "full"
-    # Every rank's shards of step 2 were written, then removed once all had ended.
-    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
-    assert ck.verify(folder / "step-4").world_size == 2
+    # Every rank's shards of steps 2 and 4 were removed once all had ended.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-6"]
+    assert ck.verify(folder / "step-6").world_size == 2
 
 
 def test_same_world_size_resume_is_bitwise_the_uninterrupted_run(runs: dict[str, Any]) -> None:
