@@ -142,6 +142,47 @@ async def test_batcher_takes_interactive_first_then_groups_compatible_tasks_up_t
     assert (calls1 - calls0, images1 - images0) == (4, 7)
 
 
+class Poisoned(Recording):
+    """A call holding seed 13 raises, as a model choking on one task's input fails the
+    whole call; it runs on the batcher's thread."""
+
+    trivial = False
+
+    def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+        got = super().images(items, params, on_step)
+        if any(it.seed == 13 for it in items):
+            raise RuntimeError("the model choked on seed 13")
+        return got
+
+
+async def test_a_failed_call_of_several_tasks_fails_only_the_task_that_fails_alone() -> None:
+    pipe = Poisoned()
+    batcher = Batcher(lambda model: _ready(pipe), max_batch=8, linger=0)
+    splits0 = REGISTRY.get_sample_value("tandem_worker_batch_splits_total") or 0.0
+    jobs = [batcher.enqueue(_task(seed)).future for seed in (11, 13, 15)]
+    loop = asyncio.create_task(batcher.run())
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    batcher.close()
+    await loop
+    assert results[0] == [b"11"] and results[2] == [b"15"]
+    assert isinstance(results[1], RuntimeError) and "seed 13" in str(results[1])
+    # The failed call, then each of its tasks in a call of its own, oldest first.
+    assert pipe.calls == [[11, 13, 15], [11], [13], [15]]
+    assert (REGISTRY.get_sample_value("tandem_worker_batch_splits_total") or 0.0) == splits0 + 1
+
+
+async def test_a_failed_call_of_one_task_fails_it_without_another_call() -> None:
+    pipe = Poisoned()
+    batcher = Batcher(lambda model: _ready(pipe), max_batch=8, linger=0)
+    job = batcher.enqueue(_task(13)).future
+    loop = asyncio.create_task(batcher.run())
+    with pytest.raises(RuntimeError, match="seed 13"):
+        await job
+    batcher.close()
+    await loop
+    assert pipe.calls == [[13]]
+
+
 def _batch_images() -> tuple[float, float]:
     """``tandem_worker_batch_images``: (calls, images) so far in this process."""
     got = [REGISTRY.get_sample_value(f"tandem_worker_batch_images_{s}") for s in ("count", "sum")]

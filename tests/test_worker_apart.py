@@ -128,6 +128,53 @@ def test_a_child_killed_mid_call_fails_that_call_naming_it_and_the_next_gets_a_n
     assert digits.pid not in (None, first, second)
 
 
+async def test_a_batched_call_whose_child_dies_runs_each_task_again_alone_on_a_new_child(
+        digits: apart.ProcessPipeline) -> None:
+    """The child dies in a call of three tasks (as of one task's input): the batcher runs
+    each again in a call of its own, on a fresh child, and each gets its own images."""
+    import asyncio
+
+    from tandem.common.events import GenerationTask
+    from tandem.inference_worker.batcher import Batcher
+    from tandem.inference_worker.pipelines import Pipeline
+
+    dead: list[int] = []
+
+    class KillsItsBatchedCall(Pipeline):
+        """``digits``, whose child is killed at the first step of a call of three."""
+
+        concurrent = True
+
+        def call(self, items, params, on_step):  # type: ignore[no-untyped-def]
+            def hook(step: int, total: int) -> None:
+                if len(items) == 3 and not dead and digits.pid is not None:
+                    dead.append(digits.pid)
+                    os.kill(digits.pid, signal.SIGKILL)
+                on_step(step, total)
+
+            return digits.call(items, params, hook)
+
+    pipe = KillsItsBatchedCall(digits.spec)
+
+    async def ready(model: str) -> Pipeline:
+        return pipe
+
+    batcher = Batcher(ready, max_batch=8, linger=0)
+    tasks = [GenerationTask(task_id=f"t{seed}", model="digits", seed=seed, class_label=seed % 10,
+                            steps=PARAMS.steps, width=PARAMS.width, height=PARAMS.height,
+                            guidance=PARAMS.guidance) for seed in (21, 22, 23)]
+    jobs = [batcher.enqueue(t) for t in tasks]
+    loop = asyncio.create_task(batcher.run())
+    results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 300)
+    batcher.close()
+    await loop
+    assert dead and digits.pid not in (None, *dead)
+    assert batcher.batches == 4  # the batched call, then one call per task
+    for task, arrays in zip(tasks, results, strict=True):
+        item = Item(seed=task.seed, class_label=task.class_label)
+        assert [digits.encode(a) for a in arrays] == _in_process_images("digits", [item], PARAMS)
+
+
 def test_closing_ends_the_child_and_a_model_it_cannot_build_is_refused_naming_why(
         tmp_path: os.PathLike[str]) -> None:
     pipe = apart.ProcessPipeline(_spec("digits"), "cpu", "float32", threads=1)

@@ -18,6 +18,13 @@ caller, beside the next call. The price of forming ahead: a task that arrives wh
 batch waits in the queue starts one call later than it might have (an interactive task
 behind a queued batch-lane call, a task compatible with the queued batch).
 
+A failing call takes only the tasks that fail alone: when a call of several tasks raises
+(one task's input can fail the whole call: a prompt the model chokes on, a batch too
+big for the device), each of its tasks runs again in a call of its own, so only a task
+that fails by itself fails (``tandem_worker_batch_splits_total``). A pipeline apart
+(``apart``) fails a call whose child died (a task that crashes the model's process) the
+same way; a task that kills the worker's own process takes whatever the worker held.
+
 Cancelling a task that waits removes it; cancelling one that is queued or runs resolves
 it at once (the caller sees it stop within one step) and the call stops at the next step
 (a queued one before its first) when no task in it is still wanted.
@@ -38,10 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tandem.common import metrics
+from tandem.common import log, metrics
 from tandem.common.events import GenerationTask
 from tandem.inference_worker.pipelines import CallTime, Interrupted, Item, Params, Pipeline
 
+_log = log.get("tandem.inference_worker.batcher")
 R = TypeVar("R")
 LANE_RANK = {"interactive": 0, "batch": 1}
 AHEAD = 1  # batches formed and queued behind the running call
@@ -51,6 +59,8 @@ BUSY_SECONDS = metrics.Counter("tandem_worker_pipeline_busy_seconds",
 # times, and the task's own images as the batch's).
 BATCH_IMAGES = metrics.Histogram("tandem_worker_batch_images", "Images per pipeline call",
                                  buckets=(1, 2, 4, 8, 16, 32, 64))
+SPLITS = metrics.Counter("tandem_worker_batch_splits", "Calls of several tasks that failed: "
+                         "each of their tasks was run again alone")
 GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
 
@@ -121,6 +131,7 @@ class Job:
     running: bool = False
     pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock phases (phases.py)
+    alone: bool = False  # runs in a call of its own: its batched call failed
     # Set once (a batch is formed by comparing every waiting job's): what it runs with,
     # and its place in line (interactive before batch, then oldest first).
     key: tuple[Any, ...] = field(init=False)
@@ -354,7 +365,10 @@ class Batcher:
                 await asyncio.wait_for(self._changed.wait(), left)
 
     def _compatible(self, head: Job) -> list[Job]:
-        return sorted((j for j in self.pending if j.key == head.key), key=_rank)
+        if head.alone:
+            return [head]
+        return sorted((j for j in self.pending if j.key == head.key and not j.alone),
+                      key=_rank)
 
     @staticmethod
     def _images(jobs: list[Job]) -> int:
@@ -429,8 +443,11 @@ class Batcher:
             for job in group:
                 job.resolve(JobCancelled() if job.cancelled else HandedBack())
         except Exception as exc:
-            for job in group:
-                job.resolve(exc)
+            if len(group) > 1 and not self._closed:
+                self._split(group, exc)
+            else:
+                for job in group:
+                    job.resolve(exc)
         else:
             at = 0
             for job in group:
@@ -441,6 +458,18 @@ class Batcher:
             for job in group:
                 self.running.remove(job)
             self._room.release()
+
+    def _split(self, group: list[Job], exc: Exception) -> None:
+        """A call of several tasks failed: each task still wanted waits again, at its old
+        place in line, to run in a call of its own."""
+        again = [job for job in group if not job.future.done()]
+        SPLITS.inc()
+        _log.warning("worker.batch_split", error=repr(exc),
+                     tasks=[job.task.task_id for job in again])
+        for job in again:
+            job.alone, job.running = True, False
+        self.pending += again
+        self._changed.set()
 
     def _call(self, pipeline: Pipeline, group: list[Job], items: list[Item], params: Params,
               on_step: Callable[[int, int], None], ticket: int | None) -> list[Any]:

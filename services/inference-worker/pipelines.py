@@ -162,14 +162,21 @@ class NoopPipeline(Pipeline):
 
 class FaultPipeline(Pipeline):
     """Fault injection for tests: ``fault:kill`` SIGKILLs the worker at the first step,
-    ``fault:raise`` raises. Refused unless the worker enables fault injection."""
+    ``fault:raise`` raises. ``fault:kill@<seed>`` and ``fault:raise@<seed>`` do so only
+    in a call holding an image of that seed (a poison task; its batch-mates with it),
+    and otherwise make blank images. Refused unless the worker enables fault injection."""
 
     def warm(self, max_batch: int) -> None:
         pass  # its faults are for tasks, not for the start
 
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         on_step(1, params.steps)
-        if self.spec.source_arg == "kill":
+        fault, _, seed = self.spec.source_arg.partition("@")
+        if seed and all(str(it.seed) != seed for it in items):
+            from PIL import Image
+
+            return [png_bytes(Image.new("L", (params.width, params.height))) for _ in items]
+        if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault {self.spec.source_arg!r}")
 
@@ -179,9 +186,12 @@ def png(array: Any) -> bytes:
     from PIL import Image
 
     if array.shape[-1] == 1:
-        img = Image.fromarray(array[..., 0], mode="L")
-    else:
-        img = Image.fromarray(array, mode="RGB")
+        return png_bytes(Image.fromarray(array[..., 0], mode="L"))
+    return png_bytes(Image.fromarray(array, mode="RGB"))
+
+
+def png_bytes(img: Any) -> bytes:
+    """A PIL image as PNG bytes, without metadata."""
     buf = io.BytesIO()
     img.save(buf, format="PNG", optimize=False)
     return buf.getvalue()
