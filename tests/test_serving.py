@@ -676,6 +676,60 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
         st.stop()
 
 
+async def test_a_model_that_fails_to_load_for_a_passing_reason_is_tried_again(
+        tmp_path: Path, s3_server: S3Server) -> None:
+    """A model folder still being copied (its ``model_index.json`` not there yet): the
+    load error is not the task's, so the task is delivered again, and once the file is
+    there the model loads and the task succeeds. (Before, any load error failed every
+    task for the model at once.)"""
+    folder = tmp_path / "models" / "flaky"
+    save = ("import sys; from tandem.common.diffusion import build_tiny_text_pipeline; "
+            "build_tiny_text_pipeline(seed=0).save_pretrained(sys.argv[1], "
+            "safe_serialization=True)")
+    await asyncio.to_thread(subprocess.run, [PYTHON, "-c", save, str(folder)], check=True,
+                            capture_output=True, timeout=DEADLINE)
+    index = folder / "model_index.json"
+    real = index.read_bytes()
+    index.unlink()
+    models = json.dumps([{"name": "flaky", "source": f"dir:{folder}", "conditioning": "text",
+                          "max_size": 64, "default_steps": 2, "max_guidance": 20,
+                          "default_guidance": 3.0}])
+    st = ServingStack(tmp_path, s3_server, "flaky", models)
+    st.nats.start()
+    try:
+        async with st.bus() as bus:
+            await bus.provision([*core_streams(), streams.gen_stream("c1"),
+                                 *streams.gen_consumers("c1")])
+            task = GenerationTask(task_id=uuid.uuid4().hex, model="flaky", prompt="a boat",
+                                  steps=2, width=16, height=16, guidance=3.0, cluster="c1")
+            kv = await bus.typed(KV_TASKS, TaskRecord)
+            rev = await kv.create(task.task_id, moves.queued(task, "c1"))
+            data = encode(task)
+            await bus.send([(subjects.gen("c1", task.lane), data, bus.headers(
+                task.task_id, moves.seal(st.seal_key.encode(), rev, data)))])
+            w = worker(tmp_path, "w-flaky", **st.env(cluster="c1", node="w-flaky",
+                                                     serve="flaky", preload="0",
+                                                     model_root=str(tmp_path / "models")))
+            st.children.append(w.start())
+            deadline = time.monotonic() + DEADLINE
+            while not failures(w):
+                assert w.running and time.monotonic() < deadline, w.tail()
+                await asyncio.sleep(0.05)  # polling the worker's log for the first failure
+            index.write_bytes(real)  # the copy completes
+            rec = await terminal(bus, task.task_id)
+    finally:
+        st.stop()
+    assert rec.state == TaskState.succeeded and len(rec.images) == 1, rec
+    # Each delivery before the file came failed on the load alone, and was delivered again.
+    failed = failures(w)
+    assert rec.attempts == len(failed) + 1 >= 2, (rec.attempts, failed)
+    assert all("cannot load model flaky" in line["error"] for line in failed), failed
+
+
+def failures(w: Child) -> list[dict[str, Any]]:
+    return [line for line in logged(w) if line.get("event") == "consumer.handler_failed"]
+
+
 async def waiting(w: Child) -> tuple[int, float]:
     """A worker's commits waiting for room: its /healthz count and its gauge."""
     base = f"http://127.0.0.1:{w.metrics()}"

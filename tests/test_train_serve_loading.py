@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tandem.cli.devstack import S3Server
+from tandem.cli.devstack import S3Server, free_port
 from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
@@ -145,8 +145,15 @@ def test_a_run_without_a_committed_checkpoint_fails_to_build_naming_the_run(
                  "S3_ACCESS_KEY": "tandem", "S3_SECRET_KEY": "tandem"}.items():
         monkeypatch.setenv(f"TANDEM_{k}", v)
     with pytest.raises(ModelLoadError, match=f"cannot load model trained: checkpoint of run "
-                       f"empty-{uid}: no committed checkpoint verifies"):
+                       f"empty-{uid}: no committed checkpoint verifies") as err:
         build(spec_for(f"empty-{uid}"), "cpu", "float32")
+    assert err.value.lasting  # no checkpoint of the run: its tasks fail at once
+    # S3 unreachable says nothing of the run: the load may work next time.
+    monkeypatch.setenv("TANDEM_S3_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("TANDEM_S3_MAX_ATTEMPTS", "1")
+    with pytest.raises(ModelLoadError, match="cannot load model trained") as err:
+        build(spec_for(f"empty-{uid}"), "cpu", "float32")
+    assert not err.value.lasting
 
 
 async def until(cond: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:

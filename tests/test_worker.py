@@ -87,8 +87,9 @@ def test_fault_models_are_refused_unless_enabled() -> None:
     reg = Registry.parse('[{"name": "boom", "source": "fault:kill"}]')
     spec = reg.get("boom")
     assert spec is not None
-    with pytest.raises(ModelLoadError, match="fault injection is disabled"):
+    with pytest.raises(ModelLoadError, match="fault injection is disabled") as err:
         build(spec)
+    assert err.value.lasting
 
 
 @pytest.mark.parametrize(("value", "says"), [

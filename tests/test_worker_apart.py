@@ -183,8 +183,9 @@ def test_closing_ends_the_child_and_a_model_it_cannot_build_is_refused_naming_wh
     pipe.close()
     assert child.proc.poll() is not None  # gone, not left behind
     missing = ModelSpec(name="folder", source=f"dir:{tmp_path}/nothing-here")
-    with pytest.raises(ModelLoadError, match="nothing-here is not a directory"):
+    with pytest.raises(ModelLoadError, match="nothing-here is not a directory") as err:
         apart.ProcessPipeline(missing, "cpu", "float32")
+    assert err.value.lasting  # the child says so: its tasks fail at once
     assert apart.eligible(_spec("digits")) and not apart.eligible(_spec("noop"))
 
 

@@ -231,18 +231,18 @@ class _Child:
             child.conn.send(("build", *args))
             if not child.conn.poll(timeout):
                 raise ModelLoadError(model, f"its pipeline process did not start within "
-                                     f"{timeout:.0f} s")
+                                     f"{timeout:.0f} s", lasting=False)
             reply = child.conn.recv()
         except (EOFError, OSError) as exc:
             child.close()
             raise ModelLoadError(model, f"its pipeline process exited while loading "
-                                 f"(status {proc.poll()}): {exc!r}") from None
+                                 f"(status {proc.poll()}): {exc!r}", lasting=False) from None
         except BaseException:
             child.close()
             raise
         if reply[0] != "ready":
             child.close()
-            raise ModelLoadError(model, reply[1])
+            raise ModelLoadError(model, reply[1], lasting=reply[2])
         child.threads = reply[1]
         threading.Thread(target=child._read, name=f"pipeline-process-{proc.pid}",
                          daemon=True).start()
@@ -356,10 +356,10 @@ def _serve(conn: Connection) -> None:
         in_force = set_threads(threads)  # 0: torch's own count
         pipe = build(spec, device, dtype)
     except ModelLoadError as exc:
-        conn.send(("error", exc.reason))
+        conn.send(("error", exc.reason, exc.lasting))
         return
     except Exception as exc:
-        conn.send(("error", repr(exc)))
+        conn.send(("error", repr(exc), False))
         return
     conn.send(("ready", in_force))
 

@@ -42,11 +42,16 @@ class Interrupted(Exception):
 
 
 class ModelLoadError(TandemError):
-    """A model cannot be built or loaded here; ``reason`` says why."""
+    """A model cannot be built or loaded here; ``reason`` says why. ``lasting``: it never
+    will be as declared (no such folder, no checkpoint of the run that verifies, a source
+    this worker cannot build), so its tasks fail at once; otherwise what failed may not
+    fail next time (S3 unreachable, a folder still being copied, memory in use) and its
+    tasks are tried again."""
 
-    def __init__(self, model: str, reason: str) -> None:
+    def __init__(self, model: str, reason: str, lasting: bool = True) -> None:
         self.model = model
         self.reason = reason
+        self.lasting = lasting
         super().__init__(f"cannot load model {model}: {reason}")
 
 
@@ -461,6 +466,6 @@ def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
             return load_run_checkpoint(spec, dev, dt, line)
     except ModelLoadError:
         raise
-    except Exception as exc:
-        raise ModelLoadError(spec.name, repr(exc)) from exc
+    except Exception as exc:  # not the model's declaration: it may load next time
+        raise ModelLoadError(spec.name, repr(exc), lasting=False) from exc
     raise ModelLoadError(spec.name, f"unsupported source {spec.source!r}")

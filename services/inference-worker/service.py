@@ -604,7 +604,11 @@ class InferenceWorker(Service):
                        error=str(exc))
             raise Retry(str(exc), delay=1.0) from None
         except ModelLoadError as exc:
-            raise Reject(str(exc)) from None
+            if exc.lasting:
+                raise Reject(str(exc)) from None
+            # It may load next time (S3 back, the folder complete): the task is delivered
+            # again after a backoff, and fails with this error after max_deliver.
+            raise
 
     async def _store(self, run: Running) -> list[str]:
         """Step 2 for one task: its images in S3."""
