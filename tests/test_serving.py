@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import json
 import os
 import signal
@@ -51,6 +52,7 @@ FAULT_MODELS = json.dumps([
      "max_size": 64, "default_steps": 4, "max_guidance": 20, "default_guidance": 3.0},
     {"name": "crasher", "source": "fault:kill", "max_steps": 10},
     {"name": "poisoned", "source": "fault:raise@666", "max_steps": 10},
+    {"name": "poison-kill", "source": "fault:kill@666", "max_steps": 10},
 ])
 
 
@@ -64,7 +66,7 @@ class Stack(ServingStack):
 
     def start_gateway(self) -> Child:
         clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart",
-                             "held", "overlap", "poison"])
+                             "held", "overlap", "poison", "poisonkill"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
@@ -478,26 +480,35 @@ async def test_task_that_keeps_killing_its_worker_fails_after_max_deliver_and_go
         task_id.encode() in d.data and d.reason == rec.reason for d in ls))
 
 
+@pytest.mark.parametrize(("model", "cluster", "apart", "error"), [
+    ("poisoned", "poison", "0", "RuntimeError(\"injected fault 'raise@666'\")"),
+    # The pipeline apart: the poison kills the model's child process, not the worker.
+    ("poison-kill", "poisonkill", "1",
+     "PipelineProcessDied(*the pipeline process of poison-kill died during a call (exit "
+     "status -9)*"),
+], ids=["raises", "kills-its-child"])
 async def test_a_task_that_fails_its_batched_call_fails_alone_and_its_batch_mates_succeed(
-        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+        stack: Stack, http: httpx.AsyncClient, bus: Bus, model: str, cluster: str,
+        apart: str, error: str) -> None:
     """Three compatible tasks queued before the worker starts share its first call; the
     call fails on one (seed 666). Each then runs alone: the other two succeed on their
-    first delivery, the poison fails after max_deliver. (Before, the failed call's error
+    first delivery, the poison fails naming its error. (Before, the failed call's error
     was every task's, and the three, delivered again together, failed together.)"""
-    ids = [await submit(http, model="poisoned", steps=2, seed=seed, cluster="poison")
+    ids = [await submit(http, model=model, steps=2, seed=seed, cluster=cluster)
            for seed in (1, 666, 2)]
-    w = stack.start_worker("w-poison", "poison", serve="poisoned", fault_injection="1",
-                           max_batch="8", max_deliver="2")
+    w = stack.start_worker(f"w-{cluster}", cluster, serve=model, fault_injection="1",
+                           max_batch="8", max_deliver="2", pipeline_process=apart)
     try:
         good = [await terminal(bus, ids[0]), await terminal(bus, ids[2])]
         bad = await terminal(bus, ids[1])
+        assert w.running, w.tail()
     finally:
         w.kill()
     for rec in good:
         assert rec.state == TaskState.succeeded and rec.attempts == 1, rec
         assert len(rec.images) == 1
     assert bad.state == TaskState.failed, bad
-    assert "injected fault 'raise@666'" in bad.reason, bad.reason
+    assert fnmatch.fnmatchcase(bad.reason, f"failed 1 times: {error}"), bad.reason
     [split] = [line for line in logged(w) if line.get("event") == "worker.batch_split"]
     assert split["tasks"] == ids
 

@@ -187,6 +187,8 @@ def test_closing_ends_the_child_and_a_model_it_cannot_build_is_refused_naming_wh
         apart.ProcessPipeline(missing, "cpu", "float32")
     assert err.value.lasting  # the child says so: its tasks fail at once
     assert apart.eligible(_spec("digits")) and not apart.eligible(_spec("noop"))
+    fault = ModelSpec(name="f", source="fault:kill")
+    assert apart.eligible(fault, fault_injection=True) and not apart.eligible(fault)
 
 
 def test_a_pinned_child_runs_every_thread_on_its_cpus_and_makes_the_same_images() -> None:

@@ -18,8 +18,9 @@ beside the next call.
 - A child that dies (killed, out of memory) fails the call it was running with an error
   naming its exit status; the next call starts a fresh child. A child whose worker dies
   sees its socket close and exits.
-- Models of a run (``run:``, hot-swapped between checkpoints) and the no-op and fault
-  models stay in the worker's process.
+- Models of a run (``run:``, hot-swapped between checkpoints) and the no-op models stay
+  in the worker's process; fault models (tests) run apart only where the worker allows
+  fault injection, so a test can crash a child as a task's input would.
 - ``TANDEM_PIPELINE_CPUS`` (or ``_CPU_COUNT``) pins the children to some CPUs and the
   worker's own threads to the others (``pin``): on a host whose cores the call uses (a
   CPU node, or the cores feeding a GPU), the worker's bursts of encoding, uploads and bus
@@ -122,9 +123,10 @@ def pin(cpus: frozenset[int] | set[int], pid: int | str = "self") -> None:
         done |= tids
 
 
-def eligible(spec: ModelSpec) -> bool:
-    """Whether ``spec``'s pipeline can run in a child process."""
-    return spec.source_kind in KINDS
+def eligible(spec: ModelSpec, fault_injection: bool = False) -> bool:
+    """Whether ``spec``'s pipeline can run in a child process (a fault model's only with
+    ``fault_injection``)."""
+    return spec.source_kind in KINDS or (fault_injection and spec.source_kind == "fault")
 
 
 class PipelineProcessDied(RuntimeError):
@@ -147,11 +149,11 @@ class ProcessPipeline(Pipeline):
 
     def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto",
                  threads: int = 0, start_timeout: float = 600.0,
-                 cpus: frozenset[int] = frozenset()) -> None:
+                 cpus: frozenset[int] = frozenset(), fault_injection: bool = False) -> None:
         """``cpus``: the child runs on these CPUs only (empty: wherever the worker may), with
         ``threads`` 0 meaning one torch thread per CPU of them."""
         super().__init__(spec)
-        self._args = (spec, device, dtype, threads, cpus)
+        self._args = (spec, device, dtype, threads, cpus, fault_injection)
         self._start_timeout = start_timeout
         self._lock = threading.Lock()  # (re)starting the child
         self._child: _Child | None = None
@@ -344,17 +346,17 @@ class _Child:
 def _serve(conn: Connection) -> None:
     from .pipelines import build, set_threads
 
-    kind, spec, device, dtype, threads, cpus = conn.recv()
+    kind, spec, device, dtype, threads, cpus, fault_injection = conn.recv()
     assert kind == "build", kind
     try:
         if cpus:  # before torch starts a thread: each takes this one's CPUs
             os.sched_setaffinity(0, cpus)
             threads = threads or len(cpus)
-        if not eligible(spec):
+        if not eligible(spec, fault_injection):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
         leave_out(spec.optional)  # one model per child: before its build imports diffusers
         in_force = set_threads(threads)  # 0: torch's own count
-        pipe = build(spec, device, dtype)
+        pipe = build(spec, device, dtype, fault_injection)
     except ModelLoadError as exc:
         conn.send(("error", exc.reason, exc.lasting))
         return

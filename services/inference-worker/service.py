@@ -269,10 +269,11 @@ class InferenceWorker(Service):
                 # A run's model loads from the run's current history (its lineage).
                 line = (await self.hotswap.lineage(model) if self.hotswap.serves(model)
                         else None)
-                if self.s.pipeline_process and apart.eligible(spec):
+                if self.s.pipeline_process and apart.eligible(spec, self.s.fault_injection):
                     pipe = await asyncio.to_thread(apart.ProcessPipeline, spec, self.s.device,
                                                    self.s.dtype, self.s.torch_threads,
-                                                   cpus=self.pipeline_cpus)
+                                                   cpus=self.pipeline_cpus,
+                                                   fault_injection=self.s.fault_injection)
                 else:
                     pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
                                                    self.s.fault_injection, line)
@@ -298,7 +299,8 @@ class InferenceWorker(Service):
     def _torch_here(self) -> list[str]:
         """The served models whose torch calls are made in this process (not apart)."""
         return [m for m in self.served if (spec := self.registry.get(m)) and uses_torch(spec)
-                and not (self.s.pipeline_process and apart.eligible(spec))]
+                and not (self.s.pipeline_process
+                         and apart.eligible(spec, self.s.fault_injection))]
 
     def _threads(self) -> int | None:
         """The torch threads calls run with: this process's, else its children's."""
@@ -598,11 +600,12 @@ class InferenceWorker(Service):
         except HandedBack:
             raise Retry("worker stopping; task handed back", delay=0.0) from None
         except apart.PipelineProcessDied as exc:
-            # Not the task's fault, as far as anyone knows: delivered again (a task that
-            # kills every child goes to the DLQ after max_deliver, as one killing workers).
+            # Its call was its own (a call of several is split: batcher), yet the cause
+            # may be outside it (the host short of memory): delivered again after the
+            # bus's backoff, and failed naming the crash after max_deliver.
             _log.error("worker.pipeline_process_died", task_id=run.held.task.task_id,
                        error=str(exc))
-            raise Retry(str(exc), delay=1.0) from None
+            raise
         except ModelLoadError as exc:
             if exc.lasting:
                 raise Reject(str(exc)) from None
