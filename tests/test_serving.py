@@ -509,7 +509,7 @@ async def test_a_task_that_fails_its_batched_call_fails_alone_and_its_batch_mate
         assert len(rec.images) == 1
     assert bad.state == TaskState.failed, bad
     assert fnmatch.fnmatchcase(bad.reason, f"failed 1 times: {error}"), bad.reason
-    [split] = [line for line in logged(w) if line.get("event") == "worker.batch_split"]
+    [split] = logged(w, "worker.batch_split")
     assert split["tasks"] == ids
 
 
@@ -662,8 +662,8 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
             # Its fifth try comes 7.5 s after the first: past its ack_wait (5 s), so
             # only its keepalive has kept the task from being delivered again.
             deadline = time.monotonic() + DEADLINE
-            while max((line.get("tries", 0) for line in logged(w)
-                       if line.get("event") == "worker.commit_no_room"), default=0) < 5:
+            while max((line.get("tries", 0) for line in logged(w, "worker.commit_no_room")),
+                      default=0) < 5:
                 assert w.running and time.monotonic() < deadline, w.tail()
                 await asyncio.sleep(0.05)  # polling the worker's log for its retries
             got = await kv.get(task.task_id)
@@ -680,8 +680,7 @@ async def test_a_full_bus_holds_a_made_task_until_its_commit_fits_and_runs_it_on
             info = await bus.js.consumer_info(subjects.gen_stream_name("c1"),
                                               streams.gen_consumer("c1", lane=task.lane).durable)
             assert info.num_redelivered == 0
-            assert {line.get("error") for line in logged(w)
-                    if line.get("event") == "worker.commit_no_room"} == {
+            assert {line.get("error") for line in logged(w, "worker.commit_no_room")} == {
                 "insufficient resources (JetStream error 503/10023)"}
     finally:
         st.stop()
@@ -723,7 +722,7 @@ async def test_a_model_that_fails_to_load_for_a_passing_reason_is_tried_again(
                                                      model_root=str(tmp_path / "models")))
             st.children.append(w.start())
             deadline = time.monotonic() + DEADLINE
-            while not failures(w):
+            while not logged(w, "consumer.handler_failed"):
                 assert w.running and time.monotonic() < deadline, w.tail()
                 await asyncio.sleep(0.05)  # polling the worker's log for the first failure
             index.write_bytes(real)  # the copy completes
@@ -732,13 +731,9 @@ async def test_a_model_that_fails_to_load_for_a_passing_reason_is_tried_again(
         st.stop()
     assert rec.state == TaskState.succeeded and len(rec.images) == 1, rec
     # Each delivery before the file came failed on the load alone, and was delivered again.
-    failed = failures(w)
+    failed = logged(w, "consumer.handler_failed")
     assert rec.attempts == len(failed) + 1 >= 2, (rec.attempts, failed)
     assert all("cannot load model flaky" in line["error"] for line in failed), failed
-
-
-def failures(w: Child) -> list[dict[str, Any]]:
-    return [line for line in logged(w) if line.get("event") == "consumer.handler_failed"]
 
 
 async def waiting(w: Child) -> tuple[int, float]:
@@ -753,12 +748,12 @@ async def waiting(w: Child) -> tuple[int, float]:
     return health["commit_waiting"], gauge[0]
 
 
-def logged(child: Child) -> list[dict[str, Any]]:
-    """The JSON lines of a child's log so far."""
+def logged(child: Child, event: str = "") -> list[dict[str, Any]]:
+    """The JSON lines of a child's log so far (``event``: only those of that event)."""
     out = []
     for line in child.tail(1_000_000).splitlines():
         with contextlib.suppress(ValueError):
             got = json.loads(line)
-            if isinstance(got, dict):
+            if isinstance(got, dict) and (not event or got.get("event") == event):
                 out.append(got)
     return out

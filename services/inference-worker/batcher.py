@@ -128,7 +128,6 @@ class Job:
     future: asyncio.Future[list[Any]]  # the images (``Pipeline.images``), or why none
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
-    running: bool = False
     pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock phases (phases.py)
     alone: bool = False  # runs in a call of its own: its batched call failed
@@ -386,7 +385,6 @@ class Batcher:
             n += job.task.num_images
         for job in group:
             self.pending.remove(job)
-            job.running = True
         self.running += group
         return group
 
@@ -467,7 +465,7 @@ class Batcher:
         _log.warning("worker.batch_split", error=repr(exc),
                      tasks=[job.task.task_id for job in again])
         for job in again:
-            job.alone, job.running = True, False
+            job.alone = True
         self.pending += again
         self._changed.set()
 
