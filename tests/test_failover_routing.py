@@ -134,6 +134,7 @@ async def api(bus: Bus, names: list[str],
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client, router
+    await gw.stop()
     await router.stop()
 
 

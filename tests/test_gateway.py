@@ -3,8 +3,9 @@ submission, idempotency, validation, limits, cancel, the model registry."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ SEAL_KEY = b"a test seal key, not a secret"
 
 
 @pytest.fixture
-async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
+async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> AsyncIterator[Gateway]:
     await bus.provision([*core_streams(), gen_stream(settings.cluster), gen_stream("other")])
     s3 = s3_client(load(Settings, s3_endpoint=s3_server.url, s3_access_key="tandem",
                         s3_secret_key="tandem"))
@@ -46,7 +47,8 @@ async def gw(bus: Bus, settings: Settings, s3_server: S3Server) -> Gateway:
                 limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512),
                 seal_key=SEAL_KEY)
     await g.start()
-    return g
+    yield g
+    await g.stop()
 
 
 @pytest.fixture
@@ -192,9 +194,10 @@ async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refus
 async def test_models_lists_conditioning_sizes_steps_and_where_each_is_loaded(
         http: httpx.AsyncClient, bus: Bus, settings: Settings) -> None:
     nodes = await bus.typed(KV_NODES, NodeHeartbeat)
-    await nodes.put(subjects.node_key(settings.cluster, "n1"), NodeHeartbeat(
-        cluster=settings.cluster, node="n1", models=["digits"]))
-    models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+    key = subjects.node_key(settings.cluster, "n1")
+    await nodes.put(key, NodeHeartbeat(cluster=settings.cluster, node="n1", models=["digits"]))
+    # The gateway's board hears the heartbeat by its watch, not by a read per request.
+    models = await models_when(http, lambda m: m["digits"]["loaded_on"])
     assert set(models) == {"digits", "tiny-text", "noop"}
     digits = models["digits"]
     assert digits["conditioning"] == "class_label"
@@ -204,6 +207,21 @@ async def test_models_lists_conditioning_sizes_steps_and_where_each_is_loaded(
     assert models["tiny-text"]["conditioning"] == "text"
     assert models["tiny-text"]["loaded_on"] == []
     assert "config" not in digits
+    await nodes.delete(key)  # the node is gone: its models are loaded nowhere
+    models = await models_when(http, lambda m: not m["digits"]["loaded_on"])
+    assert all(m["loaded_on"] == [] for m in models.values())
+
+
+async def models_when(http: httpx.AsyncClient, cond: Callable[[dict[str, Any]], Any],
+                      timeout: float = 10.0) -> dict[str, Any]:
+    """``GET /v1/models`` by name, once ``cond`` holds of it (within ``timeout``)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+        if cond(models):
+            return models
+        assert asyncio.get_running_loop().time() < deadline, models
+        await asyncio.sleep(0.02)  # polling the gateway's answer
 
 
 async def test_pinned_cluster_gets_the_task(http: httpx.AsyncClient, bus: Bus) -> None:
@@ -257,6 +275,7 @@ async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_no
                 again = await http.post("/v1/generations", json=ask)
                 assert again.status_code == 202, again.text
                 assert await queued_on(bus, "c1") == 2
+            await gw.stop()
         finally:
             await bus.drain()
     finally:

@@ -153,6 +153,20 @@ class ClusterBoard:
     def clusters(self) -> list[str]:
         return sorted(self._sums)
 
+    def placements(self, now: float | None = None) -> dict[str, list[str]]:
+        """Each model loaded on a node whose heartbeat is fresh (drained or unhealthy
+        nodes too: the model is loaded there), with those nodes as ``cluster/node``,
+        sorted. O(nodes) in memory: no read of the bus."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        out: dict[str, list[str]] = {}
+        for node in self._nodes.values():
+            hb = node.hb
+            if hb is not None and node.seen + self.ttl > now:
+                for model in hb.models:
+                    out.setdefault(model, []).append(f"{hb.cluster}/{hb.node}")
+        return {model: sorted(where) for model, where in out.items()}
+
     def view(self) -> FleetView:
         """Every node's view, as ``fleet.read_fleet`` builds it from a snapshot; ages
         count from when this process received each heartbeat."""

@@ -23,11 +23,11 @@ import msgspec
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus, TypedKV, describe, retry_transient, watch
+from tandem.common.clusters import ClusterBoard
 from tandem.common.events import (
     CancelNotice,
     GenerationTask,
     IdempotencyRecord,
-    NodeHeartbeat,
     TaskRecord,
     TaskState,
     decode,
@@ -44,7 +44,7 @@ from tandem.common.jobs import (
     check_request,
 )
 from tandem.common.models import Registry
-from tandem.common.streams import KV_CANCELS, KV_IDEMPOTENCY, KV_NODES, KV_TASKS
+from tandem.common.streams import HEARTBEAT_TTL, KV_CANCELS, KV_IDEMPOTENCY, KV_TASKS
 from tandem.gateway.routing import Router, RoutingError, choose_cluster
 from tandem.gateway.schemas import ImageRef, view
 
@@ -97,7 +97,8 @@ class Gateway:
     def __init__(self, bus: Bus, registry: Registry, clusters: list[str], *, s3: Any,
                  bucket: str, url_ttl: float, publish_retry_for: float,
                  sse_ping: float = 15.0, router: Router | None = None,
-                 limits: JobLimits = JobLimits(), seal_key: bytes | None = None) -> None:
+                 limits: JobLimits = JobLimits(), seal_key: bytes | None = None,
+                 heartbeat_ttl: float = HEARTBEAT_TTL) -> None:
         self.bus = bus
         self.limits = limits
         self.seal_key = seal_key  # tasks.seal: spares each worker a record read
@@ -112,13 +113,21 @@ class Gateway:
         self.tasks: TypedKV[TaskRecord] | None = None
         self.cancels: TypedKV[CancelNotice] | None = None
         self.idem: TypedKV[IdempotencyRecord] | None = None
-        self.nodes: TypedKV[NodeHeartbeat] | None = None
+        # Where each model is loaded (``models()``): the router's live board, or one of
+        # this gateway's own under static routing.
+        self.board = router.board if router is not None else ClusterBoard(bus, heartbeat_ttl)
+        self._own_board = router is None
 
     async def start(self) -> None:
         self.tasks = await self.bus.typed(KV_TASKS, TaskRecord)
         self.cancels = await self.bus.typed(KV_CANCELS, CancelNotice)
         self.idem = await self.bus.typed(KV_IDEMPOTENCY, IdempotencyRecord)
-        self.nodes = await self.bus.typed(KV_NODES, NodeHeartbeat)
+        if self._own_board:
+            await self.board.start()
+
+    async def stop(self) -> None:
+        if self._own_board:
+            await self.board.stop()
 
     # -------------------------------------------------------------------------- submit
 
@@ -335,16 +344,8 @@ class Gateway:
     # -------------------------------------------------------------------------- models
 
     async def models(self) -> list[dict[str, Any]]:
-        assert self.nodes is not None
-        try:
-            beats = await self.nodes.items()
-        except Exception as exc:
-            _log.warning("gateway.nodes_unreadable", error=describe(exc))
-            beats = {}
-        out = []
-        for spec in self.registry:
-            d = spec.public()
-            d["loaded_on"] = sorted(f"{hb.cluster}/{hb.node}" for hb in beats.values()
-                                    if spec.name in hb.models)
-            out.append(d)
-        return out
+        """The registry, each model with the nodes it is loaded on (``loaded_on``), as the
+        board last heard from them: no read of KV ``nodes`` per request."""
+        placed = self.board.placements()
+        return [{**spec.public(), "loaded_on": placed.get(spec.name, [])}
+                for spec in self.registry]

@@ -144,7 +144,8 @@ class GatewayService(Service):
         gw = Gateway(ctx.bus, s.registry, s.cluster_list,
                      s3=s3_client(presign), bucket=s.s3_bucket, url_ttl=s.result_url_ttl,
                      publish_retry_for=s.publish_retry_for, sse_ping=s.sse_ping,
-                     router=self.router, limits=s.job_limits, seal_key=s.seal_key)
+                     router=self.router, limits=s.job_limits, seal_key=s.seal_key,
+                     heartbeat_ttl=s.heartbeat_ttl)
         await gw.start()
         keys = Keyring(parse_keys(s.api_keys))
         # Both doors share them; the rates are every replica's (KV rates).
@@ -174,5 +175,6 @@ class GatewayService(Service):
             server.stop()
             stopping.cancel()
         sock.close()
+        await gw.stop()
         if self.router is not None:
             await self.router.stop()
