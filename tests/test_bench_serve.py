@@ -43,7 +43,8 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
                                     "--pin"))
     a, t, c = r["latency"], r["protocol"], r["batching"]
     assert set(r["figures"]) == {
-        "latency", "doors", "protocol", "protocol_messages", "protocol_cpu", "validation",
+        "latency", "doors", "protocol", "protocol_messages", "protocol_cpu",
+        "protocol_share", "validation",
         "protocol_raw", "batching", "pipeline_busy", "workers_noop_2", "workers_digits_2",
         *(f"pipeline_{m}_{k}" for m in ("digits", "tiny-text") for k in ("b1", "b2"))}
     assert r["figures"]["protocol"]["ratio"]["runs"] == [t["ratio"]]
@@ -75,6 +76,12 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
     assert t["raw"]["writes_per_task"] == 0
     assert _quotient(t["ratio"], sides["tandem"]["per_s"], sides["floor"]["per_s"])
     assert t["cpu_us_per_task"] == sides["tandem"]["cpu_us"]
+    # The proposed measure: the worker's CPU per task beyond the floor's, in percent of
+    # a digits image's time in the bare pipeline at the batched size, of the same run.
+    image_us = r["pipeline"]["models"]["digits"]["b2"]["bare"]["wall_per_image_ms"] * 1e3
+    share = r["figures"]["protocol_share"]["tandem"]["runs"]
+    assert share == [round((t["cpu_us_per_task"] - sides["floor"]["cpu_us"]) / image_us * 100,
+                           4)]
     # Issue 19: the worker with its checks against the same worker without them (and the
     # same pair on the floor); both unchecked sides wrote as many records as the others.
     assert sides["tandem_unchecked"]["writes_per_task"] == sides["tandem"]["writes_per_task"]
@@ -106,6 +113,7 @@ async def test_serve_bench_counts_add_up_and_every_ratio_is_its_figures_quotient
 
     text = bench_serve.render(r)
     assert "protocol" in text and "CPU/task" in text and "validation" in text
+    assert "beyond the floor" in text and "of a digits image" in text
     assert "bare pipeline" in text and "workers on one stream" in text
     _pipeline_counts_add_up(r)
     _workers_counts_add_up(r)

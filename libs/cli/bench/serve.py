@@ -58,6 +58,10 @@ GOAL_LATENCY = 3.0
 GOAL_PROTOCOL = 0.95
 GOAL_WRITES = 3.0
 GOAL_CPU_US = 50.0
+# Proposed for (b) in place of the two goals above (issue 21, item 4): what the worker's
+# CPU per task beyond the floor's costs a real task, as a share of the bare pipeline's
+# time per digits image at the batched size (the cheapest real image here).
+GOAL_SHARE_PCT = 1.0
 SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "8", "--steps",
          "2", "--batch", "2", "--workers", "1,2", "--worker-tasks", "40", "--worker-images",
          "8")
@@ -362,6 +366,7 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         [x["cpu_us_per_task"] for x in pro], [s["floor"]["cpu_us"] for s in sides],
         "protocol floor, client + nats-server", goal=stats.Goal("<=", GOAL_CPU_US, on="tandem"),
         digits=1)
+    share = _share_figure(runs)
     val = [x["validation"] for x in pro]
     validation = stats.Figure(
         "validation", "(b) no-op tasks/s of the worker with its validation against without",
@@ -387,8 +392,28 @@ def _figures(runs: list[dict[str, Any]]) -> list[stats.Figure]:
         latency.why = saturation.why(stats.median_run(
             runs, lambda x: x["latency"]["ratio_to_raw_plus_hop"])["round_cpu"],
             loop="bench process") + " (over the whole run, every part)"
-    return [latency, doors, ratio, writes, cpu, validation, raw,
+    return [latency, doors, ratio, writes, cpu, share, validation, raw,
             *serve_pipeline.figures(runs, runs[0]["pipeline"]["batch"])]
+
+
+def _share_figure(runs: list[dict[str, Any]]) -> stats.Figure:
+    """(b)'s proposed measure, in percent: the worker's CPU per no-op task (client +
+    nats-server) beyond the protocol floor's, against the bare pipeline's wall time per
+    digits image at the batched size, both from the same repeat."""
+    batch = runs[0]["pipeline"]["batch"]
+    extra = [x["protocol"]["cpu_us_per_task"] - x["protocol"]["sides"]["floor"]["cpu_us"]
+             for x in runs]
+    image = [x["pipeline"]["models"]["digits"][f"b{batch}"]["bare"]["wall_per_image_ms"] * 1e3
+             for x in runs]
+    return stats.Figure(
+        "protocol_share", f"(b) the worker's CPU per task beyond the floor's, as a share of "
+        f"one digits image (bare pipeline, batch {batch})", "%",
+        [e / i * 100 for e, i in zip(extra, image, strict=True)],
+        goal=stats.Goal("<=", GOAL_SHARE_PCT, on="tandem"), digits=4,
+        notes=["proposed in place of (b)'s rate and CPU goals (issue 21, item 4): what "
+               "the bus's extra work costs the cheapest real task here",
+               f"beyond the floor {[round(e, 1) for e in extra]} us a task, a digits image "
+               f"{[round(i, 1) for i in image]} us (each repeat)"])
 
 
 async def _once(args: argparse.Namespace, r: int) -> dict[str, Any]:
@@ -460,6 +485,13 @@ def _validation_line(v: dict[str, Any]) -> str:
             "a task (medians of the repeats)")
 
 
+def _share_line(r: dict[str, Any]) -> str:
+    f = r["figures"]["protocol_share"]
+    return (f"the worker's CPU per task beyond the floor's is {f['tandem']['median']:g}% "
+            f"of a digits image in the bare pipeline (proposed goal <= {GOAL_SHARE_PCT:g}%; "
+            f"{f['notes'][1]})")
+
+
 def render(r: dict[str, Any]) -> str:
     a, t = r["latency"], r["protocol"]
     yes = {True: "yes", False: "NO"}
@@ -489,6 +521,7 @@ def render(r: dict[str, Any]) -> str:
           for side, x in [*t["sides"].items(), ("raw fetch+ack", t["raw"])]),
         f"    tandem / floor = {t['ratio']:.3f} (goal >= {GOAL_PROTOCOL:g})   CPU per task "
         f"{t['cpu_us_per_task']:g} us (goal <= {GOAL_CPU_US:g})",
+        f"    beyond the floor: {_share_line(r)}",
         f"    validation: {_validation_line(r['validation'])}",
         *serve_pipeline.render(r),
     ])
