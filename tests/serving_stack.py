@@ -100,7 +100,9 @@ class ServingStack:
         base = {"nats_url": self.nats.url, "s3_endpoint": self.s3.url,
                 "s3_bucket": self.bucket, "s3_access_key": "tandem", "s3_secret_key": "tandem",
                 # The gateway seals what it enqueues; the workers move sealed tasks unread.
-                "task_seal_key": self.seal_key}
+                "task_seal_key": self.seal_key,
+                # The stack's own call ledger: its workers' dead calls are its own.
+                "calls_dir": str(self.root / "calls")}
         return {**base, **({"models": self.models} if self.models else {}), **extra}
 
     def settings(self) -> Settings:

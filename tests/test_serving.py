@@ -66,7 +66,7 @@ class Stack(ServingStack):
 
     def start_gateway(self) -> Child:
         clusters = ",".join([MAIN, "prio", "kill", "crash", "s3down", "idle", "term", "apart",
-                             "held", "overlap", "poison", "poisonkill"])
+                             "held", "overlap", "poison", "poisonkill", "poisonself"])
         gw = gateway(self.root, f"gateway-{len(self.children)}", self.port,
                      **self.env(clusters=clusters, cluster=MAIN, sse_ping="1",
                                 routing="static"))  # no cluster agents in this stack
@@ -453,31 +453,49 @@ async def test_malformed_tasks_go_to_dlq_the_worker_goes_on_and_no_record_is_tou
     assert got is not None and got[0].state == TaskState.queued and got[0].reason == ""
 
 
-async def test_task_that_keeps_killing_its_worker_fails_after_max_deliver_and_goes_to_dlq(
+async def until_ended(stack: Stack, done: asyncio.Future[Any], name: str, cluster: str,
+                      most: int, **env: str) -> list[Child]:
+    """Start a worker again each time it dies (a supervisor's restart), until ``done``;
+    the workers started, at most ``most``."""
+    started: list[Child] = []
+    while not done.done():
+        w = stack.start_worker(f"{name}-{len(started)}", cluster, **env)
+        started.append(w)
+        # The worker dies on a task (SIGKILL from inside) or the tasks end.
+        while w.running and not done.done():
+            await asyncio.wait({done}, timeout=0.2)
+        w.kill()
+        assert len(started) <= most, "the tasks never ended"
+    return started
+
+
+async def test_task_that_keeps_killing_its_worker_fails_naming_the_deaths(
         stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    """A task that kills its worker's process in a call of its own: the next worker on
+    the host finds it in the dead worker's ledger slot and counts the death on its
+    record, and its failure says so. (Before, it failed as ``exhausted: delivered 3
+    times``, saying nothing of why.)"""
     env = dict(serve="crasher", fault_injection="1", ack_wait="1", max_deliver="3")
     task_id = await submit(http, model="crasher", steps=2, cluster="crash")
     seen: list[TaskRecord] = []
-    done = asyncio.create_task(terminal(bus, task_id, seen=seen))
-    starts = 0
+    done = asyncio.ensure_future(terminal(bus, task_id, seen=seen))
     try:
-        while not done.done():
-            w = stack.start_worker(f"w-crash-{starts}", "crash", **env)
-            starts += 1
-            # The worker dies on the task (SIGKILL from inside) or the task ends.
-            while w.running and not done.done():
-                await asyncio.wait({done}, timeout=0.2)
-            w.kill()
-            assert starts <= 5, "the task was never dead-lettered"
+        starts = await until_ended(stack, done, "w-crash", "crash", 5, **env)
         rec = done.result()
     finally:
         done.cancel()
     assert rec.state == TaskState.failed
-    assert rec.reason.startswith("exhausted: delivered 3 times"), rec.reason
-    assert starts == 3
+    # Its third delivery is the bus's last, kept for the dead letter: exhausted, and why.
+    assert rec.reason == ("exhausted: delivered 3 times; the worker process died in 2 of "
+                          "its pipeline calls (2 of them its own)"), rec.reason
+    assert (rec.crashes, rec.crashes_alone) == (2, 2)
+    assert len(starts) == 3
+    assert [task_id] in [d["tasks"] for d in logged(starts[1], "worker.dead_call")]
     assert TaskState.succeeded not in {r.state for r in seen}
+    # The dead letter says what the bus knew; the record adds what the ledger found.
     await dead_letters(bus, "GEN_CRASH", lambda ls: any(
-        task_id.encode() in d.data and d.reason == rec.reason for d in ls))
+        task_id.encode() in d.data and d.reason == "exhausted: delivered 3 times"
+        for d in ls))
 
 
 @pytest.mark.parametrize(("model", "cluster", "apart", "error"), [
@@ -511,6 +529,36 @@ async def test_a_task_that_fails_its_batched_call_fails_alone_and_its_batch_mate
     assert fnmatch.fnmatchcase(bad.reason, f"failed 1 times: {error}"), bad.reason
     [split] = logged(w, "worker.batch_split")
     assert split["tasks"] == ids
+
+
+async def test_a_task_that_kills_its_worker_in_a_batched_call_takes_no_batch_mate_with_it(
+        stack: Stack, http: httpx.AsyncClient, bus: Bus) -> None:
+    """Three compatible tasks queued before the worker starts share its first call, and
+    seed 666 kills the worker's own process in it (the model in the worker, not apart).
+    The next worker finds the call's three tasks in the dead worker's ledger slot: each
+    comes back alone, the batch-mates succeed, and the poison, after it killed the
+    worker twice more alone, is refused. (Before, the three came back together, were
+    batched together and died together until the bus gave up on all of them.)"""
+    ids = [await submit(http, model="poison-kill", steps=2, seed=seed, cluster="poisonself")
+           for seed in (1, 666, 2)]
+    done = asyncio.ensure_future(asyncio.gather(*(terminal(bus, t) for t in ids)))
+    try:
+        starts = await until_ended(stack, done, "w-poisonself", "poisonself", 6,
+                                   serve="poison-kill", fault_injection="1", max_batch="8",
+                                   ack_wait="1", pipeline_process="0")
+        good1, bad, good2 = done.result()
+    finally:
+        done.cancel()
+    for rec in (good1, good2):
+        assert rec.state == TaskState.succeeded and len(rec.images) == 1, rec
+        assert (rec.crashes, rec.crashes_alone) == (1, 0)  # their one call with the poison
+    assert bad.state == TaskState.failed and (bad.crashes, bad.crashes_alone) == (3, 2), bad
+    assert bad.reason == ("rejected: the worker process died in 3 of its pipeline calls (2 of "
+                          "them its own): refused at TANDEM_MAX_CRASHES=2 in its own"), bad
+    # The batched death, two deaths alone, then a worker that refused it and lived.
+    assert len(starts) == 4
+    assert ids in [d["tasks"] for d in logged(starts[1], "worker.dead_call")]
+    assert [ids[1]] in [d["tasks"] for d in logged(starts[2], "worker.dead_call")]
 
 
 async def test_s3_unreachable_retries_then_fails_and_never_succeeds_without_images(

@@ -70,3 +70,14 @@ def test_succeeded_picks_successes_out_of_record_writes_without_being_fooled() -
     sly = moves.queued(struct_replace(TASK, prompt='"state":"succeeded"'), "east")
     assert moves.succeeded(encode(sly)) is None
     assert moves.succeeded(b'{"state":"succeeded"') is None  # not a record at all
+
+
+def test_a_worker_death_in_its_call_is_counted_on_a_live_record_only() -> None:
+    batched = moves.to_crashed(alone=False)(queued())
+    assert batched is not None and (batched.crashes, batched.crashes_alone) == (1, 0)
+    assert batched.state == TaskState.queued  # counted, not moved
+    alone = moves.to_crashed(alone=True)(batched)
+    assert alone is not None and (alone.crashes, alone.crashes_alone) == (2, 1)
+    for end in (TaskState.succeeded, TaskState.failed, TaskState.cancelled):
+        assert moves.to_crashed(alone=True)(struct_replace(alone, state=end)) is None
+    assert moves.to_crashed(alone=True)(None) is None

@@ -218,6 +218,8 @@ class Stack:
         env = dict(os.environ)  # a user's TANDEM_* (log level, ...) reach every service
         env.setdefault("TANDEM_LOG_FORMAT", self.log_format)
         env.setdefault("TANDEM_DRAIN_TIMEOUT", str(max(1.0, self.grace - 5)))
+        # The workers' call ledger is this stack's: another stack's dead calls are not its.
+        env.setdefault("TANDEM_CALLS_DIR", str(self.root / "calls"))
         env.update({
             "PYTHONUNBUFFERED": "1",
             "TANDEM_NATS_URL": self.nats_url,

@@ -169,6 +169,10 @@ class TaskRecord(Event, kw_only=True):
     reason: str = ""
     attempts: int = 0
     timings: dict[str, float] = {}  # succeeded: where the worker's time went, seconds
+    # Deliveries whose worker process died while the task's pipeline call ran
+    # (``tasks.to_crashed``), and those of them in a call of the task's own.
+    crashes: int = 0
+    crashes_alone: int = 0
 
 
 class CancelNotice(Event, kw_only=True):

@@ -175,6 +175,28 @@ def to_succeeded(images: list[str], *, cluster: str, worker: str, attempt: int,
     return move
 
 
+def to_crashed(alone: bool) -> Move:
+    """A worker process died while the task's pipeline call ran (``alone``: a call of its
+    own): counted on a record that has not ended, so the next delivery runs it alone and
+    the one after enough deaths alone refuses it. A record that ended is left."""
+
+    def move(rec: TaskRecord | None) -> TaskRecord | None:
+        if rec is None or rec.state.terminal:
+            return None
+        return struct_replace(rec, crashes=rec.crashes + 1,
+                              crashes_alone=rec.crashes_alone + int(alone), updated_at=now())
+
+    return move
+
+
+def deaths(rec: TaskRecord) -> str:
+    """What ``rec``'s crash counts (``to_crashed``) say, for a failure's reason; '' if none."""
+    if not rec.crashes:
+        return ""
+    return (f"the worker process died in {rec.crashes} of its pipeline calls "
+            f"({rec.crashes_alone} of them its own)")
+
+
 def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = None) -> Move:
     def move(rec: TaskRecord | None) -> TaskRecord | None:
         if body is not None:
@@ -185,7 +207,10 @@ def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = No
         if rec is None or not may_move(rec.state, state):
             return None
         t = now()
-        return struct_replace(rec, state=state, reason=reason, updated_at=t, finished_at=t)
+        why = reason
+        if state == TaskState.failed and (died := deaths(rec)) and died not in reason:
+            why = f"{reason}; {died}"  # "exhausted: delivered N times" says not why
+        return struct_replace(rec, state=state, reason=why, updated_at=t, finished_at=t)
 
     return move
 

@@ -23,7 +23,10 @@ A failing call takes only the tasks that fail alone: when a call of several task
 big for the device), each of its tasks runs again in a call of its own, so only a task
 that fails by itself fails (``tandem_worker_batch_splits_total``). A pipeline apart
 (``apart``) fails a call whose child died (a task that crashes the model's process) the
-same way; a task that kills the worker's own process takes whatever the worker held.
+same way. A task that kills the worker's own process takes its call and what the
+worker held with it; the call's tasks are known to the next worker (``ledger``): each
+of them comes back alone, those that already died alone last in line, and one that
+keeps killing its worker alone is refused (the service's ``max_crashes``).
 
 Cancelling a task that waits removes it; cancelling one that is queued or runs resolves
 it at once (the caller sees it stop within one step) and the call stops at the next step
@@ -47,6 +50,7 @@ from typing import Any, TypeVar
 
 from tandem.common import log, metrics
 from tandem.common.events import GenerationTask
+from tandem.inference_worker.ledger import CallLedger
 from tandem.inference_worker.pipelines import CallTime, Interrupted, Item, Params, Pipeline
 
 _log = log.get("tandem.inference_worker.batcher")
@@ -130,15 +134,17 @@ class Job:
     cancelled: bool = False
     pipeline: Pipeline | None = None  # what ran it: the checkpoint its images came from
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock phases (phases.py)
-    alone: bool = False  # runs in a call of its own: its batched call failed
+    # Runs in a call of its own: its batched call failed, or a worker died in its call.
+    alone: bool = False
+    suspicion: int = 0  # worker deaths in a call of its own so far: later in its lane
     # Set once (a batch is formed by comparing every waiting job's): what it runs with,
-    # and its place in line (interactive before batch, then oldest first).
+    # and its place in line (interactive before batch, the least suspect, then oldest).
     key: tuple[Any, ...] = field(init=False)
-    rank: tuple[int, float] = field(init=False)
+    rank: tuple[int, int, float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = self.task.batch_key()
-        self.rank = (LANE_RANK.get(self.task.lane, 1), self.arrived)
+        self.rank = (LANE_RANK.get(self.task.lane, 1), self.suspicion, self.arrived)
 
     def items(self) -> list[Item]:
         t = self.task
@@ -154,7 +160,7 @@ class Job:
             self.future.set_result(value)
 
 
-def _rank(job: Job) -> tuple[int, float]:
+def _rank(job: Job) -> tuple[int, int, float]:
     return job.rank
 
 
@@ -225,8 +231,10 @@ class Usage:
 
 class Batcher:
     def __init__(self, get_pipeline: PipelineGetter, *, max_batch: int = 8,
-                 linger: float = 0.02, on_step: ProgressHook | None = None) -> None:
+                 linger: float = 0.02, on_step: ProgressHook | None = None,
+                 ledger: CallLedger | None = None) -> None:
         self.get_pipeline = get_pipeline
+        self.ledger = ledger  # told each in-process call's tasks while it runs
         self.max_batch = max_batch
         self.linger = linger
         self.on_step = on_step
@@ -242,9 +250,12 @@ class Batcher:
 
     # ----------------------------------------------------------------------- callers
 
-    def enqueue(self, task: GenerationTask) -> Job:
-        """Queue ``task`` now; its ``future`` gets the images or the reason it has none."""
-        job = Job(task, asyncio.get_running_loop().create_future())
+    def enqueue(self, task: GenerationTask, crashes: int = 0, crashes_alone: int = 0) -> Job:
+        """Queue ``task`` now; its ``future`` gets the images or the reason it has none.
+        ``crashes``: worker deaths in its calls so far (its record's): it runs alone,
+        after the tasks that died alone fewer times (``crashes_alone``)."""
+        job = Job(task, asyncio.get_running_loop().create_future(), alone=crashes > 0,
+                  suspicion=crashes_alone)
         if self._closed:
             job.resolve(HandedBack())
             return job
@@ -480,10 +491,16 @@ class Batcher:
             began = CallTime.clocks()
             self.usage.begin(began[0])
             timing = None
+            # A call in this process (not apart, nor trivial) can take the process with it.
+            ledger = None if pipeline.concurrent or pipeline.trivial else self.ledger
+            if ledger is not None:
+                ledger.begin([j.task.task_id for j in group])
             try:
                 images, timing = pipeline.call(items, params, on_step)
                 return images
             finally:
+                if ledger is not None:
+                    ledger.end()
                 if timing is None:  # it raised: as this thread saw it
                     timing = CallTime.since(began)
                 self.usage.add(len(items), timing.started, timing.wall_s, timing.cpu_s)

@@ -30,13 +30,23 @@ from dataclasses import dataclass
 from tandem.common import log, metrics
 from tandem.common import tasks as moves
 from tandem.common.backoff import Backoff
-from tandem.common.bus import Bus, Delivery, MapWatch, TypedKV, delivered_count, describe, no_room
+from tandem.common.bus import (
+    Bus,
+    Delivery,
+    MapWatch,
+    TypedKV,
+    delivered_count,
+    describe,
+    no_room,
+    retry_transient,
+)
 from tandem.common.events import CancelNotice, GenerationTask, TaskRecord, decode
 from tandem.common.streams import DAY, KV_CANCELS
 
 _log = log.get("tandem.inference_worker.records")
 # A commit JetStream has no room for waits in place: room comes when something is purged.
 NO_ROOM_BACKOFF = Backoff(0.5, max_delay=5.0)
+CRASH_WRITE_FOR = 30.0  # seconds a starting worker retries counting a dead call
 COMMITS_WAITING = metrics.Gauge(
     "tandem_worker_commits_waiting", "Made tasks whose commit waits for room in JetStream")
 
@@ -219,6 +229,13 @@ class Records:
         if change:
             self.waiting += change
             COMMITS_WAITING.inc(change)
+
+    async def crashed(self, task_ids: list[str], alone: bool) -> None:
+        """A worker process died in a call of ``task_ids`` (``alone``: of one task): each
+        record that has not ended counts it (``tasks.to_crashed``)."""
+        await asyncio.gather(*(retry_transient(
+            lambda t=t: self.kv.update(t, moves.to_crashed(alone)), CRASH_WRITE_FOR,
+            what=f"crash count of {t}") for t in task_ids))
 
     async def failed(self, body: GenerationTask, reason: str) -> TaskRecord | None:
         """A dead-lettered task's record ends ``failed`` with ``reason``: its own record

@@ -42,6 +42,7 @@ from nats.aio.msg import Msg
 from pydantic import Field, field_validator, model_validator
 
 from tandem.common import log, metrics, subjects
+from tandem.common import tasks as moves
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Consumer, Delivery, Poller, TypedKV, describe
 from tandem.common.bus.consumer import Outcome
@@ -67,7 +68,7 @@ from tandem.common.streams import (
     gen_stream,
 )
 from tandem.common.tasks import SealSettings
-from tandem.inference_worker import apart, phases
+from tandem.inference_worker import apart, ledger, phases
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled
 from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.failover import Failover, FailoverSettings
@@ -132,6 +133,11 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
                              "lane when idle; bounds the batch lane's pickup delay.")
     preload: bool = Field(True, description="Load served models before pulling tasks.")
     fault_injection: bool = Field(False, description="Allow fault: models (tests only).")
+    calls_dir: str = Field("", description="The call ledger's folder (ledger.py); it must "
+                           "outlive the process. Empty: one of this user's in the temp dir.")
+    max_crashes: int = Field(2, ge=1, le=100, description="Deaths of the worker process in a "
+                             "task's own pipeline call before the task is refused (failed "
+                             "naming them, dead-lettered).")
     announce_interval: float = Field(2.0, gt=0, description="Seconds between ModelsLoaded.")
     checkpoint_poll: float = Field(30.0, ge=0, le=3600, description="Seconds between checks "
                                    "for a newer committed checkpoint of a run: model when no "
@@ -327,6 +333,8 @@ class InferenceWorker(Service):
         cancels = Cancels(bus, self._on_cancel)
         await cancels.start()
         self.records = Records(self.tasks, cancels, self.seal_key, self.worker_id)
+        # Before the first pull: the tasks a dead worker on this host was running.
+        self.batcher.ledger = await ledger.start(self.s.calls_dir, self.records.crashed)
         self._s3 = s3_client(self.s, connect_timeout=2.0, read_timeout=30.0)
         self.hotswap.s3 = s3_client(self.s)  # default timeouts: checkpoints are large
         # torch in this process only for calls made here: a worker whose models all run
@@ -387,6 +395,8 @@ class InferenceWorker(Service):
             await self.drain.stop()
             for pipe in self.pipelines.values():
                 await asyncio.to_thread(pipe.close)  # a child process ends with its worker
+            if self.batcher.ledger is not None:
+                self.batcher.ledger.close()
         _log.info("worker.stopped", batches=self.batcher.batches)
 
     def _consumer_specs(self) -> list[ConsumerSpec]:
@@ -462,7 +472,10 @@ class InferenceWorker(Service):
         unsettled = 0  # calls being ended whose outcomes have not come
         try:
             for d, held in taken:
-                run = Running(d, held, self.batcher.enqueue(held.task), d.keepalive())
+                rec = held.expect[0] if held.expect is not None else None
+                job = (self.batcher.enqueue(held.task, rec.crashes, rec.crashes_alone)
+                       if rec is not None and rec.crashes else self.batcher.enqueue(held.task))
+                run = Running(d, held, job, d.keepalive())
                 run.kept.enter()
                 self.held[held.task.task_id] = held
                 running[id(run.job)] = run
@@ -519,7 +532,12 @@ class InferenceWorker(Service):
         record read, and created if it has none."""
         assert self.records is not None
         with log.bound(task_id=d.event.task_id, model=d.event.model), d.context():
-            return await self.records.claim(d, held.cluster, held)
+            got = await self.records.claim(d, held.cluster, held)
+        rec = got.expect[0] if got is not None and got.expect is not None else None
+        if rec is not None and rec.crashes_alone >= self.s.max_crashes:
+            raise Reject(f"{moves.deaths(rec)}: refused at TANDEM_MAX_CRASHES="
+                         f"{self.s.max_crashes} in its own")
+        return got
 
     async def _end(self, call: list[Running]) -> list[Outcome[GenerationTask]]:
         """Steps 2 to 4 for tasks whose pipeline call ended (one call, or more that ended
