@@ -69,6 +69,10 @@ class GenerationView(BaseModel):
     checkpoint_step: int | None
     reason: str
     attempts: int
+    # Worker processes that died while its pipeline call ran (a call of its own: _alone);
+    # a task with one runs alone, and one that keeps killing its worker alone is refused.
+    crashes: int = 0
+    crashes_alone: int = 0
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
@@ -90,6 +94,7 @@ def view(rec: TaskRecord, images: list[ImageRef]) -> GenerationView:
                       seed=t.seed, num_images=t.num_images),
         progress=rec.progress, cluster=rec.cluster, worker=rec.worker,
         checkpoint=rec.checkpoint, checkpoint_step=rec.checkpoint_step, reason=rec.reason,
-        attempts=rec.attempts, created_at=_ts(rec.created_at), updated_at=_ts(rec.updated_at),
+        attempts=rec.attempts, crashes=rec.crashes, crashes_alone=rec.crashes_alone,
+        created_at=_ts(rec.created_at), updated_at=_ts(rec.updated_at),
         started_at=_ts(rec.started_at), finished_at=_ts(rec.finished_at), images=images,
     )
