@@ -556,7 +556,8 @@ async def test_a_task_that_kills_its_worker_in_a_batched_call_takes_no_batch_mat
     shown = (await http.get(f"/v1/generations/{ids[1]}")).json()
     assert (shown["crashes"], shown["crashes_alone"], shown["reason"]) == (3, 2, bad.reason)
     assert bad.reason == ("rejected: the worker process died in 3 of its pipeline calls (2 of "
-                          "them its own): refused at TANDEM_MAX_CRASHES=2 in its own"), bad
+                          "them its own): refused after TANDEM_MAX_CRASHES=2 in a call of its "
+                          "own"), bad
     # The batched death, two deaths alone, then a worker that refused it and lived.
     assert len(starts) == 4
     assert ids in [d["tasks"] for d in logged(starts[1], "worker.dead_call")]

@@ -472,10 +472,10 @@ class InferenceWorker(Service):
         unsettled = 0  # calls being ended whose outcomes have not come
         try:
             for d, held in taken:
-                rec = held.expect[0] if held.expect is not None else None
-                job = (self.batcher.enqueue(held.task, rec.crashes, rec.crashes_alone)
-                       if rec is not None and rec.crashes else self.batcher.enqueue(held.task))
-                run = Running(d, held, job, d.keepalive())
+                assert held.expect is not None  # claimed: its record is known
+                rec = held.expect[0]  # a task in a dead worker's call runs alone
+                run = Running(d, held, self.batcher.enqueue(
+                    held.task, rec.crashes, rec.crashes_alone), d.keepalive())
                 run.kept.enter()
                 self.held[held.task.task_id] = held
                 running[id(run.job)] = run
@@ -535,8 +535,8 @@ class InferenceWorker(Service):
             got = await self.records.claim(d, held.cluster, held)
         rec = got.expect[0] if got is not None and got.expect is not None else None
         if rec is not None and rec.crashes_alone >= self.s.max_crashes:
-            raise Reject(f"{moves.deaths(rec)}: refused at TANDEM_MAX_CRASHES="
-                         f"{self.s.max_crashes} in its own")
+            raise Reject(f"{moves.deaths(rec)}: refused after TANDEM_MAX_CRASHES="
+                         f"{self.s.max_crashes} in a call of its own")
         return got
 
     async def _end(self, call: list[Running]) -> list[Outcome[GenerationTask]]:
