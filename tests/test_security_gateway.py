@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from tandem.cli.devstack import NatsServer, S3Server
 from tandem.client import JobError, SyncClient
-from tandem.common.bus import Bus
+from tandem.common.bus import Bus, TypedKV
 from tandem.common.events import RateMark, RunRecord, RunState, struct_replace
 from tandem.common.jobs import Caller
 from tandem.common.settings import Settings, load
@@ -388,6 +388,54 @@ async def test_a_rate_that_cannot_be_read_refuses_the_request_with_503(
     finally:
         await away.drain()
         await proxy.stop()
+
+
+async def one_key_limits(bus: Bus, name: str, burst: int) -> tuple[Limits, TypedKV[RateMark]]:
+    """One gateway's ``Limits`` for a key named ``name``: ``burst`` requests, then almost
+    none (0.001/s)."""
+    await bus.provision(core_streams())
+    settings = load(AuthSettings, api_keys=json.dumps([{
+        "name": name, "sha256": hash_key(new_key()), "scopes": ["generate"],
+        "rate": 0.001, "burst": burst}]))
+    rates = await bus.typed(KV_RATES, RateMark)
+    return Limits(Keyring(parse_keys(settings.api_keys)), settings, rates), rates
+
+
+async def test_one_keys_requests_at_once_take_its_budget_in_one_write(
+        bus: Bus, uid: str) -> None:
+    """Fifty requests of one key at once through one gateway: exactly its burst of 10
+    are let through and the rest refused, as one at a time would be, in two writes of
+    its mark (the first request's, then one for all that waited behind it), not one a
+    request let through, so a key's rate through one replica is not bounded by the KV
+    round trip."""
+    limits, _ = await one_key_limits(bus, f"burst-{uid}", 10)
+    before = (await bus.js.stream_info(f"KV_{KV_RATES}")).state.last_seq
+    got = await asyncio.gather(*(limits.admit(Caller(key=f"burst-{uid}"))
+                                 for _ in range(50)), return_exceptions=True)
+    assert got.count(None) == 10
+    refused = [g for g in got if g is not None]
+    assert len(refused) == 40 and all(isinstance(g, Denied) and g.status == 429
+                                      for g in refused), refused
+    assert got[:10] == [None] * 10  # in arrival order
+    assert (await bus.js.stream_info(f"KV_{KV_RATES}")).state.last_seq - before == 2
+
+
+async def test_a_request_that_leaves_before_its_turn_takes_nothing_from_the_budget(
+        bus: Bus, uid: str) -> None:
+    name = f"gone-{uid}"
+    limits, _ = await one_key_limits(bus, name, 2)
+    turn = limits._state(limits.keys.by_name[name]).rate_lock
+    async with turn:  # another group is being decided: these three wait for the turn
+        first, gone, third = (asyncio.ensure_future(limits.admit(Caller(key=name)))
+                              for _ in range(3))
+        await asyncio.sleep(0)  # one pass of the loop: each waits on the turn now
+        assert len(limits.state[name].asking) == 3
+        gone.cancel()  # its client left while it waited
+    assert await first is None and await third is None
+    assert gone.cancelled()
+    with pytest.raises(Denied) as over:  # the burst of 2 is spent by the two that stayed
+        await limits.admit(Caller(key=name))
+    assert over.value.status == 429
 
 
 def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Server,

@@ -257,6 +257,9 @@ class KeyState:
     run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     rate_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     mark: tuple[RateMark, int] | None = None  # the key's last known mark and revision
+    # Requests waiting for the rate: each its future (seconds until it would be let
+    # through; 0 when it is). Whoever holds ``rate_lock`` decides all of them at once.
+    asking: list[asyncio.Future[float]] = field(default_factory=list)
 
 
 class Limits:
@@ -271,11 +274,12 @@ class Limits:
 
     The rate and the unfinished runs are the fleet's, so no replica and no restart adds
     to them: the rate is a mark per key in KV ``rates`` (``RateMark``, GCRA), moved by
-    compare-and-set (one write a request let through, from the last mark this process
-    saw; a read only when another replica moved it since; none to refuse, as the mark
-    only moves forward); the unfinished runs are counted in KV ``runs`` as each run is
-    submitted (``runs.submit_run``). The open SSE streams are this process's: each
-    replica enforces them on what it serves.
+    compare-and-set (one write for the requests of a key decided together in this
+    process, ``admit``, from the last mark it saw; a read only when another replica
+    moved it since; none to refuse, as the mark only moves forward); the unfinished
+    runs are counted in KV ``runs`` as each run is submitted (``runs.submit_run``).
+    The open SSE streams are this process's: each replica enforces them on what it
+    serves.
     """
 
     def __init__(self, keys: Keyring, settings: AuthSettings,
@@ -293,36 +297,68 @@ class Limits:
 
     async def admit(self, caller: Caller) -> None:
         """Take one request from the caller's rate, or raise ``Denied(429)`` (``503`` if
-        KV ``rates`` cannot be reached: no request goes through unaccounted)."""
+        KV ``rates`` cannot be reached: no request goes through unaccounted).
+
+        A key's requests in this process are decided in groups: the one that gets the
+        key's turn decides every request that waits by then, in arrival order, with one
+        compare-and-set that takes as many as the rate lets through. So one key's rate
+        through one replica is not bounded by the KV round trip (one write per request,
+        in turn, before), and the budget taken is the same."""
         key = self.keys.named(caller.key)
         if key is None:
             return
         st = self._state(key)
         rate, burst = key.rate or self.s.rate_limit, key.burst or self.s.rate_burst
-        wait = 0.0
-
-        def take(cur: RateMark | None) -> RateMark | None:
-            nonlocal wait
-            tat, wait = gcra(cur.tat if cur else 0.0, time.time(), rate, burst)
-            return None if wait else RateMark(tat=tat)
-
-        async with st.rate_lock:  # this process's requests in turn; replicas race by CAS
-            # Refused on the last mark seen: the stored one is no earlier, so it would be too.
-            refused = st.mark is not None and take(st.mark[0]) is None
-            if not refused:
-                try:
-                    st.mark = await self.rates.move(key.name, take, expect=st.mark)
-                except Exception as exc:  # whatever failed: no budget read, no request
-                    st.mark = None
-                    _log.warning("auth.rates_unavailable", key=key.name,
-                                 error=describe(exc))
-                    raise Denied(503, f"the rate limit of key {key.name!r} cannot be read "
-                                 f"(KV {KV_RATES}): {describe(exc)}", retry_after=1) from None
+        mine: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        st.asking.append(mine)
+        try:
+            async with st.rate_lock:  # this process's groups in turn; replicas race by CAS
+                if not mine.done():  # not decided with an earlier group: decide this one
+                    group = [f for f in st.asking if not f.done()]
+                    st.asking = []
+                    await self._decide(key, st, group, rate, burst)
+        except BaseException:
+            mine.cancel()  # gone (the client left) before it was decided: it takes nothing
+            raise
+        wait = mine.result()  # Denied(503) for the whole group if KV could not be read
         if wait > 0:
             AUTH.labels("rate_limited").inc()
             raise Denied(429, f"key {key.name!r} is over its rate limit of "
                          f"{rate:g} requests/s (burst {burst})",
                          retry_after=max(1, math.ceil(wait)))
+
+    async def _decide(self, key: ApiKey, st: KeyState, group: list[asyncio.Future[float]],
+                      rate: float, burst: int) -> None:
+        """Each request of ``group`` let through or told how long to wait, with one
+        compare-and-set for all of them (none where the last mark seen refuses them
+        all: the stored one is no earlier)."""
+        waits: list[float] = []
+
+        def take(cur: RateMark | None) -> RateMark | None:
+            waits.clear()
+            tat, now = (cur.tat if cur else 0.0), time.time()
+            for _ in group:
+                tat, wait = gcra(tat, now, rate, burst)
+                waits.append(wait)
+            return RateMark(tat=tat) if 0.0 in waits else None
+
+        try:
+            if st.mark is None or take(st.mark[0]) is not None:
+                st.mark = await self.rates.move(key.name, take, expect=st.mark)
+        except Exception as exc:  # whatever failed: no budget read, no request
+            st.mark = None
+            _log.warning("auth.rates_unavailable", key=key.name, error=describe(exc))
+            for fut in group:
+                if not fut.done():  # one whose client left meanwhile is cancelled
+                    fut.set_exception(Denied(503, f"the rate limit of key {key.name!r} "
+                                             f"cannot be read (KV {KV_RATES}): "
+                                             f"{describe(exc)}", retry_after=1))
+        else:
+            for fut, wait in zip(group, waits, strict=True):
+                if not fut.done():
+                    fut.set_result(wait)
+        finally:  # cut short (this request cancelled): the next turn decides the others
+            st.asking[:0] = [f for f in group if not f.done()]
 
     @contextlib.asynccontextmanager
     async def stream(self, caller: Caller) -> AsyncIterator[None]:
