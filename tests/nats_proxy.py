@@ -18,6 +18,11 @@ the first consumer-info request the client sends once they are all held.
 ``cut()`` hangs up on every client and on each that connects until ``mend()``: one
 client's connection away while the server and its other clients carry on.
 
+``hold_reply()`` holds the next reply the server sends to a request of the client (a
+message on its ``_INBOX``: a JetStream write's ack, a KV compare-and-set's answer) until
+``release_reply()``: the write is done on the server while the client still waits for
+word of it (``reply_held`` is set once it is held).
+
 The proxy parses the server's frames (``MSG``/``HMSG`` with their payloads, other
 lines as they are) and passes the client's bytes through untouched; ``sent`` keeps them,
 in the order the server got them.
@@ -51,6 +56,9 @@ class NatsProxy:
         self.dropped = 0  # deliveries lost on purpose
         self.sent = bytearray()  # every client's bytes, as passed to the server
         self._cut = False  # while cut, a client that connects is hung up on at once
+        self._hold_reply = False  # the next reply to a request is held (hold_reply)
+        self._reply: tuple[bytes, asyncio.StreamWriter] | None = None
+        self.reply_held = asyncio.Event()
 
     @property
     def url(self) -> str:
@@ -79,6 +87,16 @@ class NatsProxy:
 
     def mend(self) -> None:
         self._cut = False
+
+    def hold_reply(self) -> None:
+        self._hold_reply, self._reply = True, None
+        self.reply_held.clear()
+
+    def release_reply(self) -> None:
+        assert self._reply is not None
+        frame, w = self._reply
+        self._reply = None
+        w.write(frame)
 
     def hold_deliveries(self, n: int) -> None:
         self._arm(["hold"] * n, late=False)
@@ -150,6 +168,11 @@ class NatsProxy:
             await w.drain()
 
     def _forward(self, frame: bytes, w: asyncio.StreamWriter) -> None:
+        if self._hold_reply and frame[:4].upper() in (b"MSG ", b"HMSG") \
+                and frame.split(b" ", 2)[1].startswith(b"_INBOX."):
+            self._hold_reply, self._reply = False, (frame, w)
+            self.reply_held.set()
+            return
         if self._plan and _is_delivery(frame):
             action = self._plan.pop(0)
             if action == "drop":

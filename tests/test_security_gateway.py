@@ -438,6 +438,44 @@ async def test_a_request_that_leaves_before_its_turn_takes_nothing_from_the_budg
     assert over.value.status == 429
 
 
+async def test_a_request_that_leaves_while_its_group_is_decided_counts_the_group_once(
+        nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    """The request deciding a group leaves while its write is on the server but its
+    answer is not back: the group is still decided by that one write, so the requests
+    that stayed are let through (before, the next turn took them from the budget again
+    and refused them)."""
+    await bus.provision(core_streams())
+    proxy = await NatsProxy(nats_server.url).start()
+    away = await Bus.connect(load(Settings, nats_url=proxy.url), "gateway")
+    name = f"once-{uid}"
+    settings = load(AuthSettings, api_keys=json.dumps([{
+        "name": name, "sha256": hash_key(new_key()), "scopes": ["generate"],
+        "rate": 0.001, "burst": 4}]))
+    limits = Limits(Keyring(parse_keys(settings.api_keys)), settings,
+                    await away.typed(KV_RATES, RateMark))
+    try:
+        await limits.admit(Caller(key=name))  # 1 of 4: the mark is known, no read next
+        turn = limits._state(limits.keys.by_name[name]).rate_lock
+        async with turn:  # the three queue behind one turn: one group
+            leader, second, third = (asyncio.ensure_future(limits.admit(Caller(key=name)))
+                                     for _ in range(3))
+            await asyncio.sleep(0)  # one pass of the loop: each waits on the turn now
+            proxy.hold_reply()
+        await asyncio.wait_for(proxy.reply_held.wait(), TIMEOUT)  # the write is done
+        leader.cancel()  # its client left while the answer was on its way
+        await asyncio.sleep(0)  # one pass: the cancel is delivered to the waiting leader
+        proxy.release_reply()
+        assert await second is None and await third is None
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+        with pytest.raises(Denied) as over:  # 1 + the group of 3: the burst is spent
+            await limits.admit(Caller(key=name))
+        assert over.value.status == 429
+    finally:
+        await away.drain()
+        await proxy.stop()
+
+
 def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Server,
                                                                uid: str) -> None:
     from urllib.parse import parse_qs, urlparse

@@ -316,7 +316,14 @@ class Limits:
                 if not mine.done():  # not decided with an earlier group: decide this one
                     group = [f for f in st.asking if not f.done()]
                     st.asking = []
-                    await self._decide(key, st, group, rate, burst)
+                    deciding = asyncio.ensure_future(self._decide(key, st, group, rate, burst))
+                    try:
+                        await asyncio.shield(deciding)
+                    except asyncio.CancelledError:
+                        # Its client left mid-decision: the write may have landed, so the
+                        # group is decided here, once, before the turn passes on.
+                        await deciding
+                        raise
         except BaseException:
             mine.cancel()  # gone (the client left) before it was decided: it takes nothing
             raise
@@ -357,7 +364,7 @@ class Limits:
             for fut, wait in zip(group, waits, strict=True):
                 if not fut.done():
                     fut.set_result(wait)
-        finally:  # cut short (this request cancelled): the next turn decides the others
+        finally:  # cut short (the process stopping): the next turn decides the others
             st.asking[:0] = [f for f in group if not f.done()]
 
     @contextlib.asynccontextmanager
