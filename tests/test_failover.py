@@ -49,7 +49,10 @@ async def test_killing_every_process_of_east_moves_its_queued_and_running_tasks_
         stack: Stack, drill: Drill) -> None:
     d = drill
     await all_up(stack, d)
-    running = [(await d.submit(model="digits", class_label=i, steps=40, cluster="east"))["id"]
+    # 400 steps: each call lasts seconds, so a poll of east's /healthz (every 0.25 s at
+    # most, each a blocking GET) cannot miss both held. At 40 steps the first call took
+    # 0.41 s and the polls missed it (fresh clone at 5947211, 2026-12-07).
+    running = [(await d.submit(model="digits", class_label=i, steps=400, cluster="east"))["id"]
                for i in range(2)]
 
     def east_holds_both() -> bool:  # polled: the worker's own /healthz says what it holds
