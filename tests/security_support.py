@@ -30,6 +30,7 @@ class Gateway:
     certs: CertFiles
     log: Path
     nats_url: str  # the job service's door, the same gateway process
+    proc: subprocess.Popen[bytes]
 
     @property
     def ca(self) -> ssl.SSLContext:
@@ -62,29 +63,48 @@ def https_gateway(root: Path, s3: S3Server, keys: dict[str, tuple[list[str], dic
     """A NATS server and a gateway process (HTTPS, ``keys`` as a hashed keys file, static
     routing, no workers) until the block ends. ``keys``: name -> (scopes, limits)."""
     nats = NatsServer(name="gw", log_path=root / "nats.log", store_dir=root / "js").start()
+    try:
+        with gateway_replicas(root, nats.url, s3, keys, 1, **settings) as (gateway,):
+            yield gateway
+    finally:
+        nats.stop()
+
+
+@contextlib.contextmanager
+def gateway_replicas(root: Path, nats_url: str, s3: S3Server,
+                     keys: dict[str, tuple[list[str], dict[str, Any]]], n: int,
+                     **settings: str) -> Iterator[list[Gateway]]:
+    """``n`` gateway processes on ``nats_url`` with the same keys and certificates (the
+    replicas of one deployment) until the block ends."""
     certs = dev_certs(root / "certs")
     secret = {name: new_key() for name in keys}
     entries = [{"name": n, "sha256": hash_key(secret[n]), "scopes": s, **extra}
                for n, (s, extra) in keys.items()]
     (root / "keys.json").write_text(json.dumps(entries))
     env = service_env(**{
-        "nats_url": nats.url, "s3_endpoint": s3.url, "s3_access_key": "tandem",
+        "nats_url": nats_url, "s3_endpoint": s3.url, "s3_access_key": "tandem",
         "s3_secret_key": "tandem", "s3_bucket": "secgw", "cluster": "east",
         "clusters": "east", "node": "gw", "http_port": "0", "metrics_port": "0",
         "api_keys": f"@{root / 'keys.json'}", "http_tls_cert": str(certs.server_cert),
         "http_tls_key": str(certs.server_key), "routing": "static", **settings})
-    log = root / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        port = _wait_port(proc, log)
-        yield Gateway(f"https://127.0.0.1:{port}", secret, certs, log, nats.url)
+        gateways = []
+        for i in range(n):
+            log = root / ("gateway.log" if n == 1 else f"gateway-{i}.log")
+            with log.open("wb") as out:
+                procs.append(subprocess.Popen([PYTHON, "-m", "tandem.gateway"], env=env,
+                                              stdout=out, stderr=subprocess.STDOUT))
+            port = _wait_port(procs[-1], log)
+            gateways.append(Gateway(f"https://127.0.0.1:{port}", secret, certs, log,
+                                    nats_url, procs[-1]))
+        yield gateways
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        nats.stop()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -41,7 +41,7 @@ from tandem.gateway.auth import (
 from tandem.gateway.training import add_training_routes
 from tests.conftest import PYTHON, service_env
 from tests.nats_proxy import NatsProxy
-from tests.security_support import TIMEOUT, Gateway, https_gateway
+from tests.security_support import TIMEOUT, Gateway, gateway_replicas, https_gateway
 
 KEYS = {  # name -> (scopes, extra limits)
     "gen": (["generate"], {}),
@@ -118,7 +118,8 @@ def test_open_event_streams_per_key_are_bounded_and_a_closed_one_frees_its_slot(
             assert next(lines) == "event: state"
             second = http.get(path)
             assert second.status_code == 429 and second.headers["retry-after"] == "1"
-            assert "1 event streams open; the limit is 1" in second.json()["detail"]
+            assert ("has 1 event streams open (1 through this gateway); the limit is 1"
+                    in second.json()["detail"])
         deadline = time.monotonic() + TIMEOUT  # the server notices at its next ping
         while True:
             with http.stream("GET", path) as again:
@@ -126,6 +127,57 @@ def test_open_event_streams_per_key_are_bounded_and_a_closed_one_frees_its_slot(
                     break
             assert time.monotonic() < deadline, "the closed stream's slot was never freed"
             time.sleep(0.1)  # retrying as a client told Retry-After would
+
+
+@contextlib.contextmanager
+def held_stream(http: httpx.Client, path: str) -> Iterator[None]:
+    """An event stream of ``path``, open while the block runs, once the key may open one
+    (retrying as a client told Retry-After would)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with http.stream("GET", path) as r:
+            if r.status_code == 200:
+                lines = r.iter_lines()  # kept: a collected iterator closes the stream
+                assert next(lines) == "event: state"
+                yield
+                return
+            assert r.status_code == 429, r.read()
+            assert time.monotonic() < deadline, f"no slot freed: {r.read()!r}"
+        time.sleep(0.1)
+
+
+def test_a_keys_open_event_streams_are_bounded_across_gateways_and_a_killed_ones_lapse(
+        tmp_path: Path, s3_server: S3Server) -> None:
+    """Two replicas of one deployment and a key that may hold two event streams: with one
+    open through each, a third is refused by either, naming the count; one closed frees
+    its slot for the other replica; a replica killed (-9) with a stream open stops
+    counting it once its lease (2 s here) has run out."""
+    nats = NatsServer(name="two", log_path=tmp_path / "nats.log",
+                      store_dir=tmp_path / "js").start()
+    keys = {"two": (["generate"], {"max_streams": 2})}
+    try:
+        with gateway_replicas(tmp_path, nats.url, s3_server, keys, 2, sse_ping="0.2",
+                              stream_lease="2") as (a, b), \
+                a.client("two", timeout=TIMEOUT) as ha, b.client("two", timeout=TIMEOUT) as hb:
+            tid = ha.post("/v1/generations", json={"model": "noop"}).json()["id"]
+            path = f"/v1/generations/{tid}/events"
+            with held_stream(ha, path), held_stream(hb, path):
+                for http in (ha, hb):
+                    third = http.get(path)
+                    assert third.status_code == 429, third.text
+                    assert ("has 2 event streams open (1 through this gateway); the limit "
+                            "is 2") in third.json()["detail"]
+            with held_stream(ha, path):  # both closed: B's slot is free for A's
+                pass
+            kept = contextlib.ExitStack()
+            kept.enter_context(held_stream(ha, path))
+            a.proc.kill()  # its stream's count stays in KV sse until its lease runs out
+            a.proc.wait()
+            with held_stream(hb, path), held_stream(hb, path):  # both slots B's
+                pass
+            kept.close()
+    finally:
+        nats.stop()
 
 
 def test_limits_are_settings_and_exceeding_one_is_a_clear_4xx(gateway: Gateway) -> None:
@@ -254,7 +306,7 @@ async def runs_gateway(bus: Bus, max_runs: int, keys: dict[str, str], rate: floa
     settings = load(AuthSettings, api_keys=json.dumps(entries), max_runs_per_key=max_runs,
                     rate_limit=rate, rate_burst=burst)
     keyring = Keyring(parse_keys(settings.api_keys))
-    limits = Limits(keyring, settings, await bus.typed(KV_RATES, RateMark))
+    limits = await Limits.on(bus, keyring, settings)
     app = FastAPI()
     add_training_routes(app, bus, caller, limits)  # the gateway's own route, submitting for real
     guard = Guard.wrap(app, keyring, limits)
@@ -371,8 +423,7 @@ async def test_a_rate_that_cannot_be_read_refuses_the_request_with_503(
     key = new_key()
     settings = load(AuthSettings, api_keys=json.dumps(
         [{"name": f"k-{uid}", "sha256": hash_key(key), "scopes": ["train"]}]))
-    limits = Limits(Keyring(parse_keys(settings.api_keys)), settings,
-                    await away.typed(KV_RATES, RateMark))
+    limits = await Limits.on(away, Keyring(parse_keys(settings.api_keys)), settings)
     caller = Caller(key=f"k-{uid}")
     try:
         await limits.admit(caller)
@@ -397,8 +448,8 @@ async def one_key_limits(bus: Bus, name: str, burst: int) -> tuple[Limits, Typed
     settings = load(AuthSettings, api_keys=json.dumps([{
         "name": name, "sha256": hash_key(new_key()), "scopes": ["generate"],
         "rate": 0.001, "burst": burst}]))
-    rates = await bus.typed(KV_RATES, RateMark)
-    return Limits(Keyring(parse_keys(settings.api_keys)), settings, rates), rates
+    limits = await Limits.on(bus, Keyring(parse_keys(settings.api_keys)), settings)
+    return limits, limits.rates
 
 
 async def test_one_keys_requests_at_once_take_its_budget_in_one_write(
@@ -451,8 +502,7 @@ async def test_a_request_that_leaves_while_its_group_is_decided_counts_the_group
     settings = load(AuthSettings, api_keys=json.dumps([{
         "name": name, "sha256": hash_key(new_key()), "scopes": ["generate"],
         "rate": 0.001, "burst": 4}]))
-    limits = Limits(Keyring(parse_keys(settings.api_keys)), settings,
-                    await away.typed(KV_RATES, RateMark))
+    limits = await Limits.on(away, Keyring(parse_keys(settings.api_keys)), settings)
     try:
         await limits.admit(Caller(key=name))  # 1 of 4: the mark is known, no read next
         turn = limits._state(limits.keys.by_name[name]).rate_lock

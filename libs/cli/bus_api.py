@@ -137,6 +137,7 @@ KV_VALUES: dict[str, tuple[str, str]] = {
     streams.KV_DRAINS: ("`<cluster>.<node>`", "DrainRecord"),
     streams.KV_IDEMPOTENCY: ("`k<sha256 of the Idempotency-Key>`", "IdempotencyRecord"),
     streams.KV_RATES: ("`<API key name>`", "RateMark"),
+    streams.KV_SSE: ("`<API key name>`", "SseHolds"),
 }
 
 HEADERS: list[tuple[str, str, str]] = [

@@ -74,6 +74,7 @@ WIRE_TYPES: list[WireType] = [
     WireType("DrainRecord", events.DrainRecord, "KV `drains`, key `<cluster>.<node>`"),
     WireType("IdempotencyRecord", events.IdempotencyRecord, "KV `idempotency`"),
     WireType("RateMark", events.RateMark, "KV `rates`, key `<API key name>`"),
+    WireType("SseHolds", events.SseHolds, "KV `sse`, key `<API key name>`"),
     WireType("NodeLaunch", events.NodeLaunch,
              "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
     WireType("NodeStop", events.NodeStop,

@@ -208,6 +208,27 @@ class RateMark(Event, kw_only=True):
     tat: float
 
 
+class SseHold(msgspec.Struct, kw_only=True):
+    """One gateway replica's share of ``SseHolds``: its open streams of the key, counted
+    until ``until`` (Unix seconds; the replica renews it while it holds any)."""
+
+    count: int
+    until: float
+
+
+class SseHolds(Event, kw_only=True):
+    """Value of KV ``sse``, key ``<API key name>``: the key's open event streams (SSE),
+    each gateway replica's count under its own id, moved by compare-and-set, so a key's
+    limit of open streams is the fleet's. A replica that stops renewing (killed) stops
+    counting once its ``until`` has passed."""
+
+    held: dict[str, SseHold] = msgspec.field(default_factory=dict)
+
+    def open_streams(self, at: float, but: str = "") -> int:
+        """Streams open at ``at`` by every replica but ``but``."""
+        return sum(h.count for r, h in self.held.items() if r != but and h.until > at)
+
+
 # ------------------------------------------------------------------------- fleet and health
 
 

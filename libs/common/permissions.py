@@ -201,6 +201,7 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS, write=True)
         .kv(streams.KV_RATES, write=True)  # each key's rate, one budget for every replica
+        .kv(streams.KV_SSE, write=True)  # each key's open event streams, the fleet's
         .publishes(subjects.train_kind_filter("status"), streams.TRAIN)  # a run submitted
         # the dashboard (observe.py): live steps, checkpoints and results, a run's history
         .listens(subjects.train_kind_filter("step"), subjects.train_kind_filter("checkpoint"),

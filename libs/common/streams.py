@@ -121,6 +121,7 @@ KV_RUNS = "runs"
 KV_DRAINS = "drains"
 KV_IDEMPOTENCY = "idempotency"
 KV_RATES = "rates"  # each API key's request rate, shared by the gateway replicas
+KV_SSE = "sse"  # each API key's open event streams, counted by the gateway replicas
 
 HEARTBEAT_TTL = 6.0
 
@@ -188,6 +189,9 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
         KVSpec(KV_IDEMPOTENCY, ttl=DAY, replicas=replicas),
         # A key quiet for a day has a full bucket again, whether or not its mark is there.
         KVSpec(KV_RATES, ttl=DAY, history=1, replicas=replicas),
+        # Each replica's count of a key's open streams lapses on its own (``SseHolds``);
+        # a day bounds what a key whose streams all closed leaves behind.
+        KVSpec(KV_SSE, ttl=DAY, history=1, replicas=replicas),
         KVSpec(KV_RUNS, replicas=replicas),
         KVSpec(KV_DRAINS, replicas=replicas),
     ]

@@ -11,7 +11,7 @@ default rule (admin) until it is given its own in ``RULES``:
 - per key: a rate of requests (``429`` + ``Retry-After``), concurrent SSE streams, and
   training runs not yet finished (``429`` naming the limit): ``Limits``, one per gateway
   process, which the NATS job service shares, so the rate and the runs of a key are the
-  same whichever door it uses; both are kept in KV, so they are the same whichever
+  same whichever door it uses; all three are kept in KV, so they are the same whichever
   replica serves it.
 
 With no keys configured (``TANDEM_API_KEYS`` empty: the local stack, the demo) the
@@ -29,6 +29,7 @@ import math
 import re
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -38,12 +39,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from tandem.common import log, metrics
-from tandem.common.bus import TypedKV, describe
+from tandem.common.bus import Bus, TypedKV, describe
 from tandem.common.errors import TooManyRuns
-from tandem.common.events import RateMark
+from tandem.common.events import RateMark, SseHold, SseHolds
 from tandem.common.jobs import OPEN, Caller
 from tandem.common.settings import Settings
-from tandem.common.streams import KV_RATES
+from tandem.common.streams import KV_RATES, KV_SSE
 from tandem.common.subjects import token
 
 _log = log.get("tandem.gateway.auth")
@@ -128,7 +129,12 @@ class AuthSettings(Settings):
     rate_limit: float = Field(20.0, gt=0, description="Requests per second per key.")
     rate_burst: int = Field(40, ge=1, description="Requests a key may make at once.")
     max_streams_per_key: int = Field(
-        8, ge=1, description="Event streams (SSE) a key may hold open at once.")
+        8, ge=1, description="Event streams (SSE) a key may hold open at once, through "
+        "every gateway replica together.")
+    stream_lease: float = Field(
+        30.0, gt=0, description="Seconds a replica's count of a key's open event streams "
+        "stands unrenewed: a killed replica's streams stop counting after it (renewed "
+        "every third of it).")
     max_runs_per_key: int = Field(
         2, ge=1, description="Training runs of a key that may be unfinished at once.")
     http_tls_cert: str | None = Field(
@@ -253,7 +259,9 @@ def gcra(tat: float, now: float, rate: float, burst: int) -> tuple[float, float]
 
 @dataclass
 class KeyState:
-    streams: int = 0
+    streams: int = 0  # this process's open event streams of the key
+    sse_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sse_mark: tuple[SseHolds, int] | None = None  # the key's last known holds, revision
     run_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     rate_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     mark: tuple[RateMark, int] | None = None  # the key's last known mark and revision
@@ -278,16 +286,33 @@ class Limits:
     process, ``admit``, from the last mark it saw; a read only when another replica
     moved it since; none to refuse, as the mark only moves forward); the unfinished
     runs are counted in KV ``runs`` as each run is submitted (``runs.submit_run``).
-    The open SSE streams are this process's: each replica enforces them on what it
-    serves.
+    The open SSE streams are the fleet's too: each replica counts its own under its id
+    in the key's entry of KV ``sse`` (``SseHolds``), by compare-and-set as a stream opens
+    (refused when every replica's count together is at the limit) and closes, and renews
+    its counts every third of ``stream_lease``; a killed replica's count stops counting
+    when its lease runs out.
     """
 
     def __init__(self, keys: Keyring, settings: AuthSettings,
-                 rates: TypedKV[RateMark]) -> None:
+                 rates: TypedKV[RateMark], sse: TypedKV[SseHolds]) -> None:
         self.keys = keys
         self.s = settings
         self.rates = rates
+        self.sse = sse
+        self.replica = uuid.uuid4().hex[:16]  # this process, in KV ``sse``
         self.state: dict[str, KeyState] = {}
+        self._renewer: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def on(cls, bus: Bus, keys: Keyring, settings: AuthSettings) -> Limits:
+        """The limits of ``keys`` kept in ``bus``'s KV ``rates`` and ``sse``."""
+        return cls(keys, settings, await bus.typed(KV_RATES, RateMark),
+                   await bus.typed(KV_SSE, SseHolds))
+
+    def close(self) -> None:
+        """Stop renewing this replica's counts of open streams (the process stops)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
 
     def _state(self, key: ApiKey) -> KeyState:
         st = self.state.get(key.name)
@@ -376,15 +401,89 @@ class Limits:
             return
         st = self._state(key)
         limit = key.max_streams or self.s.max_streams_per_key
-        if st.streams >= limit:
-            AUTH.labels("stream_limited").inc()
-            raise Denied(429, f"key {key.name!r} has {st.streams} event streams open; "
-                         f"the limit is {limit}", retry_after=1)
-        st.streams += 1
+        others = -1  # the other replicas' open streams, when they refuse this one
+
+        def opened(cur: SseHolds | None) -> SseHolds | None:
+            nonlocal others
+            now = time.time()
+            others = (cur or SseHolds()).open_streams(now, but=self.replica)
+            if others + st.streams >= limit:
+                return None
+            others = -1
+            return self._holds(cur, now, st.streams + 1)
+
+        async with st.sse_lock:  # this process's opens and closes of the key in turn
+            if st.streams < limit:
+                await self._write_holds(key.name, st, opened)
+            if others >= 0 or st.streams >= limit:
+                AUTH.labels("stream_limited").inc()
+                raise Denied(429, f"key {key.name!r} has {max(others, 0) + st.streams} "
+                             f"event streams open ({st.streams} through this gateway); "
+                             f"the limit is {limit}", retry_after=1)
+            st.streams += 1
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew())
         try:
             yield
         finally:
-            st.streams -= 1
+            st.streams -= 1  # what the renewer writes next, whatever becomes of this write
+            await asyncio.shield(self._closed(key.name, st))
+
+    def _holds(self, cur: SseHolds | None, now: float, count: int) -> SseHolds:
+        """``cur`` with this replica's count set (dropped at 0) and renewed, and the
+        counts whose lease ran out dropped."""
+        held = {r: h for r, h in (cur.held if cur else {}).items()
+                if h.until > now and r != self.replica}
+        if count:
+            held[self.replica] = SseHold(count=count, until=now + self.s.stream_lease)
+        return SseHolds(held=held)
+
+    async def _write_holds(self, name: str, st: KeyState, fn: Any) -> None:
+        """Move the key's ``SseHolds`` by ``fn`` from the last one seen, or
+        ``Denied(503)`` if KV ``sse`` cannot be reached (no stream opens uncounted)."""
+        try:
+            st.sse_mark = await self.sse.move(name, fn, expect=st.sse_mark)
+        except Exception as exc:
+            st.sse_mark = None
+            _log.warning("auth.sse_unavailable", key=name, error=describe(exc))
+            raise Denied(503, f"the open event streams of key {name!r} cannot be counted "
+                         f"(KV {KV_SSE}): {describe(exc)}", retry_after=1) from None
+
+    def _mine(self, st: KeyState) -> SseHold | None:
+        """This replica's count of the key as last written or read."""
+        return st.sse_mark[0].held.get(self.replica) if st.sse_mark else None
+
+    async def _closed(self, name: str, st: KeyState) -> None:
+        """Write the key's count after a stream closed (failing, the renewer writes it
+        next, or the count's lease runs out)."""
+        async with st.sse_lock:
+            with contextlib.suppress(Denied):
+                await self._write_holds(name, st, self._set_count(st))
+
+    def _set_count(self, st: KeyState) -> Any:
+        def fn(cur: SseHolds | None) -> SseHolds | None:
+            if st.streams == 0 and (cur is None or self.replica not in cur.held):
+                return None  # nothing of this replica's to write
+            return self._holds(cur, time.time(), st.streams)
+
+        return fn
+
+    async def _renew(self) -> None:
+        """Renew this replica's counts every third of ``stream_lease`` while it has any
+        written; ends when none is left (the next stream opened starts it again)."""
+        every = self.s.stream_lease / 3
+        while True:
+            await asyncio.sleep(every)  # the lease's clock, not a wait for an event
+            left = False
+            for name, st in list(self.state.items()):
+                if not st.streams and self._mine(st) is None:
+                    continue
+                async with st.sse_lock:
+                    with contextlib.suppress(Denied):  # logged; tried again next time
+                        await self._write_holds(name, st, self._set_count(st))
+                left = left or bool(st.streams) or self._mine(st) is not None
+            if not left:
+                return
 
     @contextlib.asynccontextmanager
     async def run_limit(self, caller: Caller) -> AsyncIterator[int | None]:

@@ -17,12 +17,11 @@ from pydantic import Field, field_validator
 
 from tandem.common import subjects
 from tandem.common.errors import ServerStartError
-from tandem.common.events import RateMark
 from tandem.common.jobs import JobLimitSettings
 from tandem.common.models import RegistrySettings
 from tandem.common.runner import Context, Service
 from tandem.common.storage import s3_client
-from tandem.common.streams import KV_RATES, Spec, core_streams, gen_stream
+from tandem.common.streams import Spec, core_streams, gen_stream
 from tandem.common.tasks import SealSettings
 from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
@@ -148,8 +147,8 @@ class GatewayService(Service):
                      heartbeat_ttl=s.heartbeat_ttl)
         await gw.start()
         keys = Keyring(parse_keys(s.api_keys))
-        # Both doors share them; the rates are every replica's (KV rates).
-        limits = Limits(keys, s, await ctx.bus.typed(KV_RATES, RateMark))
+        # Both doors share them; they are every replica's (KV rates, sse, runs).
+        limits = await Limits.on(ctx.bus, keys, s)
         jobs = JobService(gw, keys, limits)
         await jobs.start(ctx.bus.nc)
         asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits)
@@ -175,6 +174,7 @@ class GatewayService(Service):
             server.stop()
             stopping.cancel()
         sock.close()
+        limits.close()
         await gw.stop()
         if self.router is not None:
             await self.router.stop()
