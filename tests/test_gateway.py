@@ -4,6 +4,7 @@ submission, idempotency, validation, limits, cancel, the model registry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -237,11 +238,11 @@ async def test_openapi_documents_the_generation_api(http: httpx.AsyncClient) -> 
     assert (await http.get("/docs")).status_code == 200
 
 
-async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_none(
-        tmp_path: Path, s3_server: S3Server) -> None:
-    # A JetStream store of 1 MB, filled by a stream of another program's: no room for a
-    # task's record. A 503 that says so (not the retry window of a leader election, not
-    # a bare class name), the task accepted before it intact, and served once room is made.
+@contextlib.asynccontextmanager
+async def small_store_gateway(tmp_path: Path, s3_server: S3Server
+                              ) -> AsyncIterator[tuple[Bus, Gateway, httpx.AsyncClient]]:
+    """A gateway on a nats-server whose JetStream store is 1 MB (``fill_store`` fills
+    it), its cluster ``c1``: the bus, the gateway and an HTTP client of its app."""
     nats = NatsServer(name="full", log_path=tmp_path / "nats.log", store_dir=tmp_path / "js",
                       config_path=small_store(tmp_path)).start()
     try:
@@ -255,31 +256,42 @@ async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_no
                          publish_retry_for=600.0, limits=JobLimits(), seal_key=SEAL_KEY)
             await gw.start()
             asgi, _ = create_app(gw, max_body_bytes=MAX_BODY)
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
-                                         base_url="http://gw") as http:
-                ask = {"model": "tiny-text", "prompt": "a cat"}
-                first = await http.post("/v1/generations", json=ask)
-                assert first.status_code == 202, first.text
-                await fill_store(bus)
-                # publish_retry_for is 600 s: a refusal that waited it out would time the
-                # test out instead of answering.
-                full = await http.post("/v1/generations", json=ask)
-                assert full.status_code == 503, full.text
-                assert "could not record the task: insufficient resources (JetStream " \
-                       "error 503/10023)" in full.json()["detail"]
-                assert full.headers["retry-after"]
-                view = await http.get(first.json()["status_url"])
-                assert view.status_code == 200 and view.json()["state"] == "queued"
-                assert await queued_on(bus, "c1") == 1
-                await bus.js.purge_stream(FILL)
-                again = await http.post("/v1/generations", json=ask)
-                assert again.status_code == 202, again.text
-                assert await queued_on(bus, "c1") == 2
-            await gw.stop()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
+                                             base_url="http://gw") as http:
+                    yield bus, gw, http
+            finally:
+                await gw.stop()
         finally:
             await bus.drain()
     finally:
         nats.stop()
+
+
+async def test_a_bus_with_no_room_refuses_a_task_at_once_naming_why_and_loses_none(
+        tmp_path: Path, s3_server: S3Server) -> None:
+    # A JetStream store of 1 MB, filled by a stream of another program's: no room for a
+    # task's record. A 503 that says so (not the retry window of a leader election, not
+    # a bare class name), the task accepted before it intact, and served once room is made.
+    async with small_store_gateway(tmp_path, s3_server) as (bus, _, http):
+        ask = {"model": "tiny-text", "prompt": "a cat"}
+        first = await http.post("/v1/generations", json=ask)
+        assert first.status_code == 202, first.text
+        await fill_store(bus)
+        # publish_retry_for is 600 s: a refusal that waited it out would time the
+        # test out instead of answering.
+        full = await http.post("/v1/generations", json=ask)
+        assert full.status_code == 503, full.text
+        assert "could not record the task: insufficient resources (JetStream " \
+               "error 503/10023)" in full.json()["detail"]
+        assert full.headers["retry-after"]
+        view = await http.get(first.json()["status_url"])
+        assert view.status_code == 200 and view.json()["state"] == "queued"
+        assert await queued_on(bus, "c1") == 1
+        await bus.js.purge_stream(FILL)
+        again = await http.post("/v1/generations", json=ask)
+        assert again.status_code == 202, again.text
+        assert await queued_on(bus, "c1") == 2
 
 
 def test_gateway_imports_without_torch_or_diffusers() -> None:

@@ -7,14 +7,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Header, Path, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from nats.errors import Error as NatsError
 
 from tandem.common import metrics
+from tandem.common.bus import describe
 from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobRefused
 from tandem.gateway.auth import Limits
 from tandem.gateway.generations import Gateway
 from tandem.gateway.limits import BodyLimit
-from tandem.gateway.schemas import Accepted, GenerationView, refused
+from tandem.gateway.schemas import Accepted, GenerationView, json_safe, refused
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
@@ -55,6 +59,23 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
         "effectively-once results.",
         **_native_telemetry(),
     )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422, with each ``input`` made writable: the body may hold what
+        Python's JSON reader takes and no JSON writer gives back (``NaN``, ``1e999``, a
+        lone surrogate), and FastAPI's handler would fail on it with a bare 500."""
+        return JSONResponse(status_code=422,
+                            content={"detail": json_safe(jsonable_encoder(exc.errors()))})
+
+    @app.exception_handler(NatsError)
+    async def bus_failed(request: Request, exc: NatsError) -> JSONResponse:
+        """A bus error no route turned into an answer of its own (a timeout or no
+        servers past the retry window, a JetStream refusal such as a full store): the
+        request could not be served now, not a fault of the gateway's: 503, try again."""
+        return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={
+            "detail": f"the message bus (NATS) failed to serve {request.method} "
+                      f"{request.url.path}: {describe(exc)}; try again"})
 
     @app.post("/v1/generations", status_code=202, response_model=Accepted,
               responses={409: {}, 413: {}, 422: {}, 503: {}})

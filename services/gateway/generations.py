@@ -14,9 +14,9 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -57,6 +57,16 @@ ROUTING_SECONDS = metrics.Histogram(
     buckets=(1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
              2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0))
 DUPLICATE_WINDOW = 9 * 60.0  # under the GEN_* streams' 10 min dedupe window
+# How the reason of a task this gateway recorded but could not enqueue begins.
+NOT_ENQUEUED = "could not enqueue on cluster"
+T = TypeVar("T")
+
+
+def not_enqueued(rec: TaskRecord) -> bool:
+    """Whether ``rec`` is of a task the gateway failed because it could not enqueue it,
+    which no worker ever took: its Idempotency-Key may name a new task (``submit``)."""
+    return (rec.state == TaskState.failed and rec.reason.startswith(NOT_ENQUEUED)
+            and rec.attempts == 0 and not rec.worker and rec.started_at is None)
 
 
 class Conflict(Exception):
@@ -156,29 +166,23 @@ class Gateway:
         """Record and enqueue a task for ``caller``; with an idempotency key (scoped to
         the caller's API key), the key's task instead of a new one.
 
+        A key is kept only for a request that was recorded: one refused before its record
+        (no such cluster, none up, the bus failing) leaves the key as it found it, so the
+        corrected or retried request with the same key is served. A key whose task this
+        gateway failed to enqueue (``NOT_ENQUEUED``: never delivered to a worker) is
+        moved to a new task, so a retry after that 503 really enqueues the work.
+
         Raises ``RoutingError`` (no cluster) or ``Conflict`` (key reused for another
         request, or the bus refused the task).
         """
-        assert self.tasks is not None and self.idem is not None
+        assert self.tasks is not None
         task_id = uuid.uuid4().hex
-        replay = False
+        key, key_rev = None, None
         if idempotency_key is not None:
             key = caller.scoped(idempotency_key)
-            fp = fingerprint(req)
-            if await self.idem.create(key, IdempotencyRecord(task_id=task_id,
-                                                             fingerprint=fp)) is None:
-                got = await self.idem.get(key)
-                if got is None:  # expired between create and get: treat as new
-                    await self.idem.put(key, IdempotencyRecord(task_id=task_id, fingerprint=fp))
-                else:
-                    if got[0].fingerprint != fp:
-                        raise Conflict(422, "this Idempotency-Key was used for a different "
-                                       "request", field="Idempotency-Key")
-                    task_id, replay = got[0].task_id, True
-        if replay:
-            existing = await self.tasks.get(task_id)
+            task_id, key_rev, existing = await self._claim(key, fingerprint(req), task_id)
             if existing is not None:
-                rec = existing[0]
+                rec = existing
                 # Queued and recent: re-publish (the stream drops the duplicate by msg id),
                 # in case the first attempt died between recording and publishing.
                 recent = time.time() - rec.created_at < DUPLICATE_WINDOW
@@ -186,14 +190,18 @@ class Gateway:
                     await self._publish(rec.task, rec.cluster)
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
-        t0 = time.perf_counter()
-        cluster = await choose_cluster(self.clusters, req.cluster, req.model, self.router)
-        ROUTING_SECONDS.observe(time.perf_counter() - t0)
-        spec = self.registry.get(req.model)
-        assert spec is not None  # checked (check_request) before submit
-        task = build_task(req, spec, task_id, cluster, owner=caller.key)
-        rec = moves.queued(task, cluster)
-        revision = await self._record(task_id, rec)
+        try:
+            t0 = time.perf_counter()
+            cluster = await choose_cluster(self.clusters, req.cluster, req.model, self.router)
+            ROUTING_SECONDS.observe(time.perf_counter() - t0)
+            spec = self.registry.get(req.model)
+            assert spec is not None  # checked (check_request) before submit
+            task = build_task(req, spec, task_id, cluster, owner=caller.key)
+            rec = moves.queued(task, cluster)
+            revision = await self._record(task_id, rec)
+        except Exception:
+            await self._release(key, key_rev)
+            raise
         if revision is None:
             got_rec = await self.tasks.get(task_id)
             if got_rec is not None:
@@ -201,16 +209,94 @@ class Gateway:
         try:
             await self._publish(task, cluster, revision)
         except Exception as exc:
-            reason = f"could not enqueue on cluster {cluster}: {describe(exc)}"
+            reason = f"{NOT_ENQUEUED} {cluster}: {describe(exc)}"
             try:
                 await self.tasks.update(task_id, moves.to_failed(reason))
             except Exception as again:  # the bus that refused the task refuses this too
                 _log.warning("gateway.record_not_failed", task_id=task_id,
                              reason=reason, error=describe(again))
+            # Best effort: if the key stays (the bus refuses this too), the retry finds
+            # the failed record and moves the key on (``_claim``).
+            await self._release(key, key_rev)
             SUBMITTED.labels(req.lane, "enqueue_failed").inc()
             raise Conflict(503, reason) from exc
         SUBMITTED.labels(req.lane, "accepted").inc()
-        return Submitted(task, rec, replayed=replay)
+        return Submitted(task, rec, replayed=False)
+
+    async def _claim(self, key: str, fp: str, task_id: str
+                     ) -> tuple[str, int | None, TaskRecord | None]:
+        """The idempotency key ``key`` for a request of fingerprint ``fp``: ``(task id,
+        the key's revision if this call wrote it, the task's record to replay)``.
+
+        ``task_id`` is taken if the key is new; the key's own task if it names one not
+        recorded yet (an earlier attempt died before recording it: this one finishes
+        it, not a replay). A key naming a task this gateway failed to enqueue is moved
+        to ``task_id`` by compare-and-set (that record stays failed); if another request
+        moved it first, its task is this one's too.
+
+        Raises ``Conflict``: 422 if the key was used for a different request, 503 if the
+        bus does not answer (after ``publish_retry_for`` seconds).
+        """
+        idem, tasks = self.idem, self.tasks
+        assert idem is not None and tasks is not None
+        mine = IdempotencyRecord(task_id=task_id, fingerprint=fp)
+        for _ in range(3):
+            rev = await self._idem(lambda: idem.create(key, mine), "store")
+            if rev is not None:
+                return task_id, rev, None
+            got = await self._idem(lambda: idem.get(key), "read")
+            if got is None:  # expired between create and get: try again
+                continue
+            held = got[0]
+            if held.fingerprint != fp:
+                raise Conflict(422, "this Idempotency-Key was used for a different request",
+                               field="Idempotency-Key")
+            try:
+                found = await retry_transient(lambda tid=held.task_id: tasks.get(tid),
+                                              self.publish_retry_for,
+                                              what=f"record {held.task_id}")
+            except Exception as exc:
+                raise Conflict(503, f"could not read the task of this Idempotency-Key: "
+                                    f"{describe(exc)}") from exc
+            if found is None:  # not recorded yet: the key's own request may be in flight,
+                return held.task_id, None, None  # so this one never releases the key
+            if not not_enqueued(found[0]):
+                return held.task_id, None, found[0]
+
+            def move(cur: IdempotencyRecord | None, stale: str = held.task_id
+                     ) -> IdempotencyRecord | None:
+                return mine if cur is not None and cur.task_id == stale else None
+
+            moved = await self._idem(lambda got=got: idem.move(key, move, expect=got),
+                                     "move")
+            if moved is not None and moved[0].task_id == task_id:
+                _log.info("gateway.idempotency_key_moved", failed_task=held.task_id,
+                          task_id=task_id, reason=found[0].reason)
+                return task_id, moved[1], None
+            # Moved to another retry's task, or gone: look again.
+        raise Conflict(503, "this Idempotency-Key kept changing under the request")
+
+    async def _idem(self, op: Callable[[], Awaitable[T]], doing: str) -> T:
+        """An operation on KV ``idempotency``, retried like ``_record``; then
+        ``Conflict(503)`` naming it."""
+        try:
+            return await retry_transient(op, self.publish_retry_for,
+                                         what=f"idempotency key ({doing})")
+        except Exception as exc:
+            raise Conflict(503, f"could not {doing} the Idempotency-Key: "
+                                f"{describe(exc)}") from exc
+
+    async def _release(self, key: str | None, rev: int | None) -> None:
+        """Delete idempotency key ``key`` if it still is revision ``rev`` (the one this
+        request wrote or took): its request was not recorded or not enqueued, so the
+        key must not keep answering for it. Best effort: the bus may be what failed."""
+        if key is None or rev is None:
+            return
+        assert self.idem is not None
+        try:
+            await self.idem.delete(key, last=rev)
+        except Exception as exc:
+            _log.warning("gateway.idempotency_key_kept", error=describe(exc))
 
     async def _record(self, task_id: str, rec: TaskRecord) -> int | None:
         """Create the task's record (None: it exists), retrying through a leader election
@@ -243,7 +329,10 @@ class Gateway:
             subjects.token(task_id, "task id")
         except ValueError:
             return None
-        got = await self.tasks.get(task_id)
+        tasks = self.tasks
+        # Bus errors after the retry window go up as they are: each door answers 503.
+        got = await retry_transient(lambda: tasks.get(task_id), self.publish_retry_for,
+                                    what=f"record {task_id}")
         return got[0] if got and caller.sees(got[0].task.owner) else None
 
     def image_refs(self, rec: TaskRecord) -> list[ImageRef]:
@@ -267,7 +356,9 @@ class Gateway:
         assert self.tasks is not None
         if await self.record(task_id, caller) is None:
             raise JobRefused(404, f"no task {task_id!r}")
-        rec = await self.tasks.update(task_id, moves.to_cancelled())
+        tasks = self.tasks
+        rec = await retry_transient(lambda: tasks.update(task_id, moves.to_cancelled()),
+                                    self.publish_retry_for, what=f"cancel {task_id}")
         if rec is None:
             raise JobRefused(404, f"no task {task_id!r}")
         if rec.state != TaskState.cancelled:

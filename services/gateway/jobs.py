@@ -35,16 +35,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from nats.errors import Error as NatsError
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 from pydantic import ValidationError
 
 from tandem.common import log, subjects
+from tandem.common.bus import describe
 from tandem.common.jobs import Caller, GenerationRequest, JobRefused, Problem, pydantic_problems
 from tandem.common.runs import RunConfig
 from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Limits, Scope, bearer
 from tandem.gateway.generations import Gateway
+from tandem.gateway.schemas import json_safe
 from tandem.gateway.training import cancel_training, run_view, submit_training, training_run
 
 _log = log.get("tandem.gateway.jobs")
@@ -110,12 +113,19 @@ class JobService:
                     body = json.loads(req.data) if req.data else {}
                 except ValueError as exc:
                     raise JobRefused(400, f"the request body is not JSON: {exc}") from None
+                except RecursionError:
+                    raise JobRefused(400, "the request body nests arrays or objects too "
+                                          "deeply to be read") from None
                 reply = await handler(body, headers, auth)
             except Denied as exc:
                 await self._refuse(req, name, JobRefused(exc.status, exc.message,
                                                          retry_after=exc.retry_after))
             except JobRefused as exc:
                 await self._refuse(req, name, exc)
+            except NatsError as exc:  # past the retry window: the HTTP door's 503 too
+                await self._refuse(req, name, JobRefused(
+                    503, f"the message bus (NATS) failed to serve {name}: {describe(exc)}; "
+                         "try again", retry_after=1))
             else:
                 await req.respond(msgspec.json.encode(reply))
 
@@ -123,8 +133,9 @@ class JobService:
 
     async def _refuse(self, req: Request, name: str, exc: JobRefused) -> None:
         extra = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
-        await req.respond_error(str(exc.status), str(exc), msgspec.json.encode(exc.body()),
-                                headers=extra)
+        # json_safe: a 422 echoes what was sent, which may hold a lone surrogate.
+        await req.respond_error(str(exc.status), json_safe(str(exc)),
+                                msgspec.json.encode(json_safe(exc.body())), headers=extra)
         # nats.micro counts an error only when a handler raises, and then answers with no
         # body; this answers with the HTTP API's body, so it counts the error itself.
         for endpoint in self.service._endpoints if self.service else []:

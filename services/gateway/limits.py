@@ -8,6 +8,8 @@ Before answering, up to ``DRAIN_BYTES`` of the refused body are read and thrown 
 a client that writes its whole body before reading (python-requests, curl) would
 otherwise have the connection closed under it mid-send and never see the 413 (over
 TLS, an "EOF in violation of protocol"; the fuzzer found it). Larger bodies are cut off.
+A client that sent ``Expect: 100-continue`` has sent none of its body yet: it gets the
+413 at once, never a ``100 Continue`` for a body that would be refused.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE"):
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None:
             try:
                 size = int(declared)
             except ValueError:
                 size = -1
             if size > self.max_bytes:
-                if size <= DRAIN_BYTES:
+                # A client that asked "Expect: 100-continue" waits to be told before it
+                # sends: reading would tell it to (the server answers 100 on the first
+                # read), so it is answered at once instead.
+                waits = headers.get(b"expect", b"").lower() == b"100-continue"
+                if size <= DRAIN_BYTES and not waits:
                     await _drain(receive)
                 await self._refuse(send, f"request body is {size} bytes")
                 return

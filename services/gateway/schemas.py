@@ -6,8 +6,9 @@ the job service and the worker validate with the same code.
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -20,7 +21,28 @@ def refused(exc: JobRefused) -> JSONResponse:
     """A refusal as HTTP: its status, ``{"detail": ...}`` (a 422's in FastAPI's own shape,
     so every validation error reads the same), Retry-After when it has one."""
     headers = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
-    return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
+    return JSONResponse(status_code=exc.status, content=json_safe(exc.body()),
+                        headers=headers)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` (decoded JSON) as strict JSON can carry it: a refusal echoes what was
+    sent (``input``), and Python's JSON reader takes what no JSON writer may write back:
+    ``NaN``, ``Infinity`` and ``1e999`` become the strings ``"nan"``, ``"inf"``,
+    ``"-inf"``; a lone surrogate (``"\\ud800"``) is written backslash-escaped."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode()
+        return value
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class Accepted(BaseModel):
