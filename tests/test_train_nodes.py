@@ -64,6 +64,9 @@ cluster = "{CLUSTER}"
 [processes.env]
 LAUNCHER = "nodes"
 CHECKPOINT_ROOT = "{{root}}/checkpoints"
+# No checkpointer runs here and every agent shares this one folder: the coordinator's
+# disk is the nodes' (with S3 on, the resume point is S3's committed list alone).
+RESTORE_FROM_S3 = "false"
 WORK_ROOT = "{{root}}/coordinator"
 STATUS_EVERY_S = "0.5"
 AGENT_LOST_AFTER_S = "5"

@@ -155,9 +155,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def start_coordinator(nats: NatsServer, cluster: str, root: Path, log: Path,
                       **settings: str) -> subprocess.Popen[bytes]:
     """``python -m tandem.trainer`` on node n0 of ``cluster``, its files under ``root``."""
+    # No S3 here: a coordinator told to resume from S3 fails each attempt it cannot ask.
     env = service_env(nats_url=nats.url, cluster=cluster, node="n0",
                       checkpoint_root=str(root / "ckpt"), work_root=str(root / "work"),
-                      status_every_s="0.5", **settings)
+                      status_every_s="0.5", restore_from_s3="false", **settings)
     env["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # spans leave within 0.2 s of ending, not 5 s
     with open(log, "ab") as out:
         return subprocess.Popen([PYTHON, "-m", "tandem.trainer"], env=env, stdout=out,

@@ -21,10 +21,14 @@ from tandem.common import subjects
 from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound, TooManyRuns
 from tandem.common.events import RunRecord, RunState, TrainStatus, now, struct_replace
 
+SEED_MAX = 2**32 - 1  # the loop's derived seeds (seed * 100_003 + rank) stay < 2**64
+
 
 class _Spec(BaseModel):
     # Unknown keys are errors: a typo in a run config must not be silently ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NOTE: no float may be inf or NaN (1e999 and "Infinity" parse as inf): the record
+    # stores JSON, where they become null, and the trainer would refuse the run it took.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Spec):
@@ -205,6 +209,15 @@ class RunConfig(_Spec):
     @classmethod
     def _token(cls, value: str | None, info: Any) -> str | None:
         return None if value is None else subjects.token(value, info.field_name.replace("_", " "))
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        # NOTE: a validator, not Field(ge, le), so the published schema (docs/bus-api.md,
+        # generated) is unchanged; the bound is what the loop's derived seeds need.
+        if not 0 <= value <= SEED_MAX:
+            raise ValueError(f"seed must be between 0 and {SEED_MAX} (2**32 - 1), got {value}")
+        return value
 
     @field_validator("nodes")
     @classmethod

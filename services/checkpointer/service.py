@@ -5,8 +5,9 @@ For every checkpoint written on a node, ``mirror.<cluster>.<node>`` (stream ``MI
 fleet``: durable ``checkpointer``, every node's, for one checkpointer that sees every
 node's folder):
 
-1. validate the event (run, step, ``step-N`` path inside ``checkpoint_root``, file
-   names, the subject it came on) — garbage goes to the DLQ;
+1. validate the event (run, step, a path that is exactly the run's ``step-N`` folder
+   under ``checkpoint_root``, file names, the subject it came on) — garbage goes to
+   the DLQ;
 2. mirror it (``mirror.Mirror``): every file uploaded and verified, ``manifest.json``
    put last with ``If-None-Match: *`` — the commit. Attempts are retried with backoff;
    a local checkpoint that is missing or does not match its manifest is not. A node's
@@ -232,6 +233,14 @@ class Checkpointer(Service):
             root = Path(self.settings.checkpoint_root).resolve()
             if not directory.resolve().is_relative_to(root):
                 raise ValueError(f"path {ev.path!r} is outside the checkpoint root {root}")
+            # NOTE: inside the root is not enough: another run's folder (or a link to
+            # it) would be uploaded as this run's, and local retention, which works on
+            # the folder's parent, would then delete that run's unmirrored checkpoints.
+            expected = ck.step_dir(root, ev.run_id, ev.step, ev.manifest.lineage)
+            if directory.resolve() != expected:
+                raise ValueError(f"path {ev.path!r} is not run {ev.run_id!r}'s folder of "
+                                 f"{name}: expected {str(expected)!r}")
+            directory = expected
             for f in ev.manifest.files:  # a file linked out of the root is not read either
                 if not (directory / f.name).resolve().is_relative_to(root):
                     raise ValueError(f"file {f.name!r} of {ev.path!r} is outside the "

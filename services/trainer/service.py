@@ -42,6 +42,7 @@ from pydantic import Field, field_validator
 
 from tandem.common import checkpoints, events, ports, storage, subjects
 from tandem.common.bus import Bus, Delivery, MapWatch, describe
+from tandem.common.errors import CheckpointNotFound
 from tandem.common.events import (
     Health,
     HealthTransition,
@@ -392,7 +393,8 @@ class Trainer(Service):
     async def _restore(self, run_id: str, dest: Path,
                        line: checkpoints.Lineage) -> checkpoints.Resume | None:
         """Seam to the checkpointer: the newest committed checkpoint of ``line``'s
-        history in S3, verified."""
+        history in S3, verified; None only when S3 says none is committed (or none
+        verifies). Any other error (S3 unreachable, throttling) is raised."""
 
         def fetch() -> Any:
             s3 = storage.s3_client(self.settings)
@@ -400,9 +402,16 @@ class Trainer(Service):
 
         try:
             restored = await asyncio.to_thread(fetch)
-        except Exception as exc:
-            self.ctx.log.warning("trainer.s3_restore_failed", run_id=run_id, error=repr(exc))
+        except CheckpointNotFound as exc:  # nothing committed (or nothing that verifies)
+            self.ctx.log.info("trainer.s3_nothing_to_restore", run_id=run_id,
+                              reason=exc.reason)
             return None
+        except Exception as exc:
+            # NOTE: S3 could not say (a 503, a timeout): raised, not None, so the attempt
+            # fails and is retried with backoff instead of starting afresh over
+            # committed checkpoints (the supervisor's RestoreFailed).
+            self.ctx.log.warning("trainer.s3_restore_failed", run_id=run_id, error=repr(exc))
+            raise
         self.ctx.log.info("trainer.s3_restored", run_id=run_id, step=restored.step)
         return checkpoints.Resume(step=restored.step, path=restored.path,
                                   manifest=restored.manifest)

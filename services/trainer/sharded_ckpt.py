@@ -17,7 +17,9 @@ Save (``ShardedCheckpointer.save``, collective: every rank calls it at the same 
    state and model config; when DCP's future is done every rank's shards and the
    metadata are on disk (rank 0 writes the metadata only after every rank reported its
    writes), so the node's first rank commits the folder (``ck.commit`` with
-   ``world_size``): a whole checkpoint, or this node's part of one.
+   ``world_size``): a whole checkpoint, or this node's part of one. Nodes that share
+   rank 0's folder (the local launcher: one host, one checkpoint root) leave it to
+   rank 0's node: one folder, one committer (``_shares_rank0s_folder``).
 
 Load (``load``) goes through ``tandem.common.checkpoints.dcp``: before DCP reads
 anything, the DCP metadata must name only shard files the verified manifest lists; the
@@ -33,6 +35,7 @@ import json
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -55,7 +58,8 @@ class ShardedCheckpointer:
     """One rank's side of sharded checkpoints (every rank of an FSDP run has one).
 
     Constructing it is collective (it makes the gloo group the background saves use).
-    ``on_written`` is called on the node's first rank once the node's folder is committed.
+    ``on_written`` is called on the node's first rank once the node's folder is committed
+    (a folder shared with rank 0's node: on rank 0 only).
     """
 
     def __init__(self, root: str | Path, run_id: str, *, rank: int, local_rank: int,
@@ -79,12 +83,38 @@ class ShardedCheckpointer:
             # listed as this checkpoint's.
             ck.remove_incomplete(self.root, run_id)
         dist.barrier(group=self.group)
+        shared = self._shares_rank0s_folder()  # collective: every rank calls it
+        self.commits = local_rank == 0 and (rank == 0 or not shared)
         self.stager = DefaultStager(StagingOptions(
             use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=pin))
         self._thread: threading.Thread | None = None
         self.written: list[Written] = []
         self.errors: list[tuple[int, BaseException]] = []
+
+    def _shares_rank0s_folder(self) -> bool:
+        """Collective: whether this rank sees the run folder rank 0 writes in (nodes on
+        one host, or one shared volume: the local launcher), found by looking, not
+        guessed from the launcher: rank 0 makes a folder of a name only it drew, and
+        every rank looks for it.
+
+        NOTE: a shared folder is then committed by rank 0's node alone. When every
+        node's first rank committed the same ``step-<N>.incomplete``, the second found
+        the folder gone (or the first one's ``step-<N>`` in its way): a failed write
+        reported for a checkpoint that was whole, or, before ``ck.commit`` refused a
+        second committer, no checkpoint left at all."""
+        token = [uuid.uuid4().hex if self.rank == 0 else ""]
+        dist.broadcast_object_list(token, src=0, group=self.group)
+        # Ends in ``.incomplete``: a crash's leftover goes with ``remove_incomplete``.
+        probe = ck.run_dir(self.root, self.run_id) / f".shared-{token[0]}{ck.INCOMPLETE}"
+        if self.rank == 0:
+            probe.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        shared = probe.is_dir()
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            probe.rmdir()
+        return shared
 
     def save(self, step: int, state: dict[str, Any], rank0: dict[str, Any] | None = None,
              jsons: dict[str, Any] | None = None) -> float:
@@ -115,7 +145,7 @@ class ShardedCheckpointer:
             for name, obj in jsons.items():
                 (tmp / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
             future.result()
-            if self.local_rank != 0:
+            if not self.commits:
                 return
             if self.before_commit is not None:
                 self.before_commit(step)
@@ -128,7 +158,7 @@ class ShardedCheckpointer:
                 self.on_written(written)
         except BaseException as exc:
             self.errors.append((step, exc))
-            if self.local_rank == 0:
+            if self.commits:
                 # Never a checkpoint, and on a full disk its files hold the room the next
                 # one needs: the node's first rank removes them once every rank's writes
                 # have ended (DCP's future settles after its collective finish).

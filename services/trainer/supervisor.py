@@ -74,14 +74,21 @@ class SupervisorConfig:
     status_every_s: float = 2.0
     record_retry_s: float = 15.0  # how long a KV runs update is retried on bus errors
     # async (run_id, dest, line) -> ck.Resume | None: the newest committed checkpoint of
-    # ``line``'s history restored from S3
+    # ``line``'s history restored from S3; None only when none is committed (or none
+    # verifies). It raises when S3 cannot say (an outage): the attempt then fails
+    # (``RestoreFailed``) and is retried with backoff, never started afresh.
     restore: Any = None
     # async (run_id, line) -> committed steps of ``line``'s history in S3, oldest first.
-    # Set when the nodes have disks of their own (launcher nodes): with no valid
-    # checkpoint here, the ranks are told the committed steps (and the forks, so each
-    # step's lineage) and every node fetches the newest that all of them verify
-    # (``fetch.py``), instead of this host restoring one onto its own disk.
+    # Set when the nodes have disks of their own (launcher nodes): this host's disk is
+    # never read for a resume point (it is one node's at most); the ranks are told the
+    # committed steps (and the forks, so each step's lineage) and every node fetches the
+    # newest that all of them verify (``fetch.py``).
     s3_steps: Any = None
+
+
+class RestoreFailed(Exception):
+    """S3 could not say which checkpoint the run resumes from (unreachable, throttling):
+    not the same as nothing committed, so the attempt fails instead of starting afresh."""
 
 
 class RunSupervisor(AttemptWatch):
@@ -324,7 +331,8 @@ class RunSupervisor(AttemptWatch):
             fork = {"lineage": self.line.current, "forked_at": self.line.forks[-1]}
         # The ranks are gone: the newest whole checkpoint of the run's history is where
         # the next attempt resumes (unless it fails verification, reported then).
-        on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id, self.line)
+        on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id, self.line) \
+            if self.cfg.s3_steps is None else []  # launcher nodes: S3's list (above)
         resume_from = on_disk[0][0] if on_disk else (
             self.last_ckpt_step if not fork else 0)
         if not on_disk and self.cfg.s3_steps is not None:
@@ -370,7 +378,12 @@ class RunSupervisor(AttemptWatch):
         placement = place(self.config.ranks, healthy)
         if placement is None:
             return Outcome("no_healthy_nodes", {"excluded": why})
-        resume = await self._resume_point()
+        try:
+            resume = await self._resume_point()
+        except RestoreFailed as exc:  # never start afresh over committed checkpoints
+            return Outcome("restore_failed", {
+                "reason": str(exc), "detector": "restoring the newest committed "
+                "checkpoint from S3"})
         fetch: list[int] = []
         if resume is None and self.cfg.s3_steps is not None:
             try:
@@ -426,8 +439,17 @@ class RunSupervisor(AttemptWatch):
 
     async def _resume_point(self) -> ck.Resume | None:
         """The newest checkpoint that verifies, local else from S3; corrupt ones skipped
-        are recorded and reported."""
+        are recorded and reported. None: nothing to resume from; ``RestoreFailed`` when
+        S3 could not be asked."""
         with tracing.tracer().start_as_current_span("restore") as span:
+            if self.cfg.s3_steps is not None:
+                # NOTE: the nodes have disks of their own, and this host's is at most one
+                # node's (in Kubernetes, a training node's hostPath): what is here may be
+                # that node's part of a sharded checkpoint, or a full one older than what
+                # S3 has committed since. The resume point is S3's committed list alone
+                # (``_attempt``), which every node fetches and verifies.
+                span.set_attributes({"tandem.resume_step": 0, "tandem.resume_from": "s3"})
+                return None
             resume, rejected = ck.newest_valid(self.cfg.checkpoint_root, self.run_id,
                                                line=self.line)
             if rejected:
@@ -435,8 +457,12 @@ class RunSupervisor(AttemptWatch):
                     RunState.restarting if self.restarts else RunState.starting,
                     [{"step": r.step, "path": r.path, "reason": r.reason} for r in rejected])
             if resume is None and self.cfg.restore is not None and self.cfg.s3_steps is None:
-                resume = await self.cfg.restore(
-                    self.run_id, ck.run_dir(self.cfg.checkpoint_root, self.run_id), self.line)
+                try:
+                    resume = await self.cfg.restore(
+                        self.run_id, ck.run_dir(self.cfg.checkpoint_root, self.run_id),
+                        self.line)
+                except Exception as exc:
+                    raise RestoreFailed(f"{type(exc).__name__}: {exc}") from exc
             span.set_attributes({"tandem.resume_step": resume.step if resume else 0,
                                  "tandem.corrupt_skipped": [r.step for r in rejected]})
             return resume

@@ -33,6 +33,7 @@ from .layout import (
     encode_manifest,
     incomplete_dir,
     local_steps,
+    parse_checkpoint,
     parse_manifest,
     run_dir,
     scan,
@@ -40,6 +41,8 @@ from .layout import (
     step_name,
 )
 from .lineage import Lineage
+
+COMMITTING = ".commit" + INCOMPLETE  # ``step-<N>.commit.incomplete``: a commit under way
 
 
 def _fsync(path: Path) -> None:
@@ -67,21 +70,40 @@ def commit(run_id: str, step: int, tmp: Path, *, world_size: int = 0,
 
     A crash at any point leaves either ``step-<N>.incomplete`` (ignored) or a whole
     ``step-<N>``. An existing ``step-<N>`` (a deterministic rewrite after a resume) is
-    replaced. ``world_size`` > 0 commits a sharded checkpoint (``layout.sharded``): the
-    manifest is a whole one when ``tmp`` holds every rank's shards, else ``node``'s part.
+    replaced. One commit of a ``tmp`` at a time: another at once raises
+    ``FileExistsError``, one after it ``FileNotFoundError`` (``tmp`` is gone), and
+    neither removes or rewrites anything. ``world_size`` > 0 commits a sharded
+    checkpoint (``layout.sharded``): the manifest is a whole one when ``tmp`` holds
+    every rank's shards, else ``node``'s part.
     """
-    manifest = scan(tmp, run_id, step, lineage)
-    if world_size:
-        manifest = sharded(manifest, world_size, node)
-    (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
-    for p in tmp.rglob("*"):
-        if p.is_file():
-            _fsync(p)
-    final = tmp.with_name(step_name(step, lineage))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(final.parent)
+    # NOTE: one committer of a folder at a time (mkdir is atomic): two that commit the
+    # same ``tmp`` (a folder the nodes share) would write the manifest over each other,
+    # and the second would find the first one's ``step-<N>`` where its own was to go.
+    # A leftover of a crash ends in ``.incomplete``: ``remove_incomplete`` clears it.
+    lock = tmp.with_name(step_name(step, lineage) + COMMITTING)
+    try:
+        lock.mkdir()
+    except FileExistsError:
+        raise FileExistsError(f"{tmp} is being committed by another writer") from None
+    try:
+        if not tmp.is_dir():  # another writer committed it (or removed it) already
+            raise FileNotFoundError(f"{tmp} is gone: committed or removed by another writer")
+        manifest = scan(tmp, run_id, step, lineage)
+        if world_size:
+            manifest = sharded(manifest, world_size, node)
+        (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                _fsync(p)
+        final = tmp.with_name(step_name(step, lineage))
+        if final.exists():
+            # Ours to replace: a deterministic rewrite of the step after a resume, and
+            # ``tmp``, whole, is still here to take its place.
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+    finally:
+        lock.rmdir()
     return final, manifest
 
 
@@ -131,7 +153,7 @@ class Resume:
 @dataclass
 class Rejected:
     step: int
-    path: str  # where the corrupt copy was moved to
+    path: str  # where the corrupt copy was moved to (a node's part: left where it is)
     reason: str
 
 
@@ -140,8 +162,12 @@ def newest_valid(root: str | Path, run_id: str, before: int | None = None,
     """The newest checkpoint of ``line``'s history (without it: lineage 0's) that
     verifies (optionally with step < ``before``); an abandoned lineage's is never one.
 
-    Each one that fails verification on the way is renamed ``step-<N>.corrupt`` (so it
+    Each one that fails verification on the way, or whose manifest is of another run,
+    step or lineage than its folder's name says, is renamed ``step-<N>.corrupt`` (so it
     is never picked again, and kept for forensics) and returned in the second element.
+    A node's part of a sharded checkpoint (``manifest.part``) is never one to resume
+    from, since the other nodes' shards are not in it: it is returned there too, left in
+    place (its node's checkpointer may still have to mirror it).
     """
     rejected: list[Rejected] = []
     for step, path in complete_steps(root, run_id, line):
@@ -149,6 +175,11 @@ def newest_valid(root: str | Path, run_id: str, before: int | None = None,
             continue
         try:
             manifest = verify(path)
+            if manifest.part:
+                rejected.append(Rejected(step=step, path=str(path), reason=(
+                    f"node {manifest.part}'s part of a sharded checkpoint, not a whole one")))
+                continue
+            _check_folder(path, manifest, run_id)
         except CorruptCheckpoint as exc:
             moved = corrupt_dir(path)
             if moved.exists():
@@ -158,6 +189,17 @@ def newest_valid(root: str | Path, run_id: str, before: int | None = None,
             continue
         return Resume(step=step, path=path, manifest=manifest), rejected
     return None, rejected
+
+
+def _check_folder(path: Path, manifest: CheckpointManifest, run_id: str) -> None:
+    """``CorruptCheckpoint`` unless ``manifest`` is of the run, step and lineage that
+    ``path`` (``<root>/<run>/step-<N>[-l<L>]``) is the folder of."""
+    c = parse_checkpoint(path.name)
+    if c is None or (manifest.run_id, manifest.step, manifest.lineage) != (
+            run_id, c.step, c.lineage):
+        raise CorruptCheckpoint(path, f"manifest is of run {manifest.run_id!r} "
+                                f"{step_name(manifest.step, manifest.lineage)}, not of this "
+                                f"folder's run {run_id!r} {path.name}")
 
 
 def remove_incomplete(root: str | Path, run_id: str) -> list[str]:

@@ -1,0 +1,46 @@
+"""A run config refuses numbers the trainer cannot use: a float that is not finite
+(stored as JSON null, the run then refused by the trainer after the 202) and a seed the
+loop's derived generator seeds would overflow. The error names the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.common.errors import InvalidRunConfig
+from tandem.common.runs import SEED_MAX, parse_run_config
+
+
+@pytest.mark.parametrize("field", ["lr", "grad_clip", "weight_decay"])
+@pytest.mark.parametrize("value", [float("inf"), "Infinity", float("nan"),
+                                   json.loads('{"x": 1e999}')["x"]])
+def test_a_float_that_is_not_finite_is_refused_naming_its_field(field: str, value: object
+                                                                ) -> None:
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({field: value})
+    assert set(exc.value.problems) == {field}
+    assert "finite" in exc.value.problems[field]
+
+
+def test_a_nested_float_that_is_not_finite_is_refused_naming_its_path() -> None:
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({"watchdog": {"backoff_max_s": float("inf")}})
+    assert set(exc.value.problems) == {"watchdog.backoff_max_s"}
+
+
+@pytest.mark.parametrize("seed", [2**48, SEED_MAX + 1, -1])
+def test_a_seed_outside_what_the_loop_can_derive_from_is_refused(seed: int) -> None:
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({"seed": seed})
+    assert set(exc.value.problems) == {"seed"}
+    assert str(SEED_MAX) in exc.value.problems["seed"]
+
+
+def test_the_largest_seed_fits_torch_generators_of_every_rank() -> None:
+    torch = pytest.importorskip("torch")
+    cfg = parse_run_config({"seed": SEED_MAX, "ranks": 1024})
+    # what TrainLoop and BatchPlan derive from it (loop.py, data.py)
+    torch.Generator().manual_seed(cfg.seed * 100_003 + cfg.ranks)
+    torch.Generator().manual_seed(cfg.seed * 7919 + 10**6)
+    assert cfg.seed == SEED_MAX
