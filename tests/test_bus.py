@@ -672,3 +672,24 @@ async def test_synced_covers_a_subscription_made_just_before_it(
     finally:
         await nc.close()
         await proxy.stop()
+
+
+def test_a_dead_letter_too_large_for_max_payload_keeps_the_start_of_its_body() -> None:
+    """A letter carries its body base64 (a third larger): one that would not fit keeps
+    the start of the body and says so with the body's length and sha256; one that fits
+    is left as it is."""
+    import hashlib
+
+    from tandem.common.bus.connect import fitting
+    from tandem.common.events import encode
+
+    small = DeadLetter(stream="S", subject="s", seq=1, num_delivered=1, reason="r",
+                       data=b"x" * 100, headers={"h": "v"})
+    assert fitting(small, 1 << 20) is small
+    data = bytes(range(256)) * 4000  # 1,024,000 bytes
+    cut = fitting(struct_replace(small, data=data), 1 << 20)
+    assert len(encode(cut)) < 1 << 20 and cut.headers == {"h": "v"}
+    assert 0 < len(cut.data) < len(data) and data.startswith(cut.data)
+    assert cut.reason == (f"r [dead letter cut: it holds the first {len(cut.data)} of the "
+                          f"body's {len(data)} bytes (sha256 {hashlib.sha256(data).hexdigest()}"
+                          f"); the whole would exceed max_payload {1 << 20}]")

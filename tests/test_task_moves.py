@@ -81,3 +81,48 @@ def test_a_worker_death_in_its_call_is_counted_on_a_live_record_only() -> None:
     for end in (TaskState.succeeded, TaskState.failed, TaskState.cancelled):
         assert moves.to_crashed(alone=True)(struct_replace(alone, state=end)) is None
     assert moves.to_crashed(alone=True)(None) is None
+
+
+KEY = b"a seal key of 16+ characters"
+
+
+def test_a_seal_is_trusted_only_on_the_gateways_message_while_the_stream_dedupes_it() -> None:
+    """A seal spares the read only on the message whose ``Nats-Msg-Id`` is the task id,
+    while younger than the gen stream's duplicate window (less the clock allowance): a
+    copy published under another id, or after the stream forgot the id, is read (it may
+    be a replay of a task that ended or counts crashes)."""
+    data = encode(TASK)
+    now = 1_000_000.0
+    seal = moves.seal(KEY, 7, data, at=now)
+    assert seal is not None
+    own = {**seal, "Nats-Msg-Id": TASK.task_id}
+    assert moves.as_sealed(TASK, data, own, KEY, now=now + 1) == (queued(), 7)
+    assert moves.as_sealed(TASK, data, {**seal, "Nats-Msg-Id": "another"}, KEY, now=now) is None
+    assert moves.as_sealed(TASK, data, seal, KEY, now=now) is None  # no id at all
+    window = moves.SEAL_WINDOW
+    assert 0 < window < 600.0  # the gen stream's duplicate window, less the allowance
+    assert moves.as_sealed(TASK, data, own, KEY, now=now + window - 1) is not None
+    assert moves.as_sealed(TASK, data, own, KEY, now=now + window) is None
+    assert moves.as_sealed(TASK, data, own, KEY, now=now - 3600) is None  # from the future
+    # The issue time is under the MAC: moved back, the seal is no longer the gateway's.
+    rev, issued, mac = seal[moves.RECORD_SEAL].split(".")
+    forged = {moves.RECORD_SEAL: f"{rev}.{int(issued) + 3_600_000}.{mac}",
+              "Nats-Msg-Id": TASK.task_id}
+    assert moves.as_sealed(TASK, data, forged, KEY, now=now + 3600) is None
+
+
+def test_hand_backs_are_noted_on_a_live_record_and_named_by_its_failure() -> None:
+    back = moves.to_handed_back("model 'digits' is not served by w-a")
+    rec = back(back(queued()))
+    assert rec is not None and rec.reason == (
+        "handed back 2 times: model 'digits' is not served by w-a")
+    rec = moves.to_handed_back("model 'digits' is not served by w-b")(rec)
+    assert rec is not None and moves.handed_back(rec) == (
+        "handed back 3 times: model 'digits' is not served by w-a; model 'digits' is not "
+        "served by w-b")
+    failed = moves.to_failed("exhausted: delivered 5 times")(rec)
+    assert failed is not None and failed.reason == f"exhausted: delivered 5 times; " \
+        f"{moves.handed_back(rec)}"
+    assert back(failed) is None and moves.handed_back(failed) == ""
+    done = moves.to_succeeded([], cluster="east", worker="w-c", attempt=5, started_at=1.0)(rec)
+    assert done is not None and done.reason == ""

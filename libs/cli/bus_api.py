@@ -149,10 +149,13 @@ HEADERS: list[tuple[str, str, str]] = [
     (headers.EXPECTED_LAST, "KV writes: a record's creation (`0`), each move (its revision)",
      "compare-and-set: stored only if the subject's last sequence is that one"),
     (moves.RECORD_SEAL, "a task the gateway enqueued (`gen.<cluster>.<lane>`)",
-     "`<revision>.<HMAC-SHA256>` of the revision and the task bytes, keyed by "
-     "`TANDEM_TASK_SEAL_KEY`: the record at that revision is the one the gateway created "
-     "for this body, so the worker needs no read before its compare-and-set; absent or "
-     "wrong, the worker reads the record first (a bare publish needs none)"),
+     "`<revision>.<issued at, Unix ms>.<HMAC-SHA256>` of the revision, the time and the "
+     "task bytes, keyed by `TANDEM_TASK_SEAL_KEY`: the record at that revision is the one "
+     "the gateway created for this body, so the worker needs no read before its "
+     "compare-and-set. Trusted only with `Nats-Msg-Id` the task id and for the stream's "
+     "dedupe window less 60 s (a copy published again is read: its task may have ended); "
+     "absent, wrong or stale, the worker reads the record first (a bare publish needs "
+     "none)"),
 ]
 
 

@@ -124,6 +124,9 @@ KV_RATES = "rates"  # each API key's request rate, shared by the gateway replica
 KV_SSE = "sse"  # each API key's open event streams, counted by the gateway replicas
 
 HEARTBEAT_TTL = 6.0
+# A GEN_<C> stream stores one message per task id this long: it covers the gateway's
+# publish retries, and bounds how long a task's seal is trusted (``tasks.as_sealed``).
+GEN_DEDUPE_WINDOW = 10 * 60.0
 
 
 def gen_stream(cluster: str, replicas: int = 1) -> StreamSpec:
@@ -132,7 +135,7 @@ def gen_stream(cluster: str, replicas: int = 1) -> StreamSpec:
         subjects=(subjects.gen_cluster_filter(cluster),),
         retention=RetentionPolicy.WORK_QUEUE,
         replicas=replicas,
-        duplicate_window=10 * 60.0,  # covers the gateway's publish retries
+        duplicate_window=GEN_DEDUPE_WINDOW,
     )
 
 

@@ -11,18 +11,21 @@ record and returns the new one, or None to leave it (the move would go backwards
 task is already terminal). The gateway and the worker share these, so the rules of
 ``events.TASK_ORDER`` are written once, and so is the rule that a task id belongs to the
 body first recorded under it (``claim``). A task the gateway enqueued carries its seal
-(``seal``): the revision of the record it created, keyed by a secret the workers share,
-so a worker needs no read before its compare-and-set.
+(``seal``): the revision of the record it created and when, keyed by a secret the
+workers share, so a worker needs no read before its compare-and-set on the task's first
+delivery (``as_sealed`` says when a seal may be trusted: never on a replay).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Callable
 
 from pydantic import Field, SecretStr
 
+from tandem.common.bus.headers import MSG_ID
 from tandem.common.errors import TaskConflict
 from tandem.common.events import (
     TASK_ORDER,
@@ -34,6 +37,7 @@ from tandem.common.events import (
     struct_replace,
 )
 from tandem.common.settings import Settings
+from tandem.common.streams import GEN_DEDUPE_WINDOW
 
 Move = Callable[[TaskRecord | None], TaskRecord | None]
 _SUCCEEDED = b'"state":"succeeded"'  # as a record's JSON says it (never inside a string)
@@ -73,8 +77,14 @@ def queued(task: GenerationTask, cluster: str) -> TaskRecord:
 
 
 # The gateway's word that the record at a revision is the one it created for these task
-# bytes: "<revision>.<HMAC-SHA256 hex>", keyed by TANDEM_TASK_SEAL_KEY.
+# bytes, at a time: "<revision>.<issued at, Unix ms>.<HMAC-SHA256 hex>", keyed by
+# TANDEM_TASK_SEAL_KEY.
 RECORD_SEAL = "Tandem-Record-Seal"
+# A seal is trusted for the gen stream's duplicate window less this: the gateway's and
+# a worker's clocks may differ by that much, and a seal must lapse before the stream
+# forgets the message's id (a replay then stored, not deduped).
+SEAL_CLOCK_SKEW = 60.0
+SEAL_WINDOW = GEN_DEDUPE_WINDOW - SEAL_CLOCK_SKEW  # seconds a seal is trusted
 
 
 class SealSettings(Settings):
@@ -91,34 +101,50 @@ class SealSettings(Settings):
         return key.get_secret_value().encode() if key is not None else None
 
 
-def _mac(key: bytes, revision: int, data: bytes) -> str:
-    return hmac.new(key, b"%d\n" % revision + data, hashlib.sha256).hexdigest()
+def _mac(key: bytes, revision: int, issued: int, data: bytes) -> str:
+    return hmac.new(key, b"%d\n%d\n" % (revision, issued) + data, hashlib.sha256).hexdigest()
 
 
-def seal(key: bytes | None, revision: int | None, data: bytes) -> dict[str, str] | None:
+def seal(key: bytes | None, revision: int | None, data: bytes, *,
+         at: float | None = None) -> dict[str, str] | None:
     """The ``Tandem-Record-Seal`` header for task bytes ``data`` whose record the gateway
-    created at ``revision``; None without a key or a revision."""
+    created at ``revision``, issued now (``at``: another time, for tests); None without a
+    key or a revision. Publish it with the task id as ``Nats-Msg-Id``, or it is never
+    trusted (``as_sealed``)."""
     if key is None or revision is None:
         return None
-    return {RECORD_SEAL: f"{revision}.{_mac(key, revision, data)}"}
+    issued = int((time.time() if at is None else at) * 1000)
+    return {RECORD_SEAL: f"{revision}.{issued}.{_mac(key, revision, issued, data)}"}
 
 
 def as_sealed(task: GenerationTask, data: bytes, headers: dict[str, str],
-              key: bytes | None) -> tuple[TaskRecord, int] | None:
+              key: bytes | None, *, now: float | None = None
+              ) -> tuple[TaskRecord, int] | None:
     """The record the gateway created for ``task`` and its revision, if the delivery
-    carries a valid seal of exactly these bytes; None otherwise (read the record).
+    carries a valid seal of exactly these bytes that may still be trusted; None
+    otherwise (read the record, as for a redelivery).
 
     A compare-and-set at that revision succeeds only while the record is still the one
     created, so a sealed task's first move needs no read. A publisher without the key
     cannot forge a seal, so it cannot aim the worker's compare-and-set at another task's
-    record (its delivery is read and checked by ``claim``); replaying a sealed message
-    replays the same body, a duplicate delivery.
+    record (its delivery is read and checked by ``claim``). Anyone may copy a sealed
+    message off the stream and publish it again, though: its record may have ended (or
+    counted crashes) meanwhile, and the sealed record would say it is still queued. So a
+    seal is trusted only on a message whose ``Nats-Msg-Id`` is the task id, while it is
+    younger than ``SEAL_WINDOW``: within that window the stream stores no second message
+    under the id, so a delivery then is the gateway's one message (or its redelivery,
+    which is read anyway); a replay under another id, or after the window, is read.
     """
     raw = headers.get(RECORD_SEAL)
-    if key is None or not raw or not task.cluster:
+    if key is None or not raw or not task.cluster or headers.get(MSG_ID) != task.task_id:
         return None
-    rev, _, mac = raw.partition(".")
-    if not rev.isdigit() or not hmac.compare_digest(mac, _mac(key, int(rev), data)):
+    rev, _, rest = raw.partition(".")
+    issued, _, mac = rest.partition(".")
+    if not (rev.isdigit() and issued.isdigit()) or not hmac.compare_digest(
+            mac, _mac(key, int(rev), int(issued), data)):
+        return None
+    age = (time.time() if now is None else now) - int(issued) / 1000
+    if not -SEAL_CLOCK_SKEW <= age < SEAL_WINDOW:
         return None
     return queued(task, task.cluster), int(rev)
 
@@ -167,6 +193,7 @@ def to_succeeded(images: list[str], *, cluster: str, worker: str, attempt: int,
             return None
         t = now()
         return struct_replace(rec, state=TaskState.succeeded, images=images, progress=1.0,
+                              reason="",  # a note of hand-backs (to_handed_back) is moot
                               checkpoint=checkpoint, checkpoint_step=checkpoint_step,
                               cluster=cluster, worker=worker, attempts=max(rec.attempts, attempt),
                               started_at=rec.started_at or started_at, timings=timings or {},
@@ -197,6 +224,36 @@ def deaths(rec: TaskRecord) -> str:
             f"({rec.crashes_alone} of them its own)")
 
 
+_HANDED_BACK = "handed back "
+
+
+def handed_back(rec: TaskRecord) -> str:
+    """What ``rec`` says of the workers that handed its task back (``to_handed_back``),
+    for a failure's reason; '' if none did."""
+    return rec.reason if not rec.state.terminal and rec.reason.startswith(_HANDED_BACK) else ""
+
+
+def to_handed_back(why: str) -> Move:
+    """A worker handed the task back (it does not serve its model), ``why``: noted on a
+    record that has not ended, as ``handed back N times: <each distinct why>``, so a task
+    that runs out of deliveries this way fails saying so (the bus knows only that it was
+    delivered N times). A record that ended is left."""
+
+    def move(rec: TaskRecord | None) -> TaskRecord | None:
+        if rec is None or rec.state.terminal:
+            return None
+        n, whys = 0, []
+        if note := handed_back(rec):
+            count, _, listed = note[len(_HANDED_BACK):].partition(" times: ")
+            n, whys = (int(count), listed.split("; ")) if count.isdigit() else (0, [])
+        if why not in whys:
+            whys.append(why)
+        return struct_replace(rec, reason=f"{_HANDED_BACK}{n + 1} times: {'; '.join(whys)}",
+                              updated_at=now())
+
+    return move
+
+
 def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = None) -> Move:
     def move(rec: TaskRecord | None) -> TaskRecord | None:
         if body is not None:
@@ -208,8 +265,10 @@ def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = No
             return None
         t = now()
         why = reason
-        if state == TaskState.failed and (died := deaths(rec)) and died not in reason:
-            why = f"{reason}; {died}"  # "exhausted: delivered N times" says not why
+        if state == TaskState.failed:  # "exhausted: delivered N times" says not why
+            for more in (handed_back(rec), deaths(rec)):
+                if more and more not in why:
+                    why = f"{why}; {more}"
         return struct_replace(rec, state=state, reason=why, updated_at=t, finished_at=t)
 
     return move

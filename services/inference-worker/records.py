@@ -5,7 +5,9 @@ worker writes it once per task: the move to its end (``succeeded`` with the imag
 ``failed`` with the reason). Before it runs a task it must know, without writing:
 
 - that the id is the task's own (no hijack): the record of a sealed task at the sealed
-  revision is the one the gateway created for these very bytes (``tasks.as_sealed``);
+  revision is the one the gateway created for these very bytes (``tasks.as_sealed``:
+  only on the gateway's own message, the first delivery, while the stream dedupes its
+  id; a replay is read);
   any other delivery reads the record and ``claim``-s it (a different body under the id
   is a conflict, dead-lettered, never run), and a bare publish that has no record gets
   one now, so its id is taken before anything runs;

@@ -353,7 +353,8 @@ class InferenceWorker(Service):
 
         def consumer(spec: ConsumerSpec) -> Consumer[GenerationTask]:
             return bus.consumer(spec, GenerationTask, fetch_handler=self.handle,
-                                on_dead=self.on_dead, span_name="gen process")
+                                on_dead=self.on_dead, explain=self.explain,
+                                span_name="gen process")
 
         consumers = [consumer(spec) for spec in self._consumer_specs()]
         # One loop over every lane (and, on failover, other clusters' lanes, which
@@ -447,9 +448,13 @@ class InferenceWorker(Service):
         assert self.records is not None
         taken: list[tuple[Delivery[GenerationTask], Held]] = []
         unread: list[tuple[Delivery[GenerationTask], Held]] = []
+        handed: list[tuple[Delivery[GenerationTask], NotServed]] = []
         for d in ds:
             try:
                 held = self._take(d)
+            except NotServed as exc:
+                handed.append((d, exc))
+                continue
             except Exception as exc:
                 yield d, exc
                 continue
@@ -457,6 +462,12 @@ class InferenceWorker(Service):
                 yield d, None  # cancelled, or ended by an earlier delivery: never run
             else:
                 (taken if held.expect is not None else unread).append((d, held))
+        if handed:
+            # Noted on each record before its nak, so a task that runs out of deliveries
+            # this way fails naming the workers that handed it back (``explain``).
+            await asyncio.gather(*(self._hand_back(d, exc) for d, exc in handed))
+            for d, exc in handed:
+                yield d, exc
         if unread:
             claims = await asyncio.gather(*(self._claim(d, held) for d, held in unread),
                                           return_exceptions=True)
@@ -522,10 +533,31 @@ class InferenceWorker(Service):
         assert self.records is not None
         self._check(d)
         if d.event.model not in self.served:
-            raise Retry(f"model {d.event.model} is not served by {self.worker_id}", delay=1.0)
+            raise NotServed(f"model {d.event.model!r} is not served by {self.worker_id}")
         # A body that is not the one recorded under its id raises TaskConflict
         # (dead-lettered, never run); None: cancelled, never run.
         return self.records.claim_now(d, self._cluster_of(d))
+
+    async def _hand_back(self, d: Delivery[GenerationTask], exc: NotServed) -> None:
+        """Note on the task's record that this worker handed it back, and why
+        (``tasks.to_handed_back``); best effort: the hand-back itself is the nak."""
+        assert self.tasks is not None
+        try:
+            await self.tasks.update(d.event.task_id, moves.to_handed_back(exc.reason))
+        except Exception as err:
+            _log.warning("worker.hand_back_note_failed", task_id=d.event.task_id,
+                         error=describe(err))
+
+    async def explain(self, msg: Msg, reason: str) -> str:
+        """A dead letter's ``reason``, with what the task's record says the bus does not
+        know: the workers that handed it back (``tasks.handed_back``), when its
+        deliveries ran out."""
+        body = _body(msg.data)
+        if body is None or self.tasks is None or not reason.startswith("exhausted"):
+            return reason
+        got = await self.tasks.get(body.task_id)
+        note = moves.handed_back(got[0]) if got is not None and got[0].task == body else ""
+        return f"{reason}; {note}" if note and note not in reason else reason
 
     async def _claim(self, d: Delivery[GenerationTask], held: Held) -> Held | None:
         """Step 1 for a task that was not sealed (a redelivery, a bare publish): its
@@ -789,6 +821,14 @@ class Running:
     keys: list[str] = field(default_factory=list)
     gen_s: float = 0.0  # from its batcher entry to its call's end
     upload: tuple[float, float] = (0.0, 0.0)  # wall clock: its upload's start and end
+
+
+class NotServed(Retry):
+    """A task for a model this worker does not serve: handed back (nak after a delay)
+    for a worker that does, noted on its record first (``InferenceWorker._hand_back``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, delay=1.0)
 
 
 class ImageUploadError(Exception):

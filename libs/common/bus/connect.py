@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,10 +24,11 @@ from nats.js.api import PubAck
 from nats.js.kv import KeyValue
 
 from tandem.common import log, metrics, subjects
+from tandem.common.bus.acks import LetterTooLarge
 from tandem.common.bus.consumer import Consumer, Delivery
 from tandem.common.bus.kv import TypedKV
 from tandem.common.bus.publish import Publishing
-from tandem.common.events import DeadLetter, decode, encode
+from tandem.common.events import DeadLetter, decode, encode, struct_replace
 from tandem.common.permissions import violation
 from tandem.common.settings import Settings
 from tandem.common.streams import ConsumerSpec, Spec, provision
@@ -65,6 +67,43 @@ class DomainJetStream(JetStreamContext):
         if subject.startswith("$KV."):
             subject = f"{self._prefix}.{subject}"
         return await super().publish(subject, *args, **kwargs)
+
+
+# Of a dead letter's room (the server's max_payload), what its NATS headers may take
+# (traceparent, Nats-Msg-Id: about 150 bytes), with a margin.
+LETTER_HEADROOM = 1024
+REASON_MOST = 4096  # characters of a reason kept in a letter that must be cut
+
+
+def fitting(letter: DeadLetter, max_payload: int) -> DeadLetter:
+    """``letter`` as it can be published under ``max_payload``: as it is if it fits;
+    else with only the start of its body, its reason saying so with the body's length
+    and sha256 (and, if even the rest is too large, without the original headers and
+    with the reason cut). Raises ``LetterTooLarge`` if nothing fits."""
+    room = max_payload - LETTER_HEADROOM
+    if len(encode(letter)) <= room:
+        return letter
+    data = letter.data
+    digest = hashlib.sha256(data).hexdigest()
+
+    def cut(kept: int, headers: dict[str, str], reason: str) -> DeadLetter:
+        return struct_replace(letter, data=data[:kept], headers=headers, reason=(
+            f"{reason} [dead letter cut: it holds the first {kept} of the body's "
+            f"{len(data)} bytes (sha256 {digest}); the whole would exceed max_payload "
+            f"{max_payload}]"))
+
+    headers, reason = letter.headers, letter.reason
+    # Measured with the count at its widest (the body's length): the note never grows.
+    rest = len(encode(cut(0, headers, reason))) + len(str(len(data)))
+    if rest > room:  # the headers or the reason alone are too large: leave them out
+        headers, reason = {}, f"{reason[:REASON_MOST]} [its headers left out]"
+        rest = len(encode(cut(0, headers, reason))) + len(str(len(data)))
+    kept = min(len(data), max(0, (room - rest) // 4 * 3))  # base64: 4 bytes per 3
+    out = cut(kept, headers, reason)
+    size = len(encode(out))
+    if size > room:
+        raise LetterTooLarge(size, max_payload)
+    return out
 
 
 class Bus(Publishing):
@@ -207,14 +246,19 @@ class Bus(Publishing):
         return self._typed[key]
 
     async def dead_letter(self, msg: Msg, reason: str, consumer: str = "") -> None:
-        """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq."""
+        """Copy ``msg`` to ``dlq.<stream>`` with ``reason``; idempotent per stream seq.
+
+        A letter that would not fit the connection's ``max_payload`` (its body is base64
+        in the letter, a third larger) keeps only the start of the body, with the body's
+        length and sha256 in its reason (``fitting``). Raises ``LetterTooLarge`` if even
+        that cannot fit: no retry would ever send it."""
         md = msg.metadata
         stream = md.stream or "unknown"
-        letter = DeadLetter(
+        letter = fitting(DeadLetter(
             stream=stream, subject=msg.subject, seq=md.sequence.stream,
             num_delivered=md.num_delivered, reason=reason, data=bytes(msg.data),
             headers={k: v for k, v in (msg.headers or {}).items()}, consumer=consumer,
-        )
+        ), self.nc.max_payload)
         await self.publish(subjects.dlq(stream), letter,
                            msg_id=f"dlq-{stream}-{md.sequence.stream}", retry_for=10.0)
         metrics.DEAD_LETTERS.labels(stream, reason.split(":")[0][:40]).inc()

@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind
 
 from tandem.common import log, tracing
 from tandem.common.backoff import Backoff
-from tandem.common.bus.acks import AckPolicy, DeadHook, hand_back
+from tandem.common.bus.acks import AckPolicy, DeadHook, ExplainHook, hand_back
 from tandem.common.bus.headers import MSG_ID, TRACEPARENT, attach_remote
 from tandem.common.bus.pull import Pull
 from tandem.common.bus.retry import describe
@@ -190,7 +190,8 @@ class Consumer(Generic[E]):
                  concurrency: int = 1, fetch_timeout: float = 1.0,
                  on_dead: DeadHook | None = None, span_name: str | None = None,
                  paused: Callable[[], bool] | None = None,
-                 fetch_handler: FetchHandler[E] | None = None) -> None:
+                 fetch_handler: FetchHandler[E] | None = None,
+                 explain: ExplainHook | None = None) -> None:
         if (handler is None) == (fetch_handler is None):
             raise ValueError("a consumer takes a handler or a fetch_handler, one of them")
         self.bus = bus
@@ -203,7 +204,7 @@ class Consumer(Generic[E]):
         self.fetch_timeout = fetch_timeout
         self.paused = paused
         self.span_name = span_name or f"{spec.stream} process"
-        self.policy = AckPolicy(bus, spec, on_dead)
+        self.policy = AckPolicy(bus, spec, on_dead, explain)
         self.keeper = _Keeper()  # in-progress acks of the messages its handlers hold
         self._recording = tracing.recording()
         self._sub: Pull | None = None
