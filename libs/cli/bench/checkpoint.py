@@ -173,8 +173,8 @@ async def _written_to_committed(s3_url: str, nats_url: str, bucket: str, directo
     try:
         for i in range(args.commits):
             step = (i + 1) * 100
-            step_dir = directory / ck.step_name(step)
-            step_dir.mkdir()
+            step_dir = ck.step_dir(directory, run, step)  # the layout the checkpointer checks
+            step_dir.mkdir(parents=True)
             for f in (directory / "source").iterdir():
                 os.link(f, step_dir / f.name)
             manifest = ck.scan(step_dir, run, step)
