@@ -4,25 +4,29 @@ restarts without duplicate transitions, kill -9, and its node's GPU gauges on /m
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
 import time
+import types
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js.api import DiscardPolicy
 
 from tandem.cli.devstack import NatsServer, logged_metrics_port
+from tandem.cluster_agent import clock as clock_mod
 from tandem.cluster_agent import faults
 from tandem.cluster_agent.agent import NodeAgent
-from tandem.cluster_agent.clock import ManualClock
+from tandem.cluster_agent.clock import ManualClock, WallClock
 from tandem.cluster_agent.sim import SimBackend
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
-from tandem.common.events import Health, HealthTransition, NodeTelemetry, decode
-from tandem.common.streams import HEALTH, HEARTBEAT_TTL, TELEMETRY, core_streams
+from tandem.common.events import Health, HealthTransition, NodeHeartbeat, NodeTelemetry, decode
+from tandem.common.streams import HEALTH, HEARTBEAT_TTL, KV_NODES, TELEMETRY, core_streams
 from tests.conftest import PYTHON, service_env
 from tests.observability_support import scrape
 
@@ -319,3 +323,98 @@ async def test_the_agents_metrics_carry_its_gpus_as_its_last_telemetry_event_say
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_an_xid_sampled_while_nats_is_down_is_classified_published_and_drained_later(
+        nats_server: NatsServer, fleet_bus: Bus, uid: str) -> None:
+    # The sim hands the XID over once, on the sample taken while the server is away: the
+    # agent must classify it before the publish that fails, and publish what it owes later.
+    cluster = f"c{uid}"
+    agent, clock = agent_for(fleet_bus, cluster, "3 xid gpu=1 code=48")
+    await agent.start()
+    await ticks(agent, clock, 2)
+    nats_server.kill()
+    with pytest.raises(Exception):  # noqa: B017 - whatever the client raises with no server
+        await ticks(agent, clock, 1)  # the sample carrying XID 48
+    assert agent.tracker.active() == ["xid-48@1"]
+    nats_server.start()  # same port and file store
+    await until(lambda: fleet_bus.nc.is_connected, timeout=20, what="the reconnect")
+    await until(lambda: _tick_ok(agent, clock), timeout=20, what="a tick after the restart")
+
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.previous, t.current, t.rule, t.gpu) for t in trs][:1] == [
+        (Health.healthy, Health.unhealthy, "xid-48", 1)]
+    record = await until(lambda: fleet.drain_record(fleet_bus, cluster, "n1"), what="the drain")
+    assert record.by == "agent" and "xid-48 on GPU 1" in record.reason
+    await agent.close()
+
+
+async def test_a_failed_health_publish_keeps_the_cause_and_the_auto_drain_for_the_next_tick(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    agent, clock = agent_for(fleet_bus, cluster, "3 xid gpu=1 code=79")
+    await agent.start()
+    await ticks(agent, clock, 2)
+    # The server refuses new HEALTH messages (a full stream, discard new) for one tick:
+    # telemetry lands, the transition's publish fails on the tick XID 79 fires.
+    await fleet_bus.publish(subjects.health(cluster, "other"), NodeTelemetry(
+        cluster=cluster, node="other", gpus=[], at=0.0, seq=0))  # the stream is not empty
+    info = await fleet_bus.js.stream_info(HEALTH)
+    full = dataclasses.replace(info.config, max_msgs=info.state.messages, discard=DiscardPolicy.NEW)
+    await fleet_bus.js.update_stream(full)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the server's "maximum messages exceeded"
+            await ticks(agent, clock, 1)
+        assert agent.tracker.active() == ["xid-79@1"] and agent.state == Health.healthy
+    finally:
+        await fleet_bus.js.update_stream(info.config)
+    await ticks(agent, clock, 1)
+
+    await until(lambda: agent.state == Health.drained, what="the agent's own drain")
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.previous, t.current, t.rule) for t in trs] == [
+        (Health.healthy, Health.unhealthy, "xid-79"), (Health.unhealthy, Health.drained, "drain")]
+    assert trs[0].gpu == 1 and "fallen off the bus" in trs[0].reason
+    record = await fleet.drain_record(fleet_bus, cluster, "n1")
+    assert record is not None and record.by == "agent" and "xid-79 on GPU 1" in record.reason
+    await agent.close()
+
+
+async def test_a_backward_wall_clock_step_does_not_stop_ticks_or_heartbeats(
+        fleet_bus: Bus, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NTP steps this host's wall clock back an hour while the agent runs on WallClock.
+    step = {"s": 0.0}
+    monkeypatch.setattr(clock_mod, "time", types.SimpleNamespace(
+        time=lambda: time.time() - step["s"], monotonic=time.monotonic))
+    sim = SimBackend(gpus=2, load=0.5, faults=[], seed=1)
+    agent = NodeAgent(fleet_bus, f"c{uid}", "n1", sim, WallClock(), interval=0.05)
+    await agent.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        await until(lambda: agent.samples >= 2, what="ticks before the step")
+        step["s"] = 3600.0
+        samples, heartbeats = agent.samples, agent.heartbeats
+        await until(lambda: agent.samples >= samples + 3 and agent.heartbeats >= heartbeats + 3,
+                    what="ticks and heartbeats after the step")
+    finally:
+        stop.set()
+        await task
+        await agent.close()
+
+
+async def test_read_fleet_counts_a_present_heartbeat_up_whatever_the_agents_clock(
+        fleet_bus: Bus, uid: str) -> None:
+    # An agent whose clock lags this host's by more than the TTL: its entry is fresh (the
+    # KV's TTL has not removed it), so the node is up; its age comes from the server.
+    cluster = f"c{uid}"
+    kv = await fleet_bus.typed(KV_NODES, NodeHeartbeat)
+    await kv.put(subjects.node_key(cluster, "n1"), NodeHeartbeat(
+        cluster=cluster, node="n1", health=Health.healthy, gpus_total=4,
+        at=time.time() - 10 * HEARTBEAT_TTL))
+    view = await fleet.read_fleet(fleet_bus)
+    c = view.cluster(cluster)
+    assert c is not None
+    [n] = c.nodes
+    assert (n.status, n.up, n.serving) == ("healthy", True, True)
+    assert n.age_s is not None and n.age_s < HEARTBEAT_TTL

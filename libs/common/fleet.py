@@ -11,7 +11,8 @@ JSON (``msgspec.to_builtins``) and routes on, and workers watch.
 - ``drain`` / ``undrain``: what ``tandem node drain|undrain`` (and the agent) write.
 - ``announce_models``: a worker tells its node's agent which models it has loaded.
 
-A node is *up* while its last heartbeat is younger than the heartbeat TTL, and
+A node is *up* while its heartbeat is in KV ``nodes`` (whose TTL removes a dead agent's;
+no agent's clock is trusted for it), and
 *serving* while up, not drained and not unhealthy. A cluster is healthy while at least
 one of its nodes is serving. A drained node whose agent is gone stays in the view (as
 down and drained) so an operator still sees it.
@@ -32,6 +33,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from tandem.common import log, subjects
 from tandem.common.bus import Bus, KeyWatch, snapshot
+from tandem.common.bus.kv import entries
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import DrainRecord, GpuBrief, Health, ModelsLoaded, NodeHeartbeat, decode
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
@@ -97,8 +99,8 @@ class FleetView(msgspec.Struct, kw_only=True):
 
 
 def _node(hb: NodeHeartbeat | None, drain: DrainRecord | None, cluster: str, node: str,
-          age: float | None, ttl: float) -> NodeView:
-    up = hb is not None and age is not None and age <= ttl
+          age: float | None, ttl: float, present: bool = False) -> NodeView:
+    up = hb is not None and age is not None and (present or age <= ttl)
     drained = drain is not None or (hb is not None and hb.drained)
     health = hb.health if hb is not None else None
     if not up:
@@ -126,14 +128,18 @@ def _node(hb: NodeHeartbeat | None, drain: DrainRecord | None, cluster: str, nod
 
 def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
               drains: Iterable[DrainRecord], *, ttl: float = HEARTBEAT_TTL,
-              at: float | None = None) -> FleetView:
-    """Build the fleet view from ``(heartbeat, age in seconds)`` pairs and drain records."""
+              at: float | None = None, present: bool = False) -> FleetView:
+    """Build the fleet view from ``(heartbeat, age in seconds)`` pairs and drain records.
+
+    With ``present`` every heartbeat given is up (read from KV, whose TTL already removed
+    the stale ones); without, a heartbeat is up while its age is within ``ttl``."""
     hbs = {(hb.cluster, hb.node): (hb, age) for hb, age in heartbeats}
     drs = {(d.cluster, d.node): d for d in drains}
     by_cluster: dict[str, list[NodeView]] = {}
     for key in sorted(set(hbs) | set(drs)):
         hb, age = hbs.get(key, (None, None))
-        by_cluster.setdefault(key[0], []).append(_node(hb, drs.get(key), *key, age, ttl))
+        by_cluster.setdefault(key[0], []).append(
+            _node(hb, drs.get(key), *key, age, ttl, present))
     clusters = []
     for name, nodes in sorted(by_cluster.items()):
         serving = [n for n in nodes if n.serving]
@@ -174,10 +180,24 @@ async def read_heartbeats(bus: Bus) -> list[NodeHeartbeat]:
 
 
 async def read_fleet(bus: Bus, ttl: float = HEARTBEAT_TTL) -> FleetView:
-    """One snapshot of the fleet. Ages use the agents' clocks against this host's."""
-    heartbeats, drains = await asyncio.gather(read_heartbeats(bus), read_drains(bus))
+    """One snapshot of the fleet.
+
+    A node is up while its heartbeat entry is in KV ``nodes`` (the bucket's TTL removes a
+    dead agent's), whatever the agent's clock says; ages count from the entry's server
+    timestamp.
+    """
+    raw, drains = await asyncio.gather(entries(await bus.kv(KV_NODES)), read_drains(bus))
     now = time.time()
-    return summarize(((hb, max(0.0, now - hb.at)) for hb in heartbeats), drains, ttl=ttl, at=now)
+    heartbeats = []
+    for key, entry in raw.items():
+        try:
+            hb = decode(entry.value or b"", NodeHeartbeat)
+        except EventDecodeError as exc:
+            _log.warning("fleet.bad_entry", key=key, error=exc.reason)
+            continue
+        stored = entry.created.timestamp() if entry.created is not None else now
+        heartbeats.append((hb, max(0.0, now - stored)))
+    return summarize(heartbeats, drains, ttl=ttl, at=now, present=True)
 
 
 # --------------------------------------------------------------------------- drain records

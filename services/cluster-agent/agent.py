@@ -93,6 +93,8 @@ class NodeAgent:
         self._lock = asyncio.Lock()
         self._workers: dict[str, tuple[list[str], float]] = {}
         self._sub: Any = None
+        self._pending: tuple[Health, dict[str, Any]] | None = None  # transition owed
+        self._drained_for: set[str] = set()  # hard rules (rule@gpu) already drained for
         self.drain = fleet.DrainWatch(bus, cluster, node, on_change=self._on_drain,
                                       board=drains)
 
@@ -115,6 +117,7 @@ class NodeAgent:
             if self.state == Health.drained and not self.drain.drained:
                 # Undrained while this agent was down: the same as an undrain seen live.
                 cleared = self.tracker.clear_latched(now)
+                self._drain_handled()
                 cause = {"rule": "undrain", "action": "", "reason": "undrained while the "
                          "agent was down: latched faults cleared"}
             await self._settle(cleared, now, cause)
@@ -132,11 +135,15 @@ class NodeAgent:
         self.backend.close()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every ``interval`` and heartbeat at least every TTL/3 until ``stop``."""
+        """Tick every ``interval`` and heartbeat at least every TTL/3 until ``stop``.
+
+        Scheduled on the clock's monotonic time: a wall-clock step back (NTP) does not
+        stop ticks and heartbeats for as long as the step.
+        """
         hb_every = min(self.interval, self.ttl / 3)
-        next_tick = next_hb = self.clock.now()
+        next_tick = next_hb = self.clock.monotonic()
         while not stop.is_set():
-            now = self.clock.now()
+            now = self.clock.monotonic()
             if now >= next_tick:
                 await self._guarded(self.tick())
                 next_tick = max(next_tick + self.interval, now)
@@ -164,7 +171,13 @@ class NodeAgent:
     # ------------------------------------------------------------------------------ tick
 
     async def tick(self) -> NodeTelemetry:
-        """One sample of the node: telemetry, health, transitions, heartbeat."""
+        """One sample of the node: health, telemetry, transitions, heartbeat.
+
+        The sample is classified before anything is published: a backend hands each XID
+        over once, so a publish that fails (NATS away) must not lose it. What the sample
+        decided (a transition, an auto-drain) stays pending in the agent's state and is
+        published by the first tick that can.
+        """
         now = self.clock.now()
         samples = await self._backend_call(self.backend.sample, now)
         self.samples += 1
@@ -172,6 +185,13 @@ class NodeAgent:
         SAMPLES.inc(len(samples))
         if self.gpu_gauges:
             metrics.set_gpus(self.cluster, self.node, samples)
+        async with self._lock:
+            changes = self.tracker.observe(samples, now)
+            for c in changes:
+                say = self.log.warning if c.fired else self.log.info
+                say("agent.rule_fired" if c.fired else "agent.rule_cleared", rule=c.rule.name,
+                    gpu=c.gpu, severity=c.rule.severity.value, evidence=c.evidence)
+            self._note(changes)
         telemetry = NodeTelemetry(cluster=self.cluster, node=self.node, gpus=samples, at=now,
                                   seq=self.samples)
         try:
@@ -181,12 +201,7 @@ class NodeAgent:
             raise
         self.telemetry_stored += 1
         async with self._lock:
-            changes = self.tracker.observe(samples, now)
-            for c in changes:
-                say = self.log.warning if c.fired else self.log.info
-                say("agent.rule_fired" if c.fired else "agent.rule_cleared", rule=c.rule.name,
-                    gpu=c.gpu, severity=c.rule.severity.value, evidence=c.evidence)
-            await self._settle(changes, now)
+            await self._settle([], now)
         await self.heartbeat()
         return telemetry
 
@@ -195,20 +210,64 @@ class NodeAgent:
     def target(self) -> Health:
         return Health.drained if self.drain.drained else self.tracker.health
 
+    def _note(self, changes: list[Change], cause: dict[str, Any] | None = None) -> None:
+        """Record the transition the node owes, with its cause, until it is published.
+
+        A cause is decided when the state changes (by the changes that changed it, or the
+        drain or undrain that did) and kept across failed publishes: a retry on a later
+        tick, with no changes of its own, publishes the same cause.
+        """
+        target = self.target()
+        if target == self.state:
+            self._pending = None
+            return
+        pending = self._pending
+        if cause is None:
+            cause = self._cause(target, changes)
+            if cause["rule"] == "restore" and pending is not None and pending[0] == target:
+                return
+        self._pending = (target, cause)
+
     async def _settle(self, changes: list[Change], now: float,
                       cause: dict[str, Any] | None = None) -> None:
-        """Publish a transition if the node's state changed; auto-drain on a hard fault."""
-        target = self.target()
-        if target != self.state:
-            await self._publish(target, cause or self._cause(target, changes), now)
-        if self.auto_drain and not self.drain.drained:
-            hard = [c for c in changes if c.fired and c.rule.severity == Health.unhealthy
-                    and c.rule.action in HARD_ACTIONS]
-            if hard:
-                c = hard[0]
-                await fleet.drain(self.bus, self.cluster, self.node, overwrite=False,
-                                  reason=f"{c.rule.name} on GPU {c.gpu}: {c.rule.reason} "
-                                         f"(action: {c.rule.action})", by="agent")
+        """Publish the transition the node owes, if any; auto-drain on a hard fault."""
+        self._note(changes, cause)
+        if self._pending is not None:
+            target, why = self._pending
+            await self._publish(target, why, now)
+            self._pending = None
+        await self._auto_drain()
+
+    def _hard(self) -> list[tuple[Rule, int]]:
+        """Active rules that call for taking the node out of service."""
+        return [(r, g) for r, g in self.tracker.active_rules()
+                if r.severity == Health.unhealthy and r.action in HARD_ACTIONS]
+
+    async def _auto_drain(self) -> None:
+        """Drain for an active hard rule this agent has not drained for yet.
+
+        Decided from state, not from this tick's changes, so a drain whose write failed
+        is written by the next settle. A rule that clears may drain again when it fires
+        again; one active when the operator undrained (or at a restart) does not.
+        """
+        if not self.auto_drain:
+            return
+        hard = self._hard()
+        self._drained_for &= {f"{r.name}@{g}" for r, g in hard}
+        if self.drain.drained:
+            return
+        todo = [(r, g) for r, g in hard if f"{r.name}@{g}" not in self._drained_for]
+        if not todo:
+            return
+        rule, gpu = todo[0]
+        await fleet.drain(self.bus, self.cluster, self.node, overwrite=False,
+                          reason=f"{rule.name} on GPU {gpu}: {rule.reason} "
+                                 f"(action: {rule.action})", by="agent")
+        self._drained_for |= {f"{r.name}@{g}" for r, g in hard}
+
+    def _drain_handled(self) -> None:
+        """The hard rules active now are the operator's call (an undrain, a restart)."""
+        self._drained_for = {f"{r.name}@{g}" for r, g in self._hard()}
 
     def _cause(self, target: Health, changes: list[Change]) -> dict[str, Any]:
         worse = target == Health.drained or (
@@ -252,6 +311,7 @@ class NodeAgent:
             return
         self.state, self.seq = last.current, last.seq
         self.tracker.restore(last.active, self.clock.now())
+        self._drain_handled()
 
     async def _on_drain(self, record: DrainRecord | None) -> None:
         now = self.clock.now()
@@ -262,6 +322,7 @@ class NodeAgent:
                 await self._settle([], now, cause)
             else:
                 cleared = self.tracker.clear_latched(now)
+                self._drain_handled()
                 cause = {"rule": "undrain", "action": "",
                          "reason": "returned to service: latched faults cleared",
                          "cleared": [c.key for c in cleared]}

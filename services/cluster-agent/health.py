@@ -71,6 +71,11 @@ class Tracker:
         """Active rules as ``rule@gpu``, sorted."""
         return sorted(f"{n}@{g}" for (n, g), tr in self._tracks.items() if tr.active)
 
+    def active_rules(self) -> list[tuple[Rule, int]]:
+        """Active rules with their GPU, in ``active()``'s order."""
+        return sorted(((self._by_name[n], g) for (n, g), tr in self._tracks.items() if tr.active),
+                      key=lambda rg: (rg[0].name, rg[1]))
+
     def gpus_with(self, severity: Health) -> set[int]:
         """GPUs with an active rule of ``severity``."""
         return {g for (n, g), tr in self._tracks.items()
