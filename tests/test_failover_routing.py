@@ -23,7 +23,7 @@ from tandem.common.storage import s3_client
 from tandem.common.streams import KV_NODES, core_streams, gen_stream
 from tandem.gateway.api import create_app
 from tandem.gateway.generations import Gateway
-from tandem.gateway.routing import Router
+from tandem.gateway.routing import Router, RoutingError
 
 TTL = 2.0
 DEADLINE = 20.0
@@ -98,6 +98,32 @@ async def test_routing_prefers_the_model_then_capacity_minus_backlog_and_honours
     await queue(bus, b, 7)
     await until(lambda: router.backlog[b].depth == 7)
     assert router.choose(None, "tiny-text") == a
+
+
+async def test_a_task_never_goes_to_a_cluster_known_not_to_serve_its_model(
+        bus: Bus, router: Router, names: list[str]) -> None:
+    """The cluster that serves the model is down: the task is refused (503, naming the
+    model), not sent to a healthy cluster whose nodes announce other models only; a pin
+    to such a cluster is refused the same way; a cluster announcing no models at all
+    (nothing known) still takes it."""
+    a, b, c = names
+    await beat(bus, a, models=("digits",))
+    await beat(bus, b, usable=8, models=("tiny-text",))
+    await until(lambda: router.board.summary(a).healthy and router.board.summary(b).healthy)
+    assert router.choose(None, "digits") == a
+    await until(lambda: not router.board.summary(a).healthy)  # a's heartbeat goes stale
+    await beat(bus, b, usable=8, models=("tiny-text",))
+    await until(lambda: router.board.summary(b).healthy)
+    for pin in (None, b):
+        with pytest.raises(RoutingError) as exc:
+            router.choose(pin, "digits")
+        assert exc.value.status == 503 and exc.value.retry_after is not None
+        assert "'digits'" in exc.value.message
+    assert router.choose(None, "tiny-text") == b
+    await beat(bus, c, usable=1, models=())  # nothing known about c's models
+    await until(lambda: router.board.summary(c).healthy)
+    assert router.choose(None, "digits") == c
+    assert router.choose(c, "digits") == c
 
 
 async def test_over_backlog_clusters_are_skipped_and_when_all_are_over_429(

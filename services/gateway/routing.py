@@ -3,12 +3,16 @@
 With a ``Router`` (the gateway's default, ``TANDEM_ROUTING=fleet``), in this order:
 
 1. a pin names one of the configured clusters (else 422), which gets the task if it is
-   healthy (else 503) and under its backlog limit (else 429);
+   healthy (else 503), serves the model (else 503) and is under its backlog limit
+   (else 429);
 2. otherwise the healthy clusters (a fresh heartbeat from at least one undrained,
-   not-unhealthy node) under their backlog limit compete: clusters with the model
-   loaded first, then the largest usable GPUs minus backlog, then configuration order;
-3. none healthy: 503 with Retry-After; healthy ones all over the limit: 429 with
-   Retry-After. Nothing is ever enqueued where it is known not to run.
+   not-unhealthy node) that serve the model, under their backlog limit, compete: clusters
+   with the model loaded first, then the largest usable GPUs minus backlog, then
+   configuration order. A cluster serves the model if a serving node there announces it,
+   or if its serving nodes announce no models at all (nothing known);
+3. none healthy, or no healthy one serving the model: 503 with Retry-After; those left
+   all over the limit: 429 with Retry-After. Nothing is ever enqueued where it is known
+   not to run.
 
 Reads are O(clusters): health and capacity come from ``ClusterBoard``'s running sums,
 backlogs from one ``stream_info`` per cluster every ``backlog_refresh`` seconds (in the
@@ -170,6 +174,10 @@ class Router:
                 raise RoutingError(503, f"cluster {pin} is not healthy (no fresh heartbeat "
                                    "from an undrained node)",
                                    retry_after=self.retry_after_unavailable)
+            if not _serves(s, model):
+                raise RoutingError(503, f"cluster {pin} does not serve model {model!r} "
+                                   f"(its nodes serve {', '.join(sorted(s.models))})",
+                                   retry_after=self.retry_after_unavailable)
             if self.backlog[pin].value >= self.max_backlog:
                 raise RoutingError(429, f"cluster {pin} has {self.backlog[pin].value} tasks "
                                    f"queued (limit {self.max_backlog})",
@@ -184,7 +192,14 @@ class Router:
             raise RoutingError(503, f"no healthy cluster (of {', '.join(self.clusters)}); "
                                "none has a fresh heartbeat from an undrained node",
                                retry_after=self.retry_after_unavailable)
-        open_ = [s for s in healthy if self.backlog[s.name].value < self.max_backlog]
+        # Only where the model is known to run: a cluster announcing no models at all
+        # (nothing known) stays a candidate.
+        serving = [s for s in healthy if _serves(s, model)]
+        if not serving:
+            raise RoutingError(503, f"no healthy cluster serves model {model!r} (healthy: "
+                               f"{', '.join(s.name for s in healthy)})",
+                               retry_after=self.retry_after_unavailable)
+        open_ = [s for s in serving if self.backlog[s.name].value < self.max_backlog]
         if not open_:
             raise RoutingError(429, f"every healthy cluster has at least {self.max_backlog} "
                                "tasks queued", retry_after=self.retry_after_busy)
@@ -200,6 +215,12 @@ class Router:
         now = time.monotonic()
         return [{**self.board.summary(c, now).to_dict(now),
                  "backlog": self.backlog[c].value} for c in self.clusters]
+
+
+def _serves(s: ClusterSummary, model: str) -> bool:
+    """Whether ``model`` may run in cluster ``s``: loaded on a serving node there, or
+    nothing known (its serving nodes announce no models)."""
+    return not s.models or model in s.models
 
 
 def _check_pin(clusters: list[str], pin: str) -> None:

@@ -269,19 +269,20 @@ class Batcher:
             self.pending.remove(job)
 
     def cancel(self, task_id: str) -> bool:
-        """Stop ``task_id`` if it waits, is queued or runs here; True if it was found."""
-        for job in self.pending:
-            if job.task.task_id == task_id:
-                job.cancelled = True
-                self.pending.remove(job)
-                job.resolve(JobCancelled())
-                return True
+        """Stop every copy of ``task_id`` that waits, is queued or runs here (a
+        redelivery can be here beside the delivery it replaces); True if any was found."""
+        found = False
+        for job in [j for j in self.pending if j.task.task_id == task_id]:
+            job.cancelled = True
+            self.pending.remove(job)
+            job.resolve(JobCancelled())
+            found = True
         for job in self.running:
             if job.task.task_id == task_id:
                 job.cancelled = True
                 job.resolve(JobCancelled())
-                return True
-        return False
+                found = True
+        return found
 
     def close(self) -> None:
         """Hand back every waiting task (and the queued calls' tasks, before they start);

@@ -11,7 +11,12 @@ beside a worker's pull loop and edits the loop's list of consumers in place:
   per-lane consumers (its interactive lane after the worker's own interactive lanes, its
   batch lane last), binding to them as they are: their AckWait and MaxDeliver are the
   ones the server holds, not this worker's;
-- when the cluster is healthy again (or this worker's own cluster is not), it stops.
+- when the cluster is healthy again (or this worker's own cluster is not), it stops;
+- it adopts a cluster only if it serves every model that cluster's workers were serving
+  (the last models its nodes' heartbeats announced: remembered while it was healthy, else
+  those of its nodes the board still holds), so a task that would wait for its cluster and
+  run there is not handed back by a worker that cannot run it until its deliveries are
+  spent; a cluster whose models are unknown is adopted on health alone.
 
 Tasks the dead cluster's workers held are redelivered by the server after their AckWait,
 to whoever pulls then: the adopting workers. A grace period (rather than pulling every
@@ -29,7 +34,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from nats.js.errors import NotFoundError
@@ -138,7 +143,8 @@ class Failover:
                  make: MakeConsumer, *, enabled: bool = True, grace: float = 2.0,
                  ttl: float = HEARTBEAT_TTL, candidates: list[str] | None = None,
                  ack_wait: float = 30.0, max_deliver: int = 5,
-                 drained: Callable[[], bool] = lambda: False, discover_every: float = 10.0) -> None:
+                 drained: Callable[[], bool] = lambda: False, discover_every: float = 10.0,
+                 serves: Collection[str] | None = None) -> None:
         self.bus = bus
         self.enabled = enabled
         self.own = list(own)
@@ -154,6 +160,11 @@ class Failover:
         self.discover_every = discover_every
         self.check_every = max(0.05, min(0.5, ttl / 10, grace / 4 if grace else 0.5))
         self.board = ClusterBoard(bus, ttl, tuple(self.own + self.candidates))
+        # The models this worker serves; None: unknown (adopt on health alone).
+        self.serves = None if serves is None else frozenset(serves)
+        # Each cluster's models while it was last healthy (its serving nodes' heartbeats).
+        self.last_models: dict[str, frozenset[str]] = {}
+        self._refused: dict[str, frozenset[str]] = {}  # cluster -> models missing (logged)
         self.adopted: dict[str, float] = {}  # cluster -> monotonic time adopted
         self.adoptions = 0
         self._bound: dict[str, list[Consumer[Any]]] = {}
@@ -163,11 +174,14 @@ class Failover:
     def for_worker(cls, bus: Bus, s: Any, consumers: list[Consumer[Any]], make: MakeConsumer,
                    drained: Callable[[], bool]) -> Failover:
         """From the worker's settings (``FailoverSettings`` plus ``clusters``, ``ack_wait``,
-        ``max_deliver``)."""
+        ``max_deliver``, and ``serve`` with ``registry``: the models it serves, as the
+        worker reads them)."""
+        serves = subjects.token_list(s.serve, "model") or s.registry.names()
         return cls(bus, s.clusters, consumers, make, enabled=s.failover,
                    grace=s.failover_grace, ttl=s.heartbeat_ttl,
                    candidates=subjects.token_list(s.failover_clusters, "cluster") or None,
-                   ack_wait=s.ack_wait, max_deliver=s.max_deliver, drained=drained)
+                   ack_wait=s.ack_wait, max_deliver=s.max_deliver, drained=drained,
+                   serves=serves)
 
     # ------------------------------------------------------------------------------ life
 
@@ -216,9 +230,43 @@ class Failover:
         out = []
         for c in self.candidates:
             s = self.board.summary(c, now)
-            if not s.healthy and s.unhealthy_for(now) >= self.grace:
+            if s.healthy:
+                if s.models:
+                    self.last_models[c] = s.models
+                self._refused.pop(c, None)
+            elif s.unhealthy_for(now) >= self.grace and self._can_serve(c):
                 out.append(c)
         return out
+
+    def known_models(self, cluster: str) -> frozenset[str]:
+        """The models ``cluster``'s workers were serving, as last known; empty: unknown.
+
+        What its serving nodes announced while this worker last saw it healthy; else (it
+        died before this worker started, or was never seen serving) what the heartbeats
+        the board still holds for its nodes announce (drained or stale ones too)."""
+        known = self.last_models.get(cluster)
+        if known:
+            return known
+        view = self.board.view().cluster(cluster)  # O(nodes): only for a dead cluster
+        if view is None:
+            return frozenset()
+        return frozenset(m for n in view.nodes for m in n.models)
+
+    def _can_serve(self, cluster: str) -> bool:
+        """Whether this worker serves every model ``cluster`` was serving (or they are
+        unknown); says once, per set of missing models, why it is not adopted."""
+        if self.serves is None:
+            return True
+        missing = self.known_models(cluster) - self.serves
+        if not missing:
+            self._refused.pop(cluster, None)
+            return True
+        if self._refused.get(cluster) != missing:
+            self._refused[cluster] = missing
+            _log.warning("failover.not_adopted", cluster=cluster,
+                         reason="this worker does not serve every model its workers served",
+                         missing=sorted(missing), serves=sorted(self.serves))
+        return False
 
     async def check(self) -> None:
         now = time.monotonic()

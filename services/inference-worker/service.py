@@ -421,11 +421,14 @@ class InferenceWorker(Service):
         return self.drain is not None and self.drain.drained
 
     async def _announce(self, ctx: Context) -> None:
-        """Tell the node's agent which models this worker has loaded (core NATS)."""
+        """Tell the node's agent which models this worker has loaded (core NATS); without
+        ``preload``, every model it serves (it loads one on its first task): the router
+        and failover take a cluster's announced models as what it can run."""
         subject = subjects.models(self.s.cluster, self.s.node)
         while True:
+            models = self.pipelines if self.s.preload else {*self.pipelines, *self.served}
             event = ModelsLoaded(cluster=self.s.cluster, node=self.s.node,
-                                 worker=self.worker_id, models=sorted(self.pipelines))
+                                 worker=self.worker_id, models=sorted(models))
             with contextlib.suppress(Exception):
                 await ctx.bus.emit(subject, event)
             await asyncio.sleep(self.s.announce_interval)  # periodic announcement
