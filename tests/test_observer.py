@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tandem.common import metrics, streams, subjects
+from tandem.common import fleet, metrics, streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
 from tandem.common.events import GenerationTask, GpuBrief, NodeHeartbeat, TaskRecord, encode
@@ -31,12 +31,9 @@ async def test_nodes_gone_or_down_lose_their_series(bus: Bus, uid: str) -> None:
     nodes = await bus.kv(streams.KV_NODES)
     gpus = [GpuBrief(index=0, util=50.0, temp=60.0, power=300.0, mem_used=1)]
 
-    async def beat(node: str, at: float) -> None:
-        await nodes.put(subjects.node_key(cluster, node), encode(NodeHeartbeat(
-            cluster=cluster, node=node, gpus_total=1, gpus_usable=1, gpus=gpus, at=at)))
-
     for node in ("n1", "n2"):
-        await beat(node, time.time())
+        await nodes.put(subjects.node_key(cluster, node), encode(NodeHeartbeat(
+            cluster=cluster, node=node, gpus_total=1, gpus_usable=1, gpus=gpus)))
     obs = Observer(bus, [cluster])
     await obs.refresh()
     text = exposed()
@@ -46,7 +43,9 @@ async def test_nodes_gone_or_down_lose_their_series(bus: Bus, uid: str) -> None:
                 ' 50.0') in text
 
     await nodes.delete(subjects.node_key(cluster, "n2"))  # its key expired
-    await beat("n1", time.time() - 3600)  # its heartbeat is an hour old: down
+    # n1 drained, then its agent gone (its key expired too): in the view, down.
+    await fleet.drain(bus, cluster, "n1", reason="test: drained, then its agent died")
+    await nodes.delete(subjects.node_key(cluster, "n1"))
     await obs.refresh()
     text = exposed()
     assert not [ln for ln in text.splitlines() if f'cluster="{cluster}"' in ln
