@@ -161,14 +161,19 @@ def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
 # ------------------------------------------------------------------------------ snapshots
 
 
-def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
-    out = []
+def _decoded(raw: dict[str, bytes], event_type: type[Any]) -> dict[str, Any]:
+    """Each key's value decoded; one that does not decode is logged and left out."""
+    out = {}
     for key, data in raw.items():
         try:
-            out.append(decode(data, event_type))
+            out[key] = decode(data, event_type)
         except EventDecodeError as exc:
             _log.warning("fleet.bad_entry", key=key, error=exc.reason)
     return out
+
+
+def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
+    return list(_decoded(raw, event_type).values())
 
 
 async def read_drains(bus: Bus) -> list[DrainRecord]:
@@ -188,15 +193,9 @@ async def read_fleet(bus: Bus, ttl: float = HEARTBEAT_TTL) -> FleetView:
     """
     raw, drains = await asyncio.gather(entries(await bus.kv(KV_NODES)), read_drains(bus))
     now = time.time()
-    heartbeats = []
-    for key, entry in raw.items():
-        try:
-            hb = decode(entry.value or b"", NodeHeartbeat)
-        except EventDecodeError as exc:
-            _log.warning("fleet.bad_entry", key=key, error=exc.reason)
-            continue
-        stored = entry.created.timestamp() if entry.created is not None else now
-        heartbeats.append((hb, max(0.0, now - stored)))
+    beats = _decoded({k: e.value or b"" for k, e in raw.items()}, NodeHeartbeat)
+    heartbeats = [(hb, max(0.0, now - (c.timestamp() if (c := raw[k].created) else now)))
+                  for k, hb in beats.items()]
     return summarize(heartbeats, drains, ttl=ttl, at=now, present=True)
 
 

@@ -427,7 +427,7 @@ class Limits:
             yield
         finally:
             st.streams -= 1  # what the renewer writes next, whatever becomes of this write
-            await asyncio.shield(self._closed(key.name, st))
+            await asyncio.shield(self._write_count(key.name, st))
 
     def _holds(self, cur: SseHolds | None, now: float, count: int) -> SseHolds:
         """``cur`` with this replica's count set (dropped at 0) and renewed, and the
@@ -453,20 +453,19 @@ class Limits:
         """This replica's count of the key as last written or read."""
         return st.sse_mark[0].held.get(self.replica) if st.sse_mark else None
 
-    async def _closed(self, name: str, st: KeyState) -> None:
-        """Write the key's count after a stream closed (failing, the renewer writes it
-        next, or the count's lease runs out)."""
-        async with st.sse_lock:
-            with contextlib.suppress(Denied):
-                await self._write_holds(name, st, self._set_count(st))
+    async def _write_count(self, name: str, st: KeyState) -> None:
+        """Write this replica's count of the key as it is now, renewed (after a stream
+        closed, and by the renewer); failing (logged), the next write or the count's
+        lease ends it."""
 
-    def _set_count(self, st: KeyState) -> Any:
         def fn(cur: SseHolds | None) -> SseHolds | None:
             if st.streams == 0 and (cur is None or self.replica not in cur.held):
                 return None  # nothing of this replica's to write
             return self._holds(cur, time.time(), st.streams)
 
-        return fn
+        async with st.sse_lock:
+            with contextlib.suppress(Denied):
+                await self._write_holds(name, st, fn)
 
     async def _renew(self) -> None:
         """Renew this replica's counts every third of ``stream_lease`` while it has any
@@ -478,9 +477,7 @@ class Limits:
             for name, st in list(self.state.items()):
                 if not st.streams and self._mine(st) is None:
                     continue
-                async with st.sse_lock:
-                    with contextlib.suppress(Denied):  # logged; tried again next time
-                        await self._write_holds(name, st, self._set_count(st))
+                await self._write_count(name, st)
                 left = left or bool(st.streams) or self._mine(st) is not None
             if not left:
                 return

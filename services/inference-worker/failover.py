@@ -250,7 +250,10 @@ class Failover:
         view = self.board.view().cluster(cluster)  # O(nodes): only for a dead cluster
         if view is None:
             return frozenset()
-        return frozenset(m for n in view.nodes for m in n.models)
+        known = frozenset(m for n in view.nodes for m in n.models)
+        if known:  # kept: read once, not on every check while the cluster stays dead
+            self.last_models[cluster] = known
+        return known
 
     def _can_serve(self, cluster: str) -> bool:
         """Whether this worker serves every model ``cluster`` was serving (or they are
