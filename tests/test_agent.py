@@ -26,7 +26,14 @@ from tandem.cluster_agent.sim import SimBackend
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
 from tandem.common.events import Health, HealthTransition, NodeHeartbeat, NodeTelemetry, decode
-from tandem.common.streams import HEALTH, HEARTBEAT_TTL, KV_NODES, TELEMETRY, core_streams
+from tandem.common.streams import (
+    HEALTH,
+    HEARTBEAT_TTL,
+    KV_DRAINS,
+    KV_NODES,
+    TELEMETRY,
+    core_streams,
+)
 from tests.conftest import PYTHON, service_env
 from tests.observability_support import scrape
 
@@ -378,6 +385,48 @@ async def test_a_failed_health_publish_keeps_the_cause_and_the_auto_drain_for_th
     record = await fleet.drain_record(fleet_bus, cluster, "n1")
     assert record is not None and record.by == "agent" and "xid-79 on GPU 1" in record.reason
     await agent.close()
+
+
+async def test_an_agent_killed_between_unhealthy_and_its_drain_drains_when_it_restarts(
+        fleet_bus: Bus, uid: str) -> None:
+    cluster = f"c{uid}"
+    await fleet.drain(fleet_bus, cluster, "other", "keeps the bucket non-empty")
+    drains = await fleet_bus.js.stream_info(f"KV_{KV_DRAINS}")
+    full = dataclasses.replace(drains.config, max_msgs=drains.state.messages,
+                               discard=DiscardPolicy.NEW)
+    first, clock = agent_for(fleet_bus, cluster, "3 xid gpu=1 code=79")
+    await first.start()
+    await ticks(first, clock, 2)
+    # The drain write is refused (a full bucket) on the tick XID 79 fires; the agent dies.
+    await fleet_bus.js.update_stream(full)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the server's "maximum messages exceeded"
+            await ticks(first, clock, 1)
+        assert first.state == Health.unhealthy and not first.drain.drained
+        await first.close(remove_heartbeat=False)  # as if it died
+    finally:
+        await fleet_bus.js.update_stream(drains.config)
+    assert await fleet.drain_record(fleet_bus, cluster, "n1") is None
+
+    second, _ = agent_for(fleet_bus, cluster, clock=clock)
+    await second.start()
+    await until(lambda: second.state == Health.drained, what="the drain owed at the restart")
+    record = await fleet.drain_record(fleet_bus, cluster, "n1")
+    assert record is not None and record.by == "agent" and "xid-79 on GPU 1" in record.reason
+    await second.close(remove_heartbeat=False)
+
+    # Undrained by the operator, the latched XID is cleared; a restart drains nothing again.
+    await fleet.undrain(fleet_bus, cluster, "n1")
+    third, _ = agent_for(fleet_bus, cluster, clock=clock)
+    await third.start()
+    await until(lambda: third.state == Health.healthy, what="the undrain seen at start")
+    await ticks(third, clock, 3)
+    assert await fleet.drain_record(fleet_bus, cluster, "n1") is None
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.current, t.rule) for t in trs] == [
+        (Health.unhealthy, "xid-79"), (Health.drained, "drain"), (Health.healthy, "undrain")]
+    assert (trs[0].handled, trs[1].handled) == ([], ["xid-79@1"])
+    await third.close()
 
 
 async def test_a_backward_wall_clock_step_does_not_stop_ticks_or_heartbeats(

@@ -291,6 +291,10 @@ class HealthTransition(Event, kw_only=True):
     at: float = msgspec.field(default_factory=now)
     seq: int = 0
     active: list[str] = []  # rules active after the change ("rule" or "rule@gpu")
+    # Hard rules ("rule@gpu") whose drain is done or was the operator's call (an undrain)
+    # when this was published; what is active and not in it, a restarted agent still owes.
+    # None from an agent older than this field: every active rule counts as handled.
+    handled: list[str] | None = None
 
 
 class NodeHeartbeat(Event, kw_only=True):

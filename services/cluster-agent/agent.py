@@ -248,7 +248,9 @@ class NodeAgent:
 
         Decided from state, not from this tick's changes, so a drain whose write failed
         is written by the next settle. A rule that clears may drain again when it fires
-        again; one active when the operator undrained (or at a restart) does not.
+        again; one active when the operator undrained does not. Each transition carries
+        what was handled, so an agent restarted between a transition and its drain still
+        drains.
         """
         if not self.auto_drain:
             return
@@ -266,7 +268,7 @@ class NodeAgent:
         self._drained_for |= {f"{r.name}@{g}" for r, g in hard}
 
     def _drain_handled(self) -> None:
-        """The hard rules active now are the operator's call (an undrain, a restart)."""
+        """The hard rules active now are the operator's call (an undrain)."""
         self._drained_for = {f"{r.name}@{g}" for r, g in self._hard()}
 
     def _cause(self, target: Health, changes: list[Change]) -> dict[str, Any]:
@@ -288,7 +290,7 @@ class NodeAgent:
             cluster=self.cluster, node=self.node, previous=self.state, current=target,
             rule=str(cause["rule"]), reason=str(cause["reason"]),
             action=str(cause.get("action", "")), gpu=cause.get("gpu"), evidence=evidence,
-            at=now, seq=seq, active=self.tracker.active(),
+            at=now, seq=seq, active=self.tracker.active(), handled=sorted(self._drained_for),
         )
         # The msg id makes a retried publish (same seq) land once in HEALTH.
         await self.bus.publish(self._health_subject, tr,
@@ -311,7 +313,10 @@ class NodeAgent:
             return
         self.state, self.seq = last.current, last.seq
         self.tracker.restore(last.active, self.clock.now())
-        self._drain_handled()
+        if last.handled is None:
+            self._drain_handled()
+        else:  # a drain owed when the last agent died (its write failed, or never came)
+            self._drained_for = set(last.handled)
 
     async def _on_drain(self, record: DrainRecord | None) -> None:
         now = self.clock.now()
