@@ -19,6 +19,7 @@ simulated fleet of thousands of nodes in one process leaves them off.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
@@ -86,7 +87,8 @@ class NodeAgent:
         self.heartbeats = 0
         self.last: list[GpuSample] = []
         self.gpus = 0
-        self.published: list[HealthTransition] = []  # by this instance, newest last
+        # The last transitions published by this instance, newest last (HEALTH has them all).
+        self.published: collections.deque[HealthTransition] = collections.deque(maxlen=64)
         self._telemetry_subject = subjects.telemetry(cluster, node)
         self._health_subject = subjects.health(cluster, node)
         self._key = subjects.node_key(cluster, node)
