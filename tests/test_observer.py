@@ -15,7 +15,15 @@ import pytest
 from tandem.common import fleet, metrics, streams, subjects
 from tandem.common import tasks as moves
 from tandem.common.bus import Bus
-from tandem.common.events import GenerationTask, GpuBrief, NodeHeartbeat, TaskRecord, encode
+from tandem.common.events import (
+    CheckpointManifest,
+    CheckpointWritten,
+    GenerationTask,
+    GpuBrief,
+    NodeHeartbeat,
+    TaskRecord,
+    encode,
+)
 from tandem.common.runs import submit_run
 from tandem.gateway import observe
 from tandem.gateway.observe import Observer
@@ -113,3 +121,38 @@ async def test_a_success_the_bucket_refused_is_never_shown(bus: Bus, uid: str) -
     finally:
         stop.set()
         await running
+
+
+async def test_checkpoint_marks_are_one_per_step_and_only_from_their_runs_subject(
+        bus: Bus, uid: str) -> None:
+    """A sharded run reports each step once per node and a restart writes steps again: the
+    view keeps one mark per step, the newest ``MAX_POINTS``. An event naming another run
+    than its subject's is not that run's."""
+    await bus.provision(streams.core_streams())
+    run, other = f"ck{uid}", f"forged{uid}"
+    await submit_run(bus, {"run_id": run, "steps": 5, "ranks": 1, "cluster": "nowhere"})
+    obs = Observer(bus, [], interval=3600)
+    stop = asyncio.Event()
+    task = asyncio.create_task(obs.run(stop))
+    await asyncio.wait_for(obs.ready.wait(), 10)
+
+    def written(run_id: str, step: int) -> bytes:
+        return encode(CheckpointWritten(run_id=run_id, step=step, path="/x",
+                                        manifest=CheckpointManifest(run_id=run_id, step=step, files=[])))
+
+    try:
+        steps = [*range(1, observe.MAX_POINTS + 50), *[7] * 500]
+        for step in steps:
+            await bus.nc.publish(subjects.train(run, "checkpoint"), written(run, step))
+        await bus.nc.publish(subjects.train(run, "checkpoint"), written(other, 10**6))
+        await bus.nc.publish(subjects.train(run, "checkpoint"), written(run, 10**6 + 1))
+        deadline = time.monotonic() + 10
+        while 10**6 + 1 not in obs.runs[run].checkpoints:  # the last event, heard
+            assert time.monotonic() < deadline, "the observer never heard the last checkpoint"
+            await asyncio.sleep(0.02)  # polling the view, with the deadline above
+        marks = obs.runs[run].checkpoints
+        assert marks == sorted(set(marks)) and len(marks) == observe.MAX_POINTS
+        assert 10**6 not in marks and other not in obs.runs
+    finally:
+        stop.set()
+        await task

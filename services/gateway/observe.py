@@ -84,6 +84,12 @@ class RunView:
             self.loss = self.loss[::2]
             self._every *= 2
 
+    def add_checkpoint(self, step: int) -> None:
+        """One mark per step, the newest ``MAX_POINTS`` kept: a sharded run reports a step
+        once per node, and a restart writes steps again."""
+        if step not in self.checkpoints:
+            self.checkpoints = sorted([*self.checkpoints, step])[-MAX_POINTS:]
+
 
 class Observer:
     """The live picture; ``run(stop)`` keeps it fresh until ``stop`` is set."""
@@ -240,6 +246,8 @@ class Observer:
             ev = decode(msg.data, TrainEvent)  # type: ignore[arg-type]
         except Exception:
             return
+        if msg.subject.split(".")[1:2] != [ev.run_id]:
+            return  # an event naming another run than its subject (train.<run>.<kind>)
         view = self.runs.get(ev.run_id)
         if view is None:
             if len(self.runs) >= 4 * MAX_RUNS:
@@ -250,7 +258,7 @@ class Observer:
             view.add_step(ev.step, ev.loss)
             metrics.train_step(ev.run_id, ev.step, ev.loss, ev.samples_per_s, ev.step_time)
         elif isinstance(ev, CheckpointWritten):
-            view.checkpoints.append(ev.step)
+            view.add_checkpoint(ev.step)
             metrics.CKPT_BLOCKED.labels(ev.run_id).observe(ev.blocked_s)
 
     async def _on_record(self, msg: Any) -> None:
