@@ -137,8 +137,8 @@ async def test_checkpoint_marks_are_one_per_step_and_only_from_their_runs_subjec
     await asyncio.wait_for(obs.ready.wait(), 10)
 
     def written(run_id: str, step: int) -> bytes:
-        return encode(CheckpointWritten(run_id=run_id, step=step, path="/x",
-                                        manifest=CheckpointManifest(run_id=run_id, step=step, files=[])))
+        manifest = CheckpointManifest(run_id=run_id, step=step, files=[])
+        return encode(CheckpointWritten(run_id=run_id, step=step, path="/x", manifest=manifest))
 
     try:
         steps = [*range(1, observe.MAX_POINTS + 50), *[7] * 500]
