@@ -20,18 +20,21 @@ in S3 (``tandem.common.checkpoints``):
   model's pipeline up once per batch and every job keeps the pipeline that ran it, so
   the swap happens between batches: a running batch finishes on the old weights and its
   results record the old step; the next batch uses the new one. No task is touched.
-- **skip**: a newer checkpoint that fails (corrupt bytes, another architecture, non-finite
-  output) is logged (``worker.checkpoint_skipped``), remembered so it is not downloaded
-  again, and the worker keeps serving what it has. A failure to reach S3 is not a
-  verdict on the checkpoint: it is retried at the next event or poll.
+- **skip**: a newer checkpoint that fails (corrupt bytes or contents, another
+  architecture, non-finite output) is logged (``worker.checkpoint_skipped``), remembered
+  so it is not downloaded again, and the worker keeps serving what it has. A failure to
+  reach S3 is not a verdict on the checkpoint: it is retried at the next event or poll.
 - **lineage**: only checkpoints of the run's current history are served
   (``checkpoints.Lineage``, from the run's record in KV ``runs``, read at every check).
   A ``mirrored`` event names its checkpoint's lineage; one of an abandoned lineage is
   not loaded. The worker hears of a rollback from the record itself (a core
-  subscription on the run's KV subject): if what it serves was abandoned, it swaps to the
-  newest committed checkpoint of the new history, older though it is, and with none it
-  stops serving the model (its next task loads one when there is one): a rolled-back
-  lineage's weights are never served after the worker has learnt of the rollback.
+  subscription on the run's KV subject): if what it serves was abandoned, it stops
+  serving it at once (a batch looking the model up waits on the model's lock) and loads
+  the newest committed checkpoint of the new history, older though it is; with none the
+  model stays unserved (its next task loads one when there is one). A load reads the
+  record again before what it loaded is served, and one the history abandoned meanwhile
+  is dropped for a new look: a rolled-back lineage's weights are never served after the
+  worker has learnt of the rollback.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from tandem.common.errors import CheckpointError
 from tandem.common.events import CheckpointMirrored, RunRecord, decode
 from tandem.common.models import ModelSpec
 from tandem.common.streams import KV_RUNS
+from tandem.inference_worker.loads import detached
 from tandem.inference_worker.pipelines import (
     Pipeline,
     load_run_pipeline,
@@ -89,6 +93,11 @@ class _Watched:
     @property
     def run_id(self) -> str:
         return self.spec.source_arg
+
+
+class _Abandoned(Exception):
+    """What a check loaded left the run's history while it loaded (``HotSwapper.check``
+    looks again)."""
 
 
 def _label(c: ck.CheckpointId) -> str:
@@ -281,54 +290,66 @@ class HotSwapper:
         """
         w = self.watched[model]
         async with self.locks.setdefault(model, asyncio.Lock()):
-            await self._record(w)  # the history may have moved on: a rollback
-            line = w.line
-            current = self.pipelines.get(model)
-            have = _loaded(current)
-            if current is None and not self.load_missing:
-                return None
-            stale = have is not None and not line.holds(*have)
-            if stale:
-                _log.warning("worker.checkpoint_abandoned", model=model, run=w.run_id,
-                             serving=_label(have), forks=line.json())  # type: ignore[arg-type]
-            floor = None if have is None or stale else have.step  # serve only newer ones
-            if isinstance(told, int):
-                told = ck.CheckpointId(told, line.owner(told))
-            if told is not None and not stale and (
-                    not line.holds(*told) or told in w.skipped
-                    or (floor is not None and told.step <= floor)):
-                return floor  # nothing newer of the history: no listing
-            if told is not None and line.holds(*told) and told not in w.skipped:
-                pipe = await self._load(w, told, have)
-                if pipe is not None:
-                    self.pipelines[model] = pipe
-                    return told.step
-                if told not in w.skipped:  # S3 unreachable: the next event or poll retries
-                    return have.step if have is not None else None
-            try:
-                steps = await asyncio.to_thread(ck.committed_steps, self.s3, self.bucket,
-                                                w.run_id, line)
-            except Exception as exc:
-                _log.warning("worker.checkpoint_list_failed", model=model, run=w.run_id,
-                             error=repr(exc))
-                return have.step if have is not None else None
-            for step in reversed(steps):
-                if floor is not None and step <= floor:
-                    break
-                c = ck.CheckpointId(step, line.owner(step))
-                if c in w.skipped:
-                    continue
-                pipe = await self._load(w, c, have)
-                if pipe is not None:
-                    self.pipelines[model] = pipe
-                    return step
-            return self._drop(model, have) if stale else floor
+            while True:
+                try:
+                    return await self._check(w, told)
+                except _Abandoned:  # the history moved while it loaded: look again
+                    told = None
+
+    async def _check(self, w: _Watched, told: int | ck.CheckpointId | None) -> int | None:
+        """``check``, once, under the model's lock; ``_Abandoned`` when the checkpoint it
+        loaded left the run's history during the load (a rollback heard meanwhile)."""
+        model = w.spec.name
+        await self._record(w)  # the history may have moved on: a rollback
+        line = w.line
+        current = self.pipelines.get(model)
+        have = _loaded(current)
+        if current is None and not self.load_missing:
+            return None
+        stale = have is not None and not line.holds(*have)
+        if stale:
+            # Served no more from now: a batch formed while the replacement loads waits
+            # for it (the model's lock: ``pipeline``), never runs on abandoned weights.
+            del self.pipelines[model]
+            _log.warning("worker.checkpoint_abandoned", model=model, run=w.run_id,
+                         serving=_label(have), forks=line.json())  # type: ignore[arg-type]
+        floor = None if have is None or stale else have.step  # serve only newer ones
+        if isinstance(told, int):
+            told = ck.CheckpointId(told, line.owner(told))
+        if told is not None and not stale and (
+                not line.holds(*told) or told in w.skipped
+                or (floor is not None and told.step <= floor)):
+            return floor  # nothing newer of the history: no listing
+        if told is not None and line.holds(*told) and told not in w.skipped:
+            pipe = await self._load(w, told, have)
+            if pipe is not None:
+                self.pipelines[model] = pipe
+                return told.step
+            if told not in w.skipped:  # S3 unreachable: the next event or poll retries
+                return floor
+        try:
+            steps = await asyncio.to_thread(ck.committed_steps, self.s3, self.bucket,
+                                            w.run_id, line)
+        except Exception as exc:
+            _log.warning("worker.checkpoint_list_failed", model=model, run=w.run_id,
+                         error=repr(exc))
+            return floor
+        for step in reversed(steps):
+            if floor is not None and step <= floor:
+                break
+            c = ck.CheckpointId(step, line.owner(step))
+            if c in w.skipped:
+                continue
+            pipe = await self._load(w, c, have)
+            if pipe is not None:
+                self.pipelines[model] = pipe
+                return step
+        return self._drop(model, have) if stale else floor
 
     def _drop(self, model: str, have: ck.CheckpointId | None) -> None:
-        """Stop serving an abandoned checkpoint the history has nothing to replace with
-        (the model's next task loads one once there is one)."""
-        if have is not None and model in self.pipelines:
-            del self.pipelines[model]
+        """An abandoned checkpoint (no longer served) the history has nothing to replace
+        with: the model's next task loads one once there is one."""
+        if have is not None:
             _log.error("worker.serving_nothing", model=model, dropped=_label(have),
                        reason="its lineage was abandoned and the run's history has no "
                        "committed checkpoint that loads")
@@ -340,9 +361,8 @@ class HotSwapper:
         t0 = time.monotonic()
         try:
             dev = resolve_device(self.device)
-            pipe = await asyncio.to_thread(load_run_pipeline, w.spec, dev,
-                                           resolve_dtype(self.dtype, dev), step=c.step,
-                                           s3=self.s3, bucket=self.bucket, line=w.line)
+            pipe = await detached(load_run_pipeline, w.spec, dev, resolve_dtype(self.dtype, dev),
+                                  step=c.step, s3=self.s3, bucket=self.bucket, line=w.line)
         except CheckpointError as exc:
             w.skipped[c] = exc.reason
             SKIPPED.labels(model).inc()
@@ -365,6 +385,14 @@ class HotSwapper:
                 warmed = False
                 _log.error("worker.warm_failed", model=model, run=w.run_id, step=c.step,
                            error=repr(exc))
+        # The load took a while: a rollback heard meanwhile may have abandoned what it
+        # loaded. Read the history again before it is served (nothing awaits after this).
+        await self._record(w)
+        if not w.line.holds(*c):
+            _log.warning("worker.checkpoint_abandoned_while_loading", model=model,
+                         run=w.run_id, step=c.step, lineage=c.lineage,
+                         forks=w.line.json())
+            raise _Abandoned
         if have is not None:
             self.swaps += 1
             SWAPS.labels(model).inc()

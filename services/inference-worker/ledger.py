@@ -14,7 +14,9 @@ the tasks that waited, and the tasks that ran alone from those that shared a cal
   loses them, and then nothing is blamed);
 - a worker that starts locks every slot no live worker holds and reads what each says
   was running (``dead``); the service counts a crash on each of those tasks' records
-  (``tasks.to_crashed``), then ``clear``-s them.
+  (``tasks.to_crashed``), and each slot is emptied as soon as its own count lands
+  (``counted``): a worker stopped between two counts leaves only the uncounted slots,
+  so the next one never counts a death twice.
 
 A slot names only the call that was running: a task that waited, or whose call had
 ended and whose images were being stored, is not blamed. The directory must outlive the
@@ -65,7 +67,7 @@ async def start(directory: str, count: Callable[[list[str], bool], Awaitable[Non
             await count(ids, len(ids) == 1)
         except Exception as exc:  # counted nowhere: the tasks are retried as before
             _log.warning("worker.dead_call_uncounted", tasks=ids, error=repr(exc))
-    ledger.clear()
+        ledger.counted()  # at once: stopped before the next, this one is not counted again
     return ledger
 
 
@@ -115,11 +117,16 @@ class CallLedger:
         return [ids for _, _, ids in self._dead]
 
     def clear(self) -> None:
-        """The dead calls are counted: empty their slots and let them go (but this one's)."""
-        for _, fd, _ in self._dead:
-            os.pwrite(fd, b"\n", 0)
-            os.close(fd)
-        self._dead = []
+        """Every dead call is counted: empty their slots and let them go (but this one's)."""
+        while self._dead:
+            self.counted()
+
+    def counted(self) -> None:
+        """The first dead call left (in ``dead``'s order) is counted: empty its slot and
+        let it go (but this one's)."""
+        _, fd, _ = self._dead.pop(0)
+        os.pwrite(fd, b"\n", 0)
+        os.close(fd)
 
     def begin(self, task_ids: list[str]) -> None:
         """A call of ``task_ids`` starts now (called on the thread that makes it)."""

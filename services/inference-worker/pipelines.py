@@ -19,6 +19,7 @@ import inspect
 import io
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -391,7 +392,8 @@ def verify(pipe: ClassUnetPipeline, run_id: str, step: int) -> None:
 
 def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | None = None,
                       s3: Any = None, bucket: str | None = None,
-                      line: ck.Lineage | None = None) -> ClassUnetPipeline:
+                      line: ck.Lineage | None = None,
+                      stop: threading.Event | None = None) -> ClassUnetPipeline:
     """The run's committed checkpoint ``step`` of ``line``'s history (default: the newest
     that verifies, falling back; ``line``: the run's current lineage, lineage 0 without
     it), loaded and verified as a pipeline that records its step and lineage. Blocking.
@@ -399,11 +401,12 @@ def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | N
     knows it.
 
     Raises ``CheckpointError`` (naming run, step and what is wrong) when it cannot be
-    served; anything else (S3 unreachable) is not about the checkpoint.
+    served; anything else (S3 unreachable) is not about the checkpoint. ``stop`` set, the
+    download stops at its next chunk (``checkpoints.Stopped``).
     """
     run_id = spec.source_arg
     m = ck.load_serving(run_id, spec.config, s3=s3, bucket=bucket, step=step,
-                        fallback=step is None, line=line)
+                        fallback=step is None, line=line, stop=stop)
     from tandem.common.diffusion import architecture
 
     cfg = architecture(m.config)  # load_serving built the model from this same config
@@ -419,22 +422,25 @@ def load_run_pipeline(spec: ModelSpec, device: str, dtype: Any, *, step: int | N
 
 
 def load_run_checkpoint(spec: ModelSpec, device: str, dtype: Any,
-                        line: ck.Lineage | None = None) -> Pipeline:
+                        line: ck.Lineage | None = None,
+                        stop: threading.Event | None = None) -> Pipeline:
     """``run:<run_id>``: the run's newest committed checkpoint of ``line``'s history (its
     current lineage) that verifies.
 
     Hot-swapping to newer checkpoints lives in ``hotswap``.
     """
     try:
-        return load_run_pipeline(spec, device, dtype, line=line)
+        return load_run_pipeline(spec, device, dtype, line=line, stop=stop)
     except CheckpointError as exc:
         raise ModelLoadError(spec.name, str(exc)) from None
 
 
 def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
-          fault_injection: bool = False, line: ck.Lineage | None = None) -> Pipeline:
+          fault_injection: bool = False, line: ck.Lineage | None = None,
+          stop: threading.Event | None = None) -> Pipeline:
     """Build or load the pipeline ``spec`` declares (a ``run:`` model from ``line``'s
-    history, the run's current lineage); ``ModelLoadError`` says why not."""
+    history, the run's current lineage; ``stop`` stops its download); ``ModelLoadError``
+    says why not."""
     kind = spec.source_kind
     if kind == "noop":
         return NoopPipeline(spec)
@@ -463,9 +469,10 @@ def build(spec: ModelSpec, device: str = "auto", dtype: str = "auto",
                                                      use_safetensors=True)
             return DiffusersPipeline(spec, pipe.to(dev), dev)
         if kind == "run":
-            return load_run_checkpoint(spec, dev, dt, line)
+            return load_run_checkpoint(spec, dev, dt, line, stop)
     except ModelLoadError:
         raise
     except Exception as exc:  # not the model's declaration: it may load next time
         raise ModelLoadError(spec.name, repr(exc), lasting=False) from exc
     raise ModelLoadError(spec.name, f"unsupported source {spec.source!r}")
+

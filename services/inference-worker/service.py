@@ -73,6 +73,7 @@ from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancell
 from tandem.inference_worker.drain import Drain
 from tandem.inference_worker.failover import Failover, FailoverSettings
 from tandem.inference_worker.hotswap import HotSwapper
+from tandem.inference_worker.loads import detached
 from tandem.inference_worker.pipelines import (
     ModelLoadError,
     Pipeline,
@@ -267,7 +268,7 @@ class InferenceWorker(Service):
             return self.pipelines[model]
         lock = self._loading.setdefault(model, asyncio.Lock())
         async with lock:
-            if model not in self.pipelines:
+            while model not in self.pipelines:
                 spec = self.registry.get(model)
                 if spec is None:
                     raise ModelLoadError(model, "not in the registry")
@@ -280,9 +281,9 @@ class InferenceWorker(Service):
                                                    self.s.dtype, self.s.torch_threads,
                                                    cpus=self.pipeline_cpus,
                                                    fault_injection=self.s.fault_injection)
-                else:
-                    pipe = await asyncio.to_thread(build, spec, self.s.device, self.s.dtype,
-                                                   self.s.fault_injection, line)
+                else:  # a thread the process does not wait for if it stops meanwhile
+                    pipe = await detached(build, spec, self.s.device, self.s.dtype,
+                                          self.s.fault_injection, line)
                 try:
                     await asyncio.to_thread(self._warm, pipe)
                 except Exception as exc:
@@ -290,6 +291,15 @@ class InferenceWorker(Service):
                     # use, and a task's own call reports its own error.
                     _log.error("worker.warm_failed", model=model, max_batch=self.s.max_batch,
                                error=repr(exc))
+                if line is not None and pipe.checkpoint_step is not None:
+                    # A rollback heard during the load may have abandoned what it loaded:
+                    # the history read again, it is served only if it is still of it.
+                    now = await self.hotswap.lineage(model)
+                    if not now.holds(pipe.checkpoint_step, pipe.checkpoint_lineage):
+                        _log.warning("worker.checkpoint_abandoned_while_loading",
+                                     model=model, step=pipe.checkpoint_step,
+                                     lineage=pipe.checkpoint_lineage, forks=now.json())
+                        continue
                 self.pipelines[model] = pipe
                 _log.info("worker.model_loaded", model=model, source=spec.source,
                           seconds=round(time.monotonic() - t0, 3))

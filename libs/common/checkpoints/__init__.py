@@ -89,6 +89,7 @@ from .serving import (
 from .store import (
     FileChoice,
     Restored,
+    Stopped,
     committed_steps,
     delete,
     download,
@@ -103,7 +104,7 @@ __all__ = [
     "CHUNK", "CORRUPT", "DCP_METADATA", "EMA_WEIGHTS", "FULL", "INCOMPLETE", "MANIFEST",
     "MODEL_CONFIG", "MODEL_WEIGHTS", "PARTS", "SHARDED", "SHARDED_STATE", "SHARD_DIR",
     "CheckpointId", "CorruptCheckpoint", "FileChoice", "Lineage", "Rejected", "Restored",
-    "Resume", "ServingModel",
+    "Resume", "ServingModel", "Stopped",
     "check_commit", "check_name", "checkpoint_uri", "checkpoints_in_listing", "checksum", "commit",
     "committed_steps", "complete_steps", "config_mismatch", "corrupt_dir", "covers",
     "decode_manifest", "delete", "download", "encode_manifest", "incomplete_dir", "lacking",

@@ -18,6 +18,7 @@ twice the bytes it serves, once per checkpoint it loads.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from tandem.common.events import CheckpointManifest
 
 from .layout import DCP_METADATA, SHARDED, shard_rank, step_name
 from .lineage import Lineage
-from .store import restore
+from .store import Restored, restore
 
 MODEL_WEIGHTS = "model.safetensors"
 EMA_WEIGHTS = "ema.safetensors"
@@ -85,7 +86,8 @@ def config_mismatch(declared: dict[str, Any], stored: dict[str, Any],
 
 def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any = None,
                  bucket: str | None = None, step: int | None = None,
-                 fallback: bool = True, line: Lineage | None = None) -> ServingModel:
+                 fallback: bool = True, line: Lineage | None = None,
+                 stop: threading.Event | None = None) -> ServingModel:
     """The newest committed checkpoint of ``run_id`` (or ``step``) in ``line``'s history
     (without it: lineage 0's), verified, as a model.
 
@@ -93,21 +95,17 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
     an architecture field that ``config`` declares differently is a ``CheckpointError``
     naming each field, never a model of the wrong shape. The weights are
     ``model.safetensors`` with the EMA weights laid over it when the checkpoint has
-    them; weights that do not fit the architecture are a ``CheckpointError`` too. A
-    sharded checkpoint's weights come from its DCP shards (``dcp.full_weights``: DCP's
-    metadata through an allow-listing unpickler). Otherwise tensors only, from
-    safetensors: nothing is unpickled. A corrupt checkpoint is
-    skipped for the previous committed one unless ``fallback`` is False (``restore``).
-    Imports torch, so only the inference worker calls it. S3 comes from ``TANDEM_S3_*``
-    unless given.
+    them. A sharded checkpoint's weights come from its DCP shards (``dcp.full_weights``:
+    DCP's metadata through an allow-listing unpickler). Otherwise tensors only, from
+    safetensors: nothing is unpickled. A checkpoint whose files fail their checksums, or
+    pass them but hold nothing that builds (a config that is not an object or describes
+    no model that can be built, weights that do not read or do not fit) is corrupt
+    (``CheckpointCorrupt`` naming the file and what is wrong), and skipped for the
+    previous committed one unless ``fallback`` is False (``restore``). Imports torch, so
+    only the inference worker calls it. S3 comes from ``TANDEM_S3_*`` unless given;
+    ``stop`` stops the download (``restore``).
     """
-    import json
     import tempfile
-
-    from safetensors.torch import load_file
-
-    from tandem.common.diffusion import architecture, build_denoiser, build_scheduler
-    from tandem.common.errors import CheckpointError
 
     if s3 is None or bucket is None:
         from tandem.common.settings import Settings, load
@@ -117,41 +115,89 @@ def load_serving(run_id: str, config: dict[str, Any] | None = None, *, s3: Any =
         s3 = s3 if s3 is not None else s3_client(settings)
         bucket = bucket or settings.s3_bucket
     declared = dict(config or {})
+    built: list[ServingModel] = []
+
+    def build(r: Restored) -> None:
+        built.append(_built(r, declared))
+
     with tempfile.TemporaryDirectory(prefix="tandem-serving-") as tmp:
-        r = restore(s3, bucket, run_id, Path(tmp), step=step, fallback=fallback,
-                    files=serving_files, line=line)
-        cfg_path = r.path / MODEL_CONFIG
-        try:
-            mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
-        except ValueError as exc:
-            raise CheckpointError(run_id, r.step, f"{MODEL_CONFIG} is not JSON: {exc}") from None
-        try:
-            cfg = architecture(mc)
-        except ValueError as exc:
-            raise CheckpointError(run_id, r.step, str(exc)) from None
+        restore(s3, bucket, run_id, Path(tmp), step=step, fallback=fallback,
+                files=serving_files, line=line, check=build, stop=stop)
+    return built[-1]
+
+
+def _built(r: Restored, declared: dict[str, Any]) -> ServingModel:
+    """The model ``r``'s files describe; ``CheckpointCorrupt`` naming the file when they
+    hold none (the bytes are the manifest's: the trainer wrote them so)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tandem.common.diffusion import architecture, build_denoiser, build_scheduler
+    from tandem.common.errors import CheckpointError
+
+    run_id = r.run_id
+
+    def corrupt(name: str, what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(run_id, r.step, name, what[:500])
+
+    cfg_path = r.path / MODEL_CONFIG
+    try:
+        mc = json.loads(cfg_path.read_text()) if cfg_path.exists() else dict(declared)
+    except ValueError as exc:
+        raise corrupt(MODEL_CONFIG, f"not JSON: {exc}") from None
+    if not isinstance(mc, dict):
+        raise corrupt(MODEL_CONFIG, f"not a JSON object: {type(mc).__name__}")
+    try:
+        cfg = architecture(mc)
         stored = {"kind": mc.get("kind", "unet"), **cfg.to_dict()}
-        wrong = config_mismatch(declared, stored, stored)
-        if wrong:
-            raise CheckpointError(run_id, r.step, "the registry declares another architecture "
-                                  f"than the checkpoint's {MODEL_CONFIG}: " + "; ".join(wrong))
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise corrupt(MODEL_CONFIG, f"describes no architecture: {exc!r}") from None
+    wrong = config_mismatch(declared, stored, stored)
+    if wrong:  # the registry's entry, not the checkpoint: no older one is tried
+        raise CheckpointError(run_id, r.step, "the registry declares another architecture "
+                              f"than the checkpoint's {MODEL_CONFIG}: " + "; ".join(wrong))
+    try:
         unet = build_denoiser(cfg)
+        scheduler = build_scheduler(cfg)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise corrupt(MODEL_CONFIG, f"describes no model that can be built: {exc!r}") from None
+    if r.manifest.kind == SHARDED:
         try:
-            if r.manifest.kind == SHARDED:
-                weights, ema = _consolidated(r.path, r.manifest, unet)
-            else:
-                weights = load_file(str(r.path / MODEL_WEIGHTS))
-                ema = load_file(str(r.path / EMA_WEIGHTS)) if (r.path / EMA_WEIGHTS).exists() \
-                    else {}
-            unet.load_state_dict(weights)
-            _, unexpected = unet.load_state_dict(ema, strict=False)
-        except RuntimeError as exc:  # missing/unexpected keys, shapes that do not fit
-            raise CheckpointError(run_id, r.step, f"weights do not fit the architecture of "
-                                  f"{MODEL_CONFIG}: {str(exc)[:500]}") from None
-        if unexpected:
-            raise CheckpointError(run_id, r.step, f"EMA weights for unknown parameters: "
-                                  f"{sorted(unexpected)[:5]}")
-    return ServingModel(unet=unet.eval(), scheduler=build_scheduler(cfg), config=stored,
-                        run_id=run_id, step=r.step, skipped=r.skipped, lineage=r.lineage)
+            weights, ema = _consolidated(r.path, r.manifest, unet)
+        except (MemoryError, CheckpointCorrupt):
+            raise
+        except Exception as exc:  # missing/unexpected keys, shapes that do not fit
+            raise corrupt(DCP_METADATA, f"weights do not fit the architecture of "
+                          f"{MODEL_CONFIG}: {exc}") from None
+        files = [(DCP_METADATA, weights, True), (DCP_METADATA, ema, False)]
+    else:
+        files = []
+        for name, strict in ((MODEL_WEIGHTS, True), (EMA_WEIGHTS, False)):
+            if not (r.path / name).exists():
+                continue
+            try:
+                files.append((name, load_file(str(r.path / name)), strict))
+            except MemoryError:
+                raise
+            except Exception as exc:  # a truncated or malformed file
+                raise corrupt(name, f"not a safetensors file: {exc!r}") from None
+    for name, tensors, strict in files:
+        try:
+            _, unexpected = unet.load_state_dict(tensors, strict=strict)
+        except MemoryError:
+            raise
+        except Exception as exc:  # missing/unexpected keys, shapes that do not fit
+            raise corrupt(name, f"weights do not fit the architecture of {MODEL_CONFIG}: "
+                          f"{exc}") from None
+        if unexpected and not strict:
+            raise corrupt(name, f"EMA weights for unknown parameters: {sorted(unexpected)[:5]}")
+    return ServingModel(unet=unet.eval(), scheduler=scheduler, config=stored, run_id=run_id,
+                        step=r.step, skipped=r.skipped, lineage=r.lineage)
 
 
 def _consolidated(path: Path, manifest: CheckpointManifest, model: Any) -> tuple[Any, Any]:

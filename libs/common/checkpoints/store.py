@@ -23,6 +23,7 @@ what loads them uses safetensors (tensors) or ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -119,8 +120,13 @@ def read_manifest(s3: Any, bucket: str, run_id: str, step: int,
 # -------------------------------------------------------------------------------- download
 
 
+class Stopped(Exception):
+    """A download was stopped (its ``stop`` event set) before it ended: nobody waits for
+    it any more (a worker stopping while it loads)."""
+
+
 def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
-                   entry: FileEntry, dest: Path) -> None:
+                   entry: FileEntry, dest: Path, stop: threading.Event | None = None) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     check = checksum.Check(entry)
     try:
@@ -132,6 +138,8 @@ def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
         raise
     with open(dest, "wb") as f:
         for chunk in body.iter_chunks(CHUNK):
+            if stop is not None and stop.is_set():
+                raise Stopped(f"download of {entry.name} stopped")
             check.update(chunk)
             f.write(chunk)
     if problem := check.problem():
@@ -140,7 +148,8 @@ def _download_file(s3: Any, bucket: str, run_id: str, step: int, lineage: int,
 
 def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
              files: Iterable[str] | None = None, manifest: CheckpointManifest | None = None,
-             concurrency: int = 8, lineage: int = 0) -> Path:
+             concurrency: int = 8, lineage: int = 0,
+             stop: threading.Event | None = None) -> Path:
     """Download committed ``step`` (of ``lineage``, or ``manifest``'s) into
     ``dest/step-<N>/`` (``step-<N>-l<L>/``) and verify every byte.
 
@@ -148,7 +157,8 @@ def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
     every file matches the manifest's size and checksum, so ``dest/step-<N>`` is always
     whole (a previous copy there is replaced). ``files`` limits the download to some
     names (the inference worker needs only the weights). Writes the manifest beside the
-    files. Raises ``CheckpointNotFound`` or ``CheckpointCorrupt`` (naming the file).
+    files. Raises ``CheckpointNotFound`` or ``CheckpointCorrupt`` (naming the file), and
+    ``Stopped`` at the next chunk of every file once ``stop`` is set.
     """
     manifest = manifest or read_manifest(s3, bucket, run_id, step, lineage)
     lineage = manifest.lineage
@@ -167,7 +177,7 @@ def download(s3: Any, bucket: str, run_id: str, step: int, dest: Path, *,
     try:
         with ThreadPoolExecutor(max(1, min(concurrency, len(entries)))) as pool:
             futures = [pool.submit(_download_file, s3, bucket, run_id, step, lineage, e,
-                                   tmp / e.name) for e in entries]
+                                   tmp / e.name, stop) for e in entries]
             for fut in futures:
                 fut.result()
         (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
@@ -210,7 +220,8 @@ FileChoice = Iterable[str] | Callable[[CheckpointManifest], Iterable[str]]
 def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None = None,
             fallback: bool = True, files: FileChoice | None = None,
             on_skip: Callable[[int, str], None] | None = None,
-            line: Lineage | None = None) -> Restored:
+            line: Lineage | None = None, check: Callable[[Restored], None] | None = None,
+            stop: threading.Event | None = None) -> Restored:
     """Download and verify the newest committed checkpoint of ``line``'s history (or
     ``step``'s, the checkpoint that history holds at that step), falling back.
 
@@ -218,8 +229,12 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
     corrupt or missing, each older committed checkpoint in turn (unless ``fallback`` is
     False). ``files`` limits the download (names, or a function of the manifest that
     may raise ``CheckpointCorrupt`` when the checkpoint lacks what is needed).
+    ``check(restored)``, when given, reads the verified files before they are handed
+    over: a ``CheckpointCorrupt`` it raises (the bytes are the manifest's, but what they
+    hold cannot be used) passes the checkpoint over as a corrupt download is.
     ``on_skip(step, reason)`` is called for each checkpoint passed over. Raises
-    ``CheckpointNotFound`` when no committed checkpoint verifies.
+    ``CheckpointNotFound`` when no committed checkpoint verifies; ``Stopped`` once
+    ``stop`` is set (``download``).
 
     With ``step`` and ``fallback=False`` nothing is listed unless it fails: the caller
     knows which step it wants (the worker, from ``ckpt.<run>.mirrored``).
@@ -240,8 +255,16 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
         try:
             manifest = read_manifest(s3, bucket, run_id, s, line.owner(s))
             wanted = files(manifest) if callable(files) else files
-            path = download(s3, bucket, run_id, s, dest, files=wanted, manifest=manifest)
-            return Restored(run_id, s, path, manifest, skipped)
+            path = download(s3, bucket, run_id, s, dest, files=wanted, manifest=manifest,
+                            stop=stop)
+            restored = Restored(run_id, s, path, manifest, skipped)
+            if check is not None:
+                try:
+                    check(restored)
+                except CheckpointCorrupt:
+                    shutil.rmtree(path, ignore_errors=True)  # room for the next one
+                    raise
+            return restored
         except CheckpointNotFound as exc:
             if committed is None and isinstance(exc, _NotCommitted):
                 raise _asked_not_committed(run_id, s, exc.available) from None
