@@ -111,3 +111,38 @@ async def test_the_coordinator_decodes_what_the_rank_sends_and_a_bad_line_is_a_d
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_largest_step_report_a_run_can_send_reaches_the_coordinator(
+        tmp_path: Path) -> None:
+    """A StepReport of RunConfig's most ranks (1024), every node named with the longest
+    token (64 characters): a line well over asyncio's default 64 KiB limit, which would
+    end rank 0's connection (read as its death). The relay (``listen``) reads it whole."""
+    from tandem.common.subjects import MAX_TOKEN
+    from tandem.trainer.launcher import LocalLauncher
+    from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
+
+    ranks = 1024
+    nodes = [f"gke-train-pool-{i:04d}-".ljust(MAX_TOKEN, "x") for i in range(ranks // 8)]
+    cfg = parse_run_config({"run_id": "big", "ranks": ranks, "nodes": nodes})
+    sup = RunSupervisor(None, SupervisorConfig(  # type: ignore[arg-type]  # no bus used
+        checkpoint_root=tmp_path, work_root=tmp_path, cluster="c", node="n0"), "big", cfg,
+        LocalLauncher(), log.get("test"))
+    report = StepReport(step=1, data_pos=1, loss=0.1234567, grad_norm=0.98765, lr=2e-4,
+                        step_time=0.123456789, samples_per_s=12345.678,
+                        rank_step_times=[0.012345678901234 + i * 1e-9 for i in range(ranks)],
+                        rank_nodes=[n for n in nodes for _ in range(8)])
+    assert len(msgspec.json.encode(report)) > 64 * 1024
+    server = await sup.listen()
+    try:
+        sender = channel.EventChannel(sup.relay_address, exit_on_loss=False)
+        hello = Hello(rank=0, pid=1, node=nodes[0], attempt=1, world=ranks)
+        for message in (hello, report, channel.Bye(rank=0, code=0)):
+            sender.send(message)
+        await asyncio.to_thread(sender.close)
+        got = [await asyncio.wait_for(sup.q.get(), 10) for _ in range(4)]
+        assert [g[3] for g in got[:3]] == [hello, report, channel.Bye(rank=0, code=0)]
+        assert got[3] == ("closed", 1, 0)
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,6 +1,7 @@
 """A run config refuses numbers the trainer cannot use: a float that is not finite
-(stored as JSON null, the run then refused by the trainer after the 202) and a seed the
-loop's derived generator seeds would overflow. The error names the field."""
+(stored as JSON null, the run then refused by the trainer after the 202), a seed the
+loop's derived generator seeds would overflow, more nodes than a run can use, and a
+config whose run record would not fit the bus. The error names the field."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 
 import pytest
 
+from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig
-from tandem.common.runs import SEED_MAX, parse_run_config
+from tandem.common.events import RunRecord
+from tandem.common.runs import MAX_NODES, SEED_MAX, parse_run_config, submit_run
+from tandem.common.streams import KV_RUNS, core_streams
 
 
 @pytest.mark.parametrize("field", ["lr", "grad_clip", "weight_decay"])
@@ -44,3 +48,26 @@ def test_the_largest_seed_fits_torch_generators_of_every_rank() -> None:
     torch.Generator().manual_seed(cfg.seed * 100_003 + cfg.ranks)
     torch.Generator().manual_seed(cfg.seed * 7919 + 10**6)
     assert cfg.seed == SEED_MAX
+
+
+def test_more_nodes_than_a_run_can_use_are_refused_naming_the_field() -> None:
+    nodes = [f"node-{i:05d}" for i in range(MAX_NODES + 1)]
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config({"ranks": 8, "nodes": nodes})
+    assert set(exc.value.problems) == {"nodes"}
+
+
+async def test_a_run_whose_record_would_not_fit_the_bus_is_refused_naming_the_field(
+        bus: Bus) -> None:
+    """A config that validates but whose KV record would outgrow the bus's max_payload
+    (with what the run adds to it): refused as invalid (422 at the door), naming its
+    largest field, never a bus error a client would retry (503) forever."""
+    await bus.provision(core_streams())
+    nodes = [f"node-{i:04d}-".ljust(64, "x") for i in range(MAX_NODES)]
+    assert await submit_run(bus, {"run_id": "most-nodes", "ranks": 8, "nodes": nodes})
+    with pytest.raises(InvalidRunConfig) as exc:
+        await submit_run(bus, {"run_id": "huge", "ranks": 8,
+                               "faults": {"nan_at_data_pos": list(range(200_000))}})
+    assert set(exc.value.problems) == {"faults"}
+    assert "max_payload" in exc.value.problems["faults"]
+    assert await (await bus.typed(KV_RUNS, RunRecord)).get("huge") is None

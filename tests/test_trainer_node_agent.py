@@ -159,3 +159,31 @@ def test_a_role_or_launcher_that_does_not_exist_is_refused_naming_the_variable()
                              text=True, timeout=60)
         assert res.returncode == 2, res.stderr
         assert f"TANDEM_{name.upper()}" in res.stderr
+
+
+async def test_the_same_attempt_ordered_by_another_coordinator_replaces_what_runs(
+        agent: str, coordinator: Coordinator, tmp_path: Path) -> None:
+    """A coordinator restarted while its attempt started orders it again, with its own
+    relay: the torchrun held (whose ranks report to the old relay) is killed and the new
+    order run, where a retry of the very same order is answered from what runs."""
+    bus = coordinator.bus
+    reply, rank = await started(bus, agent, "moved", tmp_path)
+    first = launch(agent, "moved", tmp_path)
+    other = msgspec.structs.replace(first, spec={**first.spec, "events": "127.0.0.1:9"})
+    again = await order(bus, agent, other)
+    assert again.ok and again.pid != reply.pid
+    await until_true("the first torchrun is gone", lambda: proc_state(reply.pid) in GONE)
+    await until_true("its rank is gone", lambda: proc_state(rank) in GONE)
+    await order(bus, agent, NodeStop(run_id="moved", attempt=1))
+
+
+async def test_an_order_with_a_run_id_not_a_token_or_no_positive_report_interval_is_refused(
+        agent: str, coordinator: Coordinator, tmp_path: Path) -> None:
+    """The run id names a folder under the agent's work root; the interval, its waits."""
+    good = launch(agent, "fine", tmp_path)
+    for bad, why in ((msgspec.structs.replace(good, run_id="../escape"), "run id"),
+                     (msgspec.structs.replace(good, report_every_s=0.0), "report_every_s")):
+        reply = await order(coordinator.bus, agent, bad)
+        assert not reply.ok and why in reply.error, reply
+    assert not (tmp_path / "escape").exists()
+    assert not (tmp_path / "work" / "fine").exists()

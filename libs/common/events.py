@@ -509,19 +509,24 @@ class RunRecord(Event, kw_only=True):
     latest_checkpoint_step: int | None = None  # newest committed in S3 of the current lineage
     latest_checkpoint_uri: str = ""
     latest_checkpoint_lineage: int = 0  # with latest_checkpoint_step, which checkpoint
+    # Each failure (kind, attempt, step, detector, ...), the newest 32, long fields cut:
+    # the record must fit max_payload (the trainer's supervisor says how).
     incidents: list[dict[str, Any]] = []
     goodput: dict[str, float] = {}
     nodes: list[str] = []
     created_at: float = msgspec.field(default_factory=now)
     updated_at: float = msgspec.field(default_factory=now)
     coordinator: str = ""  # "<cluster>.<node>" of the trainer coordinator that owns the run
-    stragglers: list[dict[str, Any]] = []  # ranks flagged slow, with score, node, telemetry
+    stragglers: list[dict[str, Any]] = []  # ranks flagged slow (score, node, telemetry), newest 20
     skipped: list[list[int]] = []  # data windows [first, last] skipped after loss anomalies
-    corrupt_checkpoints: list[dict[str, Any]] = []  # local checkpoints that failed verification
+    corrupt_checkpoints: list[dict[str, Any]] = []  # skipped as they failed verification, newest 20
     # Checkpoints a rank could not write (a full disk), the newest 20: step, rank, node,
     # error, attempt, the newest written before it. Training went on past each.
     checkpoint_failures: list[dict[str, Any]] = []
     ranks: list[dict[str, Any]] = []  # current attempt: rank, pid, node of each rank
+    # The newest attempt launched, written as it starts (before any rank says hello): a
+    # coordinator that adopts the run starts the next one, never one a node still runs.
+    attempt: int = 0
     owner: str = ""  # the API key (its name) that submitted the run; empty: an open door
     # A client asked to stop the run, and why: its coordinator stops the ranks and ends
     # the run ``cancelled`` (a run not yet claimed is cancelled at once).

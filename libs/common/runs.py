@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tandem.common import subjects
 from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound, TooManyRuns
-from tandem.common.events import RunRecord, RunState, TrainStatus, now, struct_replace
+from tandem.common.events import RunRecord, RunState, TrainStatus, encode, now, struct_replace
 
 SEED_MAX = 2**32 - 1  # the loop's derived seeds (seed * 100_003 + rank) stay < 2**64
+MAX_NODES = 1024  # a run's nodes: as many as its most ranks (each node runs one at least)
 
 
 class _Spec(BaseModel):
@@ -191,7 +192,8 @@ class RunConfig(_Spec):
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
     step_event_every: int = Field(1, ge=1, description="Publish every k-th step.")
     ranks: int = Field(2, ge=1, le=1024, description="Total ranks (world size).")
-    nodes: list[str] = Field([], description="Nodes to run on; empty: the coordinator's node.")
+    nodes: list[str] = Field([], max_length=MAX_NODES,
+                             description="Nodes to run on; empty: the coordinator's node.")
     cluster: str | None = Field(None, description="Cluster whose coordinator runs it.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="cuda uses NCCL, cpu uses gloo; auto picks cuda when present.")
@@ -266,6 +268,22 @@ def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
         raise InvalidRunConfig(problems) from None
 
 
+def fits(record: RunRecord, max_payload: int) -> None:
+    """Refuse (``InvalidRunConfig``, naming the config's largest field) a run whose record
+    would take more than half the bus's ``max_payload``: every write of a record past it
+    fails, and the run's life adds to it (incidents, stragglers: each list bounded, see
+    the trainer's supervisor), so it gets the other half. A config that passes
+    validation can still be this large (its lists, the nodes stored twice)."""
+    size, limit = len(encode(record)), max_payload // 2
+    if size <= limit:
+        return
+    field, part = max(((k, len(encode(v))) for k, v in record.config.items()),
+                      key=lambda kv: kv[1])
+    raise InvalidRunConfig({field: f"the run's record would be {size} bytes, over the "
+                            f"{limit} a run's record may start with (half the bus's "
+                            f"max_payload); this field is {part} bytes of it"})
+
+
 def new_run_id() -> str:
     return f"run-{uuid.uuid4().hex[:12]}"
 
@@ -314,6 +332,7 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     kv = await bus.typed(KV_RUNS, RunRecord)
     record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
                        nodes=list(cfg.nodes), owner=owner)
+    fits(record, bus.nc.max_payload)
     revision = await kv.create(run_id, record)
     if revision is None:
         got = await kv.get(run_id)

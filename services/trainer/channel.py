@@ -42,6 +42,11 @@ from tandem.common.errors import EventDecodeError
 from tandem.common.events import CheckpointWritten
 
 ORPHANED = 17  # exit code of a rank whose coordinator went away
+# The longest line the coordinator reads (``watch.listen``). The largest legal message is
+# a StepReport of RunConfig's most ranks (1024), each with its step time and node name (a
+# token of up to 64 characters): about 95 KB; a sharded checkpoint's manifest lists a
+# file per rank. Past this a line ends the rank's connection, as a broken one does.
+LINE_LIMIT = 4 * 1024 * 1024
 _STOP = object()
 
 

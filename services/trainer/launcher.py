@@ -15,7 +15,8 @@ with two kinds:
   sent a launch order over the bus and runs torchrun there (``TANDEM_LAUNCHER=nodes``).
 
 Both run exactly ``LocalLauncher.command``'s command line (``spawn``). Each torchrun is
-its own session, so a stop kills every rank it forked (``kill_agent``).
+its own session, so a stop kills every rank it forked (``kill_agent``), and dies with
+the process that launched it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """In the forked torchrun, before exec: SIGTERM when the process that launched it
-    dies (Linux). torchrun answers SIGTERM by stopping its ranks, so a node agent
-    killed -9 takes its ranks with it instead of leaving them training unobserved."""
+    dies (Linux). torchrun answers SIGTERM by stopping its ranks, so a node agent or a
+    coordinator (the local launcher) killed -9 takes its ranks with it instead of
+    leaving them training unobserved."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -206,7 +208,8 @@ class LocalLauncher:
             log_path = attempt_dir / f"agent-{i}-{node}.log"
             command = self.command(placement, i, port, spec_path,
                                    rendezvous_id(spec.run_id, spec.attempt))
-            proc = await spawn(command, log_path, rank_env(env, node))
+            # Dies with this process (a coordinator killed -9 leaves no ranks training).
+            proc = await spawn(command, log_path, rank_env(env, node), with_parent=True)
             attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path, pid=proc.pid))
         return attempt
 

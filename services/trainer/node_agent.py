@@ -9,7 +9,12 @@ coordinator's side and says the protocol) and reports each torchrun it runs.
 Invariants it keeps:
 
 - At most one torchrun per run on this node: a launch of a newer attempt kills the
-  older one first; a repeated launch of the same attempt is answered from what runs.
+  older one first; a repeated launch (the same order, retried after a lost reply) is
+  answered from what runs. Another order of the same attempt (a restarted
+  coordinator's: its relay differs) replaces it too: the ranks held would report to a
+  coordinator that is gone.
+- An order's run id is a token (it names a folder under ``work_root``) and its
+  ``report_every_s`` a positive number; any other order is refused.
 - The command line is ``LocalLauncher.command``'s, with the launch spec rebased onto
   this node's own folders (``checkpoint_root``, ``work_root``): nothing of the
   coordinator's disk is read.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +41,7 @@ import msgspec
 from tandem.common import events, subjects
 from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import transient
-from tandem.common.errors import EventDecodeError
+from tandem.common.errors import EventDecodeError, InvalidToken
 from tandem.common.events import NodeLaunch, NodeReply, NodeStop
 from tandem.common.runner import Context, Service
 from tandem.common.settings import Settings
@@ -76,6 +82,18 @@ def node_command(settings: TrainerSettings, order: NodeLaunch, master_addr: str,
     return LocalLauncher(python=settings.python, master_addr=master_addr).command(
         Placement(nodes=nodes, per_node=order.per_node), order.node_rank, port, spec_path,
         rendezvous_id(order.run_id, order.attempt), local_addr=settings.rendezvous_host)
+
+
+def refused(order: NodeLaunch) -> str:
+    """Why this agent cannot run ``order``, or "": its run id becomes a folder under
+    ``work_root`` (a token: no ``..``, no ``/``), its ``report_every_s`` every wait."""
+    try:
+        subjects.token(order.run_id, "run id")
+    except InvalidToken as exc:
+        return str(exc)
+    if not (math.isfinite(order.report_every_s) and order.report_every_s > 0):
+        return f"report_every_s must be a positive number of seconds, got {order.report_every_s}"
+    return ""
 
 
 class NodeAgent(Service):
@@ -148,11 +166,15 @@ class NodeAgent(Service):
         return spec, path
 
     async def _launch(self, order: NodeLaunch) -> NodeReply:
+        if problem := refused(order):
+            return NodeReply(node=self.s.node, ok=False, error=f"bad order: {problem}")
         held = self.held.get(order.run_id)
         if held is not None:
-            if held.order.attempt == order.attempt and held.proc.returncode is None:
+            if held.order == order and held.proc.returncode is None:
                 return held.reply  # a retried order whose reply was lost
-            self._kill(held, f"superseded by attempt {order.attempt}")
+            self._kill(held, f"superseded by attempt {order.attempt}"
+                       + (" of another coordinator" if held.order.attempt == order.attempt
+                          else ""))
             await held.proc.wait()
         spec, spec_path = self._spec_for_this_node(order)
         addr, port = order.master_addr, order.master_port

@@ -294,13 +294,23 @@ class Trainer(Service):
             return
         sup = RunSupervisor(self.ctx.bus, self.supervisor_config(), run_id, config,
                             self.launcher, self.ctx.log)
+        if rec.cancel:  # cancelled while no coordinator watched it
+            sup.request_cancel(rec.cancel)
         self.supervisors[run_id] = sup
         self.tg.create_task(self._supervise(sup, adopted), name=f"run-{run_id}")
 
     async def _supervise(self, sup: RunSupervisor, adopted: bool) -> None:
+        slot = False
         try:
-            async with self._slots:
-                state = await sup.run(self.ctx.stopping, adopted)
+            slot = await self._slot(sup)
+            if not slot and not sup.cancelled.is_set():
+                # This coordinator is stopping: the run, never launched here, stays
+                # claimed as it is, for the coordinator that adopts it.
+                self.ctx.log.info("trainer.run_left", run_id=sup.run_id,
+                                  reason="coordinator stopping before it had a slot")
+                return
+            # A run cancelled while it waited ends without a slot: it launches nothing.
+            state = await sup.run(self.ctx.stopping, adopted)
             self.ctx.log.info("trainer.run_ended", run_id=sup.run_id, state=state.value)
         except Exception as exc:  # a supervisor bug must not take the other runs down
             self.ctx.log.error("trainer.supervisor_crashed", run_id=sup.run_id,
@@ -308,14 +318,54 @@ class Trainer(Service):
             with contextlib.suppress(Exception):
                 await sup._status(RunState.failed, f"coordinator error: {exc!r}")
         finally:
+            if slot:
+                self._slots.release()
             self.supervisors.pop(sup.run_id, None)
 
+    async def _slot(self, sup: RunSupervisor) -> bool:
+        """Wait for one of the ``max_runs`` slots, but not past the run's cancel or this
+        coordinator's stop: True once a slot is taken (the caller releases it)."""
+        stopping = self.ctx.stopping
+        if sup.cancelled.is_set() or stopping.is_set():
+            return False
+        take = asyncio.ensure_future(self._slots.acquire())
+        ends = [asyncio.ensure_future(e.wait()) for e in (sup.cancelled, stopping)]
+        try:
+            await asyncio.wait([take, *ends], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (take, *ends):
+                t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await take
+        if not take.cancelled() and take.exception() is None:
+            if not (sup.cancelled.is_set() or stopping.is_set()):
+                return True
+            self._slots.release()  # taken as the run ended or the coordinator stopped
+        return False
+
     async def _reject(self, run_id: str, reason: str) -> None:
+        """A run this coordinator refuses (its config fails here: a ``data.path`` outside
+        ``DATA_ROOT``): failed, with the reason as an incident (``invalid_config``). A
+        run that ended meanwhile (cancelled) is left as it is."""
         kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
-        await kv.update(run_id, lambda cur: struct_replace(cur, state=RunState.failed)
-                        if cur else None)
+        incident = {"kind": "invalid_config", "reason": reason, "at": events.now(),
+                    "detector": "the coordinator's check of the run's config"}
+        failed: list[RunRecord] = []
+
+        def fail(cur: RunRecord | None) -> RunRecord | None:
+            failed.clear()
+            if cur is None or cur.state.terminal:
+                return None
+            failed.append(struct_replace(cur, state=RunState.failed, updated_at=events.now(),
+                                         incidents=[*cur.incidents, incident]))
+            return failed[0]
+
+        await kv.update(run_id, fail)
+        if not failed:
+            return
         await self.ctx.bus.publish(subjects.train(run_id, "status"), TrainStatus(
-            run_id=run_id, state=RunState.failed, reason=reason), retry_for=5.0)
+            run_id=run_id, state=RunState.failed, reason=reason, incident=incident),
+            retry_for=5.0)
 
     # -------------------------------------------------------------------------- health
 

@@ -42,6 +42,7 @@ from tandem.common import checkpoints as ck
 from tandem.common import subjects, tracing
 from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import Bus, TypedKV, describe
+from tandem.common.bus.acks import too_large
 from tandem.common.events import (
     Health,
     NodeHeartbeat,
@@ -56,11 +57,17 @@ from tandem.trainer.health import Goodput, StragglerDetector
 from tandem.trainer.launcher import Launcher, LaunchFailed, Placement, place
 from tandem.trainer.run_metrics import RunMetrics
 from tandem.trainer.spec import LaunchSpec
-from tandem.trainer.watch import AttemptWatch, Outcome
+from tandem.trainer.watch import MAX_NOTED, AttemptWatch, Outcome
 
 TERMINAL = tuple(s for s in RunState if s.terminal)
 RECORD_BACKOFF = Backoff(0.1, max_delay=2.0)  # between writes of the run record
 BAD_HEALTH = (Health.unhealthy, Health.drained)
+# A run's KV record must fit the bus's max_payload (1 MB), or no write of it lands, its
+# end included: it keeps the newest incidents, each with its long fields cut (``stored``).
+MAX_INCIDENTS = 32
+INCIDENT_CHARS = 1000  # a stored incident's longest text (an error, a rank's stack)...
+NEWEST_CHARS = 4000  # ... but the newest's: a rank's whole stack (``capture_stacks``)
+INCIDENT_ITEMS = 16  # its longest list or mapping (ranks' stacks, excluded nodes, logs)
 
 
 @dataclass
@@ -124,6 +131,7 @@ class RunSupervisor(AttemptWatch):
         self._ckpt_failed: set[tuple[int, int, str]] = set()  # (lineage, step, node) reported
         self._kv: TypedKV[RunRecord] | None = None
         self._last_kv = 0.0
+        self._too_large = False  # the last record write failed: over max_payload
         self.stragglers = StragglerDetector(config.straggler.ratio, config.straggler.window)
         self.cancelled = asyncio.Event()  # a client asked to stop the run (cancel_reason)
         self.cancel_reason = ""
@@ -171,9 +179,14 @@ class RunSupervisor(AttemptWatch):
         async def update() -> RunRecord | None:
             return await (await self.kv()).update(self.run_id, apply)
 
+        # A record over max_payload never fits however long it is retried: not retried
+        # (``_status`` cuts it harder for the run's end).
+        self._too_large = False
         try:
-            return await retry(update, RECORD_BACKOFF, within=self.cfg.record_retry_s)
+            return await retry(update, RECORD_BACKOFF, within=self.cfg.record_retry_s,
+                               when=lambda exc: not too_large(exc))
         except Exception as exc:
+            self._too_large = too_large(exc)
             self.log.warning("run.record_failed", error=describe(exc))
             return None
 
@@ -190,12 +203,36 @@ class RunSupervisor(AttemptWatch):
                       incident: dict[str, Any] | None = None, **record: Any) -> None:
         if state in (RunState.starting, RunState.running, RunState.restarting, *TERMINAL):
             record["state"] = state
-        await self._record(restarts=self.restarts, incidents=self.incidents,
-                           skipped=self.skipped, latest_step=self.latest_step, **record)
+        incidents = self.incidents[-MAX_INCIDENTS:]
+        kept = await self._record(
+            restarts=self.restarts, skipped=self.skipped, latest_step=self.latest_step,
+            incidents=[stored(i, chars=NEWEST_CHARS if n == len(incidents) - 1 else
+                              INCIDENT_CHARS) for n, i in enumerate(incidents)], **record)
+        if kept is None and self._too_large and state in TERMINAL:
+            await self._record_cut(state, reason)
         await self._publish(subjects.train(self.run_id, "status"), TrainStatus(
             run_id=self.run_id, state=state, reason=reason, restarts=self.restarts,
             incident=incident), f"{self.run_id}-status-{uuid.uuid4().hex[:12]}")
         self.log.info("run.status", state=state.value, reason=reason, restarts=self.restarts)
+
+    async def _record_cut(self, state: RunState, reason: str) -> None:
+        """The run's end, when its record does not fit max_payload even bounded: the state
+        and why (an incident ``record_cut``), with every list cut to its newest few
+        entries and those cut harder, so readers of KV ``runs`` see the run ended."""
+        rec = await self._current()
+
+        def few(entries: list[Any]) -> list[Any]:
+            return [stored(e, chars=200, items=4) for e in entries[-2:]]
+
+        note = {"kind": "record_cut", "state": state.value, "reason": reason[:INCIDENT_CHARS],
+                "at": time.time(), "detector": "the run's record did not fit the bus's "
+                "max_payload: its lists are cut to their newest entries"}
+        await self._record(
+            state=state, restarts=self.restarts, latest_step=self.latest_step,
+            incidents=[*few(self.incidents), note], skipped=self.skipped[-2:], ranks=[],
+            stragglers=few(rec.stragglers) if rec else [],
+            corrupt_checkpoints=few(rec.corrupt_checkpoints) if rec else [],
+            checkpoint_failures=few(rec.checkpoint_failures) if rec else [])
 
     async def _publish(self, subject: str, event: Any, msg_id: str,
                        retry_for: float = 10.0) -> None:
@@ -256,7 +293,10 @@ class RunSupervisor(AttemptWatch):
             self.skipped = [list(w) for w in r.skipped]
             self.latest_step = r.latest_step
             self.line = ck.Lineage.of(r.forks)
-            self.attempt_no = max((int(x.get("attempt", 0)) for x in r.ranks), default=0)
+            # NOTE: the newest attempt started, not only the one whose ranks all said
+            # hello: a node agent still running an attempt answers a repeated order of it
+            # with the torchrun it holds, whose ranks report to the dead coordinator.
+            self.attempt_no = max([r.attempt, *(int(x.get("attempt", 0)) for x in r.ranks)])
             if r.state in TERMINAL:
                 return r.state
             if r.cancel:  # cancelled while no coordinator watched it
@@ -269,8 +309,7 @@ class RunSupervisor(AttemptWatch):
                     "at": time.time(), "step": r.latest_step, "state": r.state.value,
                     "detector": "run adopted by its restarted coordinator"}
                 self.incidents.append(self.cause)
-        server = await asyncio.start_server(self.handle_connection, self.cfg.relay_host, 0)
-        self.relay_address = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
+        server = await self.listen()
         try:
             return await self._supervise(stopping)
         finally:
@@ -417,7 +456,10 @@ class RunSupervisor(AttemptWatch):
                               f"each node fetching from S3 the newest of committed steps "
                               f"{', '.join(map(str, fetch))} that every node verifies"
                               if fetch else "from scratch"),
-                           nodes=placement.nodes)
+                           nodes=placement.nodes, attempt=self.attempt_no)
+        if stopping.is_set():  # no launch by a coordinator on its way out: left for adoption
+            self.placement = None
+            return Outcome("stopping")
         with tracing.tracer().start_as_current_span("launch", attributes={
                 "tandem.nodes": placement.nodes, "tandem.ranks": self.config.ranks}):
             try:
@@ -476,13 +518,37 @@ class RunSupervisor(AttemptWatch):
         await self._status(state, "corrupt checkpoint(s) skipped: " + "; ".join(
                                f"step {c['step']}: {c['reason']}" for c in corrupt),
                            {"kind": "corrupt_checkpoint", "checkpoints": corrupt},
-                           corrupt_checkpoints=[*before, *corrupt])
+                           corrupt_checkpoints=[*before, *corrupt][-MAX_NOTED:])
 
 
 def _primitive(values: dict[str, Any], prefix: str) -> dict[str, Any]:
     """The scalar entries of ``values`` as span attributes (OpenTelemetry takes no dicts)."""
     return {prefix + k: v for k, v in values.items()
             if isinstance(v, (str, bool, int, float))}
+
+
+def stored(value: Any, chars: int = INCIDENT_CHARS, items: int = INCIDENT_ITEMS) -> Any:
+    """An incident (or another entry of a run's record) as the record keeps it: each
+    text cut to ``chars`` characters, its start and its end (an error says what it is
+    first, a stack its outermost frames last), each list or mapping within it to its
+    first ``items`` entries, saying how much was left out. Its own keys are all kept."""
+    def cut(v: Any) -> Any:
+        if isinstance(v, str) and len(v) > chars:
+            half = chars // 2
+            return f"{v[:half]} ... ({len(v) - 2 * half} characters cut) ... {v[-half:]}"
+        if isinstance(v, dict):
+            kept: Any = {k: cut(x) for k, x in list(v.items())[:items]}
+            if len(v) > items:
+                kept["..."] = f"{len(v) - items} more left out"
+            return kept
+        if isinstance(v, list | tuple):
+            kept = [cut(x) for x in v[:items]]
+            if len(v) > items:
+                kept.append(f"... {len(v) - items} more left out")
+            return kept
+        return v
+
+    return {k: cut(v) for k, v in value.items()} if isinstance(value, dict) else cut(value)
 
 
 def _summary(incident: dict[str, Any]) -> str:

@@ -9,7 +9,9 @@ concern.
 
 What it does:
 
-- ``handle_connection``: one TCP connection per rank; each line is decoded into a
+- ``listen``/``handle_connection``: one TCP connection per rank, lines of up to
+  ``channel.LINE_LIMIT`` bytes (asyncio's default, 64 KiB, is less than a legal
+  ``StepReport`` of a big run); each line is decoded into a
   ``channel.RankMessage`` by its one typed decoder and queued. A line that does not
   decode ends the connection, logged with the reason: the rank is treated as failing,
   as a broken connection is (see the note there).
@@ -59,6 +61,7 @@ from tandem.trainer.launcher import (
 from tandem.trainer.run_metrics import RunMetrics
 
 MAX_FAILURES = 20  # checkpoint write failures a run's record keeps, the newest
+MAX_NOTED = 20  # stragglers flagged and corrupt checkpoints skipped it keeps, the newest
 
 if TYPE_CHECKING:
     from tandem.trainer.supervisor import SupervisorConfig
@@ -96,6 +99,7 @@ class AttemptWatch:
     metrics: RunMetrics
     _last_kv: float
     launcher: Launcher
+    relay_address: str
 
     if TYPE_CHECKING:  # the supervisor's bookkeeping, which this half calls
         async def _status(self, state: RunState, reason: str = "",
@@ -107,6 +111,14 @@ class AttemptWatch:
         async def _telemetry(self, node: str) -> dict[str, Any]: ...
         async def report_corrupt(self, state: RunState,
                                  corrupt: list[dict[str, Any]]) -> None: ...
+
+    async def listen(self) -> asyncio.Server:
+        """The relay: a server on ``relay_host`` (a free port, ``relay_address``) that
+        takes each rank's connection (``handle_connection``)."""
+        server = await asyncio.start_server(self.handle_connection, self.cfg.relay_host, 0,
+                                            limit=channel.LINE_LIMIT)
+        self.relay_address = f"{self.cfg.relay_host}:{server.sockets[0].getsockname()[1]}"
+        return server
 
     async def handle_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
@@ -347,7 +359,7 @@ class AttemptWatch:
             before = rec.stragglers if rec else []
             await self._status(RunState.running, f"straggler: rank {s.rank} on {s.node} "
                               f"at {s.score:.2f}x the median step time", record,
-                              stragglers=[*before, record])
+                              stragglers=[*before, record][-MAX_NOTED:])
         loss = _finite(report.loss)
         self.metrics.step(step, loss, report.samples_per_s, report.step_time)
         every = self.config.step_event_every
