@@ -59,11 +59,17 @@ def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def
 
 def threads(asked: int) -> int:
     """torch intra-op threads for this rank: ``asked``, or with 0 the cores this process
-    may use shared by the ranks of this node (torchrun's LOCAL_WORLD_SIZE)."""
+    may use but one, shared by the ranks of this node (torchrun's LOCAL_WORLD_SIZE).
+
+    The core left over is for what runs beside the ranks: each rank's own checkpoint
+    writer and relay threads, torchrun, the node's agents. torch's threads meet at the
+    end of every op, so one of them waiting for a core stalls them all: on 2 cores with
+    the local stack and other work beside it, 2 threads made the demo's steps 7x slower
+    (median 1.33 s) until its watchdog took them for a hang, where 1 thread trained."""
     if asked > 0:
         return asked
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, len(os.sched_getaffinity(0)) // ranks)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

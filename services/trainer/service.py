@@ -78,8 +78,9 @@ class TrainerSettings(Settings):
         "127.0.0.1", description="Address ranks connect to for their events.")
     python: str = Field(sys.executable, description="Interpreter that runs torchrun.")
     threads_per_rank: int = Field(
-        0, ge=0, le=256, description="torch threads per rank; 0: the node's cores shared "
-        "by its ranks (one rank on 2 cores gets 2).")
+        0, ge=0, le=256, description="torch threads per rank; 0: the node's cores but one "
+        "(left for what runs beside the ranks) shared by its ranks (one rank on 2 cores "
+        "gets 1, on 16 gets 15).")
     max_runs: int = Field(4, ge=1, description="Runs this coordinator supervises at once.")
     status_every_s: float = Field(
         2.0, gt=0, description="How often progress and goodput go to KV runs.")
