@@ -343,3 +343,84 @@ def test_after_a_supervisor_crash_dev_up_refuses_and_dev_down_stops_the_leftover
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------- tandem dev down
+
+
+@pytest.mark.parametrize("stuck", [False, True])
+def test_dev_down_kills_only_a_supervisor_that_does_not_stop(tmp_path: Path, stuck: bool) -> None:
+    """One that stops on SIGTERM is left alone (no SIGKILL after it is gone); one that
+    ignores SIGTERM is SIGKILLed after the timeout."""
+    script = ("import signal, time  # a tandem supervisor stand-in\n"
+              + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if stuck else "")
+              + "print('ready', flush=True)\ntime.sleep(600)\n")
+    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout is not None and sup.stdout.readline().strip() == "ready"
+        reaper = threading.Thread(target=sup.wait, daemon=True)  # reaped at once, as a shell
+        reaper.start()
+        (tmp_path / "stack.json").write_text(json.dumps({"supervisor": sup.pid,
+                                                         "processes": {}}))
+        down = subprocess.run([*CLI, "dev", "down", "--root", str(tmp_path), "--timeout", "1"],
+                              cwd=ROOT, env=service_env(), capture_output=True, text=True,
+                              timeout=60)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "Traceback" not in down.stderr, down.stderr
+        assert ("killing it" in down.stdout) == stuck, down.stdout
+        reaper.join(30)
+        assert sup.returncode == (-signal.SIGKILL if stuck else -signal.SIGTERM)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP"])
+def test_a_supervisor_ended_while_starting_leaves_nothing_dev_down_cannot_stop(
+        tmp_path: Path, how: str) -> None:
+    """SIGKILL once NATS is up: each server started is in stack.json already, and `dev
+    down` stops it. SIGHUP (its terminal closed) stops everything as SIGTERM does."""
+    argv = [*CLI, "dev", "up", "--root", str(tmp_path), *FREE_PORTS, "--only", "cluster-agent"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=service_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    started: set[int] = set()
+    try:
+        out = Lines(proc)
+        out.wait_for("Server is ready", 120)  # nats-server's own line: it runs
+        proc.send_signal(signal.SIGSTOP)  # frozen: what it started so far is all there is
+        started = descendants(proc.pid)
+        assert started
+        proc.send_signal(getattr(signal, how))
+        proc.send_signal(signal.SIGCONT)
+        code = proc.wait(90)
+        if how == "SIGHUP":
+            assert code == 130, "\n".join(out.seen[-20:])
+            wait_until(lambda: not any(alive(p) for p in started), 30, "no child left")
+            assert not (tmp_path / "stack.json").exists()
+            return
+        recorded = set(json.loads((tmp_path / "stack.json").read_text())["processes"].values())
+        assert started <= recorded, (started, recorded)
+        down = subprocess.run([*CLI, "dev", "down", "--root", str(tmp_path)], cwd=ROOT,
+                              env=service_env(), capture_output=True, text=True, timeout=90)
+        assert down.returncode == 0, down.stdout + down.stderr
+        wait_until(lambda: not any(alive(p) for p in started), 30, "no server left")
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def test_dev_up_only_with_an_unknown_service_names_it_and_starts_nothing(
+        tmp_path: Path) -> None:
+    res = subprocess.run([*CLI, "dev", "up", "--root", str(tmp_path), *FREE_PORTS,
+                          "--only", "gateway,gatway"], cwd=ROOT, env=service_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "gatway" in res.stderr, res.stderr
+    assert "inference-worker" in res.stderr  # the valid ones are listed
+    assert "[stack] ready" not in res.stdout and "[nats]" not in res.stdout

@@ -56,11 +56,23 @@ def _forks(text: str) -> tuple[int, ...]:
 
 
 def _client(args: argparse.Namespace) -> tuple[object, str]:
+    """The S3 client and the bucket, which must exist (else the command ends, saying so:
+    an empty listing would read as a run without checkpoints)."""
+    from botocore.exceptions import ClientError
+
     from tandem.common.settings import Settings, load
     from tandem.common.storage import s3_client
 
     settings = load(Settings, "tandem checkpoints")
-    return s3_client(settings), args.bucket or settings.s3_bucket
+    s3, bucket = s3_client(settings), args.bucket or settings.s3_bucket
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+            raise
+        raise SystemExit(f"tandem checkpoints: bucket {bucket!r} does not exist at "
+                         f"{settings.s3_endpoint or 'S3'} (--bucket or TANDEM_S3_BUCKET)") from None
+    return s3, bucket
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@
 endpoint (moto) with the bucket, provisions streams, then every built service for the
 clusters of the stack file, each line prefixed with its process name. It prints
 ``[stack] ready: ...`` once every service answers /healthz (or the wait is over), and
-runs until Ctrl-C or SIGTERM, which stop everything: services first, then the servers.
+runs until Ctrl-C, SIGTERM or SIGHUP (its terminal closed), which stop everything:
+services first, then the servers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "up", help="start the local stack in the foreground; Ctrl-C stops it",
         description="Start nats-server (JetStream), an S3 endpoint (moto) with the bucket, "
         "and every built service for each cluster of the stack file (default: east and "
-        "west), with log lines prefixed by process name. Ctrl-C or SIGTERM stops them all.")
+        "west), with log lines prefixed by process name. Ctrl-C, SIGTERM or SIGHUP stops "
+        "them all.")
     add_stack_arguments(up)
     up.add_argument("--root", type=Path, default=DEFAULT_ROOT,
                     help="state folder: NATS store, logs, stack.json (default: .tandem)")
@@ -99,7 +101,7 @@ def _up(args: argparse.Namespace) -> int:
     def on_signal(sig: int, _frame: object) -> None:
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, on_signal)
     stack = Stack(config, args.root, fresh=args.fresh, grace=args.grace, auth=args.auth,
                   topology=args.topology)
@@ -212,10 +214,12 @@ def _down(args: argparse.Namespace) -> int:
     sup = int(state.get("supervisor", 0))
     if sup and _alive(sup) and _ours(sup):
         print(f"stopping the stack (supervisor pid {sup})")
-        os.kill(sup, signal.SIGTERM)
-        if not _wait_gone([sup], args.timeout):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sup, signal.SIGTERM)
+        if _wait_gone([sup], args.timeout):
             print(f"supervisor {sup} still running after {args.timeout:.0f}s; killing it")
-            os.kill(sup, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
+                os.kill(sup, signal.SIGKILL)
     pids = [p for p in state.get("processes", {}).values() if _alive(p) and _ours(p)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,8 @@ class Process:
     name: str
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    # Called once the process exists, before it is waited on (a supervisor records it).
+    spawned: Callable[[], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -191,6 +193,8 @@ class Process:
                                      env={**os.environ, **(env or {})},
                                      start_new_session=True)
         out.close()
+        if self.spawned is not None:
+            self.spawned()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no shutdown, no flush."""

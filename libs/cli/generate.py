@@ -62,8 +62,8 @@ def _generate(args: argparse.Namespace) -> int:
     except Exception as exc:  # httpx's or nats-py's: Tandem is not there
         from tandem.cli.reach import START
 
-        print(f"tandem generate: cannot reach Tandem at {args.url}: {exc!r}. {START}",
-              file=sys.stderr)
+        print(f"tandem generate: cannot reach Tandem at {args.url}: "
+              f"{str(exc) or type(exc).__name__}. {START}", file=sys.stderr)
         return 2
     with tandem:
         model = _pick_model(models, args.model, args.what)
@@ -95,7 +95,8 @@ def _generate(args: argparse.Namespace) -> int:
             if event["event"] == "progress":
                 print(f"  step {event['step']}/{event['total']}", end="\r", flush=True)
             elif event["event"] == "state":
-                print(f"  {event['state']} on {event['worker'] or event['cluster']}")
+                where = event.get("worker") or event.get("cluster")
+                print(f"  {event['state']}" + (f" on {where}" if where else ""))
             elif event["event"] == "final":
                 final = event["record"]
         print()

@@ -27,6 +27,9 @@ def unreachable_message(exc: BaseException) -> str | None:
     if httpx is not None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         where = getattr(getattr(exc, "request", None), "url", "the gateway")
         return f"cannot reach the gateway at {where}. {START}"
+    if httpx is not None and isinstance(exc, httpx.TimeoutException):
+        where = getattr(getattr(exc, "request", None), "url", "the gateway")
+        return f"no answer from the gateway at {where} in time ({type(exc).__name__}). {START}"
     try:
         from botocore.exceptions import EndpointConnectionError, NoCredentialsError
     except ImportError:
@@ -38,6 +41,6 @@ def unreachable_message(exc: BaseException) -> str | None:
         if isinstance(exc, NoCredentialsError):
             return (f"no S3 credentials: set TANDEM_S3_ACCESS_KEY and TANDEM_S3_SECRET_KEY "
                     f"(S3 endpoint {s3}). {START}")
-    if isinstance(exc, ConnectionRefusedError | TimeoutError):
-        return f"cannot connect ({exc}). {START}"
+    if isinstance(exc, ConnectionError | TimeoutError):  # tandem.client's too
+        return f"cannot connect ({str(exc) or 'no answer in time'}). {START}"
     return None

@@ -13,6 +13,7 @@ import argparse
 import html
 import itertools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,14 @@ def _report(args: argparse.Namespace) -> int:
         print(f"tandem report: no demo.json in {args.out}; run `tandem demo --out {args.out}` "
               "first")
         return 2
-    print(write_report(args.out).resolve())
+    try:
+        print(write_report(args.out).resolve())
+    except (ValueError, KeyError, TypeError) as exc:
+        # ValueError: not JSON; the rest: JSON, but not what `tandem demo` writes
+        why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"tandem report: {args.out / 'demo.json'} is not a demo record ({why}); run "
+              f"`tandem demo --out {args.out}` again", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tandem.common import accounts, permissions
@@ -58,6 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _nats_config(args: argparse.Namespace) -> int:
     clusters = token_list(args.clusters, "cluster")
+    if not clusters:
+        print("tandem security nats-config: --clusters names no cluster; give at least one "
+              "(e.g. east,west)", file=sys.stderr)
+        return 2
     roles = permissions.declaration(clusters, args.control)
     compose = (tuple(clusters) == permissions.COMPOSE_CLUSTERS
                and args.control == permissions.CONTROL)
@@ -87,7 +92,8 @@ def _api_key(args: argparse.Namespace) -> int:
                        max_runs=args.max_runs)
     except ValidationError as exc:
         for e in exc.errors():
-            print(f"tandem security api-key: {'.'.join(map(str, e['loc']))}: {e['msg']}")
+            print(f"tandem security api-key: {'.'.join(map(str, e['loc']))}: {e['msg']}",
+                  file=sys.stderr)
         return 2
     print(f"key (shown once; give it to {args.name}): {key}")
     print("entry for TANDEM_API_KEYS / the keys file:")
@@ -98,7 +104,12 @@ def _api_key(args: argparse.Namespace) -> int:
 def _certs(args: argparse.Namespace) -> int:
     from tandem.cli.certs import dev_certs
 
-    files = dev_certs(args.folder, tuple(h.strip() for h in args.hosts.split(",")))
+    try:
+        files = dev_certs(args.folder, tuple(h.strip() for h in args.hosts.split(",")))
+    except OSError as exc:
+        print(f"tandem security certs: cannot write {exc.filename or args.folder}: "
+              f"{exc.strerror}", file=sys.stderr)
+        return 2
     for what, path in vars(files).items():
         print(f"{what:<12} {path}")
     return 0

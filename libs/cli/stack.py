@@ -273,6 +273,10 @@ class Stack:
 
     def _start(self, cancel: threading.Event, health_timeout: float,
                services: list[str] | None) -> dict[str, str]:
+        known = sorted({k.service for k in self.config.processes})
+        if unknown := [s for s in services or () if s not in known]:
+            raise SettingsError("--only", {", ".join(unknown): (
+                f"not a service of the stack file; its services: {', '.join(known)}")})
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ports = self._claim_ports()
@@ -291,16 +295,20 @@ class Stack:
             self.passwords = dict(self.topology.passwords)
             assert self.topology.hub is not None
             self.nats = self.topology.hub.servers[0]
+            self._write_state()
         else:
+            # Each server is recorded in stack.json as soon as it exists: a supervisor
+            # killed while starting leaves nothing `tandem dev down` cannot find.
             self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
                                    port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
                                    store_dir=self.root / "nats", host=HOST,
-                                   config_path=self._auth_config() if self.auth else None)
+                                   config_path=self._auth_config() if self.auth else None,
+                                   spawned=self._write_state)
             self._tail(self.nats.log_path, "nats")
             self.nats.start()
         self._check(cancel)
         self.s3 = S3Server(name="s3", log_path=self.log_dir / "s3.log", port=self.ports["s3"],
-                           host=HOST)
+                           host=HOST, spawned=self._write_state)
         self._tail(self.s3.log_path, "s3")
         self.s3.start()
         from tandem.common.storage import ensure_bucket, s3_client

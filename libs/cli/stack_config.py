@@ -3,6 +3,7 @@ clusters and the process kinds, validated whole (every problem named at once).""
 
 from __future__ import annotations
 
+import string
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +13,15 @@ from tandem.common import subjects
 from tandem.common.errors import SettingsError
 
 DEFAULT_CONFIG = Path(__file__).with_name("stack.toml")
+# What a process's env and url may name besides <port>_port (``Stack.specs`` fills them).
+PLACEHOLDERS = ("clusters", "nats_url", "s3_endpoint", "bucket", "root", "cluster", "node",
+                "index")
+_TYPES = {"env": "table of settings"}
+
+
+def _is(value: object, kind: type) -> bool:
+    """``value`` is a ``kind`` as TOML gives it (true is not the number 1)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class StackConfig:
             kinds = tuple(ProcessKind(**p) for p in raw.get("processes", []))
         except TypeError as exc:  # an unknown or missing key in an entry
             raise SettingsError(where, {"clusters/processes": str(exc)}) from None
-        config = cls(ports={k: int(v) for k, v in raw.get("ports", {}).items()},
+        config = cls(ports=dict(raw.get("ports", {})),  # types checked in problems()
                      bucket=str(raw.get("s3", {}).get("bucket", "tandem")),
                      clusters=clusters, processes=kinds)
         problems.update(config.problems())
@@ -73,12 +83,15 @@ class StackConfig:
             if name not in self.ports:
                 out[f"ports.{name}"] = "missing"
         for name, port in self.ports.items():
-            if not 0 <= port <= 65535:
-                out[f"ports.{name}"] = f"{port} is not a port (0 picks a free one)"
+            if not _is(port, int) or not 0 <= port <= 65535:
+                out[f"ports.{name}"] = f"{port!r} is not a port (0 picks a free one)"
         if not self.clusters:
             out["clusters"] = "at least one cluster is needed"
         seen: set[str] = set()
         for c in self.clusters:
+            if not _is(c.name, str):
+                out[f"clusters.{c.name}"] = f"name {c.name!r} is not a string"
+                continue
             try:
                 subjects.token(c.name, "cluster")
             except ValueError as exc:
@@ -86,9 +99,36 @@ class StackConfig:
             if c.name in seen:
                 out[f"clusters.{c.name}"] = "listed twice"
             seen.add(c.name)
-            if c.nodes < 1:
-                out[f"clusters.{c.name}.nodes"] = f"{c.nodes}: at least 1"
+            if not _is(c.nodes, int) or c.nodes < 1:
+                out[f"clusters.{c.name}.nodes"] = f"{c.nodes!r}: a whole number, at least 1"
+        # What a process's env and url may name: the ports' and the values Stack.specs
+        # fills in (a placeholder it could not fill would stop the stack half-started).
+        known = {f"{k}_port" for k in self.ports} | set(PLACEHOLDERS)
         for k in self.processes:
+            wrong = {key: v for key, v in (("service", k.service), ("name", k.name),
+                                           ("scope", k.scope), ("cluster", k.cluster))
+                     if not _is(v, str)}
+            if k.url is not None and not _is(k.url, str):
+                wrong["url"] = k.url
+            if not isinstance(k.env, dict):
+                wrong["env"] = k.env
+            for key, v in wrong.items():
+                out[f"processes.{k.name}.{key}"] = f"{v!r} is not a {_TYPES.get(key, 'string')}"
+            if wrong:
+                continue
+            texts = {f"env.{e}": str(v) for e, v in k.env.items()}
+            if k.url is not None:
+                texts["url"] = k.url
+            for key, text in texts.items():
+                try:
+                    names = {f for _, f, _, _ in string.Formatter().parse(text) if f}
+                except ValueError as exc:
+                    out[f"processes.{k.name}.{key}"] = f"{text!r}: {exc}"
+                    continue
+                if unknown := sorted(names - known):
+                    out[f"processes.{k.name}.{key}"] = (
+                        f"{text!r}: unknown placeholder {', '.join(map(repr, unknown))}; known: "
+                        f"{', '.join(sorted(known))} (<name>_port needs ports.<name>)")
             if k.service not in SERVICES:
                 out[f"processes.{k.name}.service"] = (
                     f"{k.service!r} is not one of {', '.join(sorted(SERVICES))}")

@@ -63,20 +63,32 @@ def _parse_value(raw: str) -> Any:
 def load_config(source: str, overrides: list[str] = (), run_id: str | None = None,  # type: ignore[assignment]
                 stdin: TextIO | None = None) -> dict[str, Any]:
     """Read a run config file (.toml, else JSON; '-' is stdin) and apply KEY=VALUE overrides."""
-    if source == "-":
-        data = json.loads((stdin or sys.stdin).read() or "{}")
-    else:
-        path = Path(source)
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    where = "stdin" if source == "-" else source
+    try:
+        if source == "-":
+            data = json.loads((stdin or sys.stdin).read() or "{}")
+        else:
+            path = Path(source)
+            text = path.read_text()
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as exc:
+        raise SystemExit(f"tandem train: cannot read {where}: {exc.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSON's, TOML's
+        raise SystemExit(f"tandem train: {where} is not a valid run config: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"tandem train: {where} holds a {type(data).__name__}, not a run "
+                         "config (an object of settings)")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise SystemExit(f"tandem train: --set {item!r} is not KEY=VALUE")
         node = data
         *parents, leaf = key.split(".")
-        for part in parents:
+        for i, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"tandem train: --set {item!r}: "
+                                 f"{'.'.join(parents[:i + 1])} is {node!r}, not a table")
         node[leaf] = _parse_value(raw)
     if run_id:
         data["run_id"] = run_id
@@ -84,11 +96,22 @@ def load_config(source: str, overrides: list[str] = (), run_id: str | None = Non
 
 
 async def _connect() -> Any:
+    from tandem.cli.reach import START
+    from tandem.common import log
     from tandem.common.bus import Bus
     from tandem.common.settings import Settings, load
 
-    return await Bus.connect(load(Settings, "tandem"), "cli", allow_reconnect=False,
-                             connect_timeout=3, max_reconnect_attempts=1)
+    # The bus's own connection logs (nats.disconnected at the end) stay out of the output.
+    log.configure("console", "error")
+    settings = load(Settings, "tandem")
+    try:
+        return await Bus.connect(settings, "cli", allow_reconnect=False, connect_timeout=3,
+                                 max_reconnect_attempts=1)
+    except Exception as exc:
+        why = str(exc).strip() or ("no answer in 3s" if isinstance(exc, TimeoutError)
+                                   else type(exc).__name__)
+        raise SystemExit(f"tandem train: cannot reach NATS at {settings.nats_url} "
+                         f"({why}). {START}") from None
 
 
 async def _submit(args: argparse.Namespace) -> int:

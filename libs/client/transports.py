@@ -129,10 +129,40 @@ class NatsClient(Client):
     @classmethod
     async def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0,
                       recheck: float = 5.0, **options: Any) -> NatsClient:
-        """``options`` go to ``nats.connect``."""
+        """Connect as ``TANDEM_NATS_USER``/``_PASSWORD``/``_CREDS``/``_TLS_CA``/
+        ``_INBOX_PREFIX`` say (``tandem.common.bus.connect.connect_options``, as every
+        service does). The first connect makes three tries of 2 s at most each,
+        then raises ``ConnectionError`` naming the URL and the last failure (refused,
+        no answer, the server's own refusal); once connected, the connection comes back
+        by itself without end. Errors are not printed. ``options`` go to
+        ``nats.connect`` over these."""
         import nats
+        from nats.errors import Error, NoServersError
 
-        return cls(await nats.connect(url, **options), api_key, timeout, recheck)
+        from tandem.common.bus.connect import connect_options
+        from tandem.common.settings import Settings, load
+
+        failures: list[BaseException] = []
+
+        async def quiet(exc: Exception) -> None:  # said once, by the error raised below
+            failures[:] = [exc]
+
+        opts: dict[str, Any] = dict(connect_options(load(Settings, "tandem.client")),
+                                    connect_timeout=2, reconnect_time_wait=0.5,
+                                    max_reconnect_attempts=2, error_cb=quiet)
+        opts.update(options)
+        try:
+            nc = await nats.connect(url, **opts)
+        except (OSError, TimeoutError, Error) as exc:
+            last = failures[-1] if failures and isinstance(exc, NoServersError) else exc
+            why = str(last).strip() or ("no answer" if isinstance(last, TimeoutError)
+                                        else type(last).__name__)
+            raise ConnectionError(f"cannot reach NATS at {url}: {why}") from None
+        if "max_reconnect_attempts" not in options:
+            # nats-py has one limit for the first connect and for reconnects: once
+            # connected, reconnect without end (a follow reads the record again after).
+            nc.options["max_reconnect_attempts"] = -1
+        return cls(nc, api_key, timeout, recheck)
 
     async def request(self, endpoint: str, body: Any,
                       headers: dict[str, str] | None = None) -> Any:
@@ -220,13 +250,21 @@ class NatsClient(Client):
 
 
 class HttpClient(Client):
-    """Over the gateway's HTTP API (progress by Server-Sent Events)."""
+    """Over the gateway's HTTP API (progress by Server-Sent Events).
+
+    A follow whose event stream breaks (the gateway restarts, a proxy hangs up) or ends
+    without the final event reads the task's status every ``recheck`` seconds until it
+    has ended, then gives the final event: the task runs on without the stream. While
+    the gateway cannot be reached, it keeps trying for ``patience`` seconds, then raises
+    the transport's error."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0,
-                 verify: Any = True) -> None:
+                 verify: Any = True, recheck: float = 2.0, patience: float = 120.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
                                       verify=verify)
+        self.recheck = recheck
+        self.patience = patience
 
     async def _call(self, method: str, path: str, want: int = 200, **kw: Any) -> Any:
         r = await self.http.request(method, path, **kw)
@@ -262,21 +300,40 @@ class HttpClient(Client):
         return (await self._call("GET", "/v1/models"))["models"]
 
     async def events(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
-        async with self.http.stream("GET", f"/v1/generations/{task_id}/events",
-                                    timeout=None) as r:
-            if r.status_code != 200:
-                await r.aread()
-                raise JobError(r.status_code, r.json().get("detail", r.text))
-            kind = ""
-            async for line in r.aiter_lines():
-                if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if kind == "final":
-                        yield {"event": "final", "record": data}
-                        return
-                    yield {"event": kind, **data}
+        try:
+            async with self.http.stream("GET", f"/v1/generations/{task_id}/events",
+                                        timeout=None) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise JobError(r.status_code, r.json().get("detail", r.text))
+                kind = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                    elif line.startswith("data: "):
+                        data = json.loads(line[6:])
+                        if kind == "final":
+                            yield {"event": "final", "record": data}
+                            return
+                        yield {"event": kind, **data}
+        except httpx.TransportError:
+            pass  # the stream broke: the task goes on without it (see the class)
+        yield {"event": "final", "record": await self._ended(task_id)}
+
+    async def _ended(self, task_id: str) -> dict[str, Any]:
+        """The task's record once it has ended, read every ``recheck`` seconds."""
+        since = asyncio.get_running_loop().time()  # the gateway last answered
+        while True:
+            try:
+                record = await self.status(task_id)
+            except httpx.TransportError:
+                if asyncio.get_running_loop().time() - since > self.patience:
+                    raise
+            else:
+                since = asyncio.get_running_loop().time()
+                if record["state"] in TERMINAL:
+                    return record
+            await asyncio.sleep(self.recheck)  # polling: no stream to wait on
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -106,6 +106,30 @@ def fitting(letter: DeadLetter, max_payload: int) -> DeadLetter:
     return out
 
 
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """The ``nats.connect`` options that say who connects and how: user and password,
+    credentials file, TLS (CA, and this client's certificate for mutual TLS) and inbox
+    prefix, from ``TANDEM_NATS_*``. Every connection uses these: ``Bus.connect``,
+    ``tandem.client`` and the CLI."""
+    opts: dict[str, Any] = {}
+    if settings.nats_user:
+        opts["user"] = settings.nats_user
+        opts["password"] = (
+            settings.nats_password.get_secret_value() if settings.nats_password else ""
+        )
+    if settings.nats_creds:
+        opts["user_credentials"] = settings.nats_creds
+    if settings.nats_inbox_prefix:
+        opts["inbox_prefix"] = settings.nats_inbox_prefix
+    if settings.nats_tls_ca:
+        import ssl
+
+        opts["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
+        if settings.nats_tls_cert:  # mutual TLS: this client's certificate
+            opts["tls"].load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+    return opts
+
+
 class Bus(Publishing):
     """A connected NATS client with JetStream, shared by a process's loops.
 
@@ -161,22 +185,6 @@ class Bus(Publishing):
             if made:
                 made[0]._reconnected_now()
 
-        auth: dict[str, Any] = {}
-        if settings.nats_user:
-            auth["user"] = settings.nats_user
-            auth["password"] = (
-                settings.nats_password.get_secret_value() if settings.nats_password else ""
-            )
-        if settings.nats_creds:
-            auth["user_credentials"] = settings.nats_creds
-        if settings.nats_inbox_prefix:
-            auth["inbox_prefix"] = settings.nats_inbox_prefix
-        if settings.nats_tls_ca:
-            import ssl
-
-            auth["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
-            if settings.nats_tls_cert:  # mutual TLS: this client's certificate
-                auth["tls"].load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
         opts: dict[str, Any] = dict(
             servers=settings.nats_servers,
             name=f"tandem-{service}-{settings.cluster}-{settings.node}",
@@ -187,7 +195,7 @@ class Bus(Publishing):
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            **auth,
+            **connect_options(settings),
         )
         opts.update(options)
         nc = await nats.connect(**opts)
