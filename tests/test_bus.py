@@ -497,10 +497,18 @@ async def test_provisioning_lets_an_older_bucket_be_read_directly_keeping_its_da
     kv = await bus.js.create_key_value(KeyValueConfig(bucket=f"old_{uid}", direct=False))
     await kv.put("k", b"kept")
     assert not (await bus.js.stream_info(f"KV_old_{uid}")).config.allow_direct
-    assert await bus.provision([KVSpec(f"old_{uid}")]) == []  # nothing created
-    assert (await bus.js.stream_info(f"KV_old_{uid}")).config.allow_direct
+    # Made before its writes were announced, too: provisioning adds that as well.
+    spec = KVSpec(f"old_{uid}", announce=f"written_{uid}.>")
+    assert await bus.provision([spec]) == []  # nothing created
+    config = (await bus.js.stream_info(f"KV_old_{uid}")).config
+    assert config.allow_direct and config.republish == spec.republish()
     fresh = await bus.js.key_value(f"old_{uid}")  # opened anew: reads by direct get
     assert (await fresh.get("k")).value == b"kept"
+    heard = await bus.nc.subscribe(f"written_{uid}.*")
+    await fresh.put("k", b"new")
+    msg = await heard.next_msg(timeout=5)
+    assert (msg.subject, msg.data, msg.headers["Nats-Subject"]) == (
+        f"written_{uid}.k", b"", f"$KV.old_{uid}.k")  # headers only: never the value
 
 
 async def test_a_fetch_handler_settles_each_message_by_its_own_outcome_as_it_comes(

@@ -74,7 +74,7 @@ async def test_post_returns_202_with_id_and_status_url_and_enqueues_the_task(
     assert body["status_url"] == f"/v1/generations/{body['id']}" == r.headers["location"]
     assert body["events_url"] == body["status_url"] + "/events"
     # Its record is its one source of truth; each write of it travels on this subject.
-    assert body["record_subject"] == f"$KV.{KV_TASKS}.{body['id']}"
+    assert body["record_subject"] == f"tasks.written.{body['id']}"
     assert await queued_on(bus, settings.cluster) == 1
     view = (await http.get(body["status_url"])).json()
     assert view["state"] == "queued" and view["lane"] == "batch"

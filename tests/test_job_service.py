@@ -105,7 +105,7 @@ def test_a_client_with_only_nats_py_submits_follows_and_cancels_jobs(jobs: Jobs)
     accepted = out["accepted"]
     assert accepted["code"] == 0 and accepted["state"] == "queued"
     assert accepted["cluster"] == CLUSTER
-    assert accepted["record_subject"] == f"$KV.tasks.{accepted['id']}"
+    assert accepted["record_subject"] == f"tasks.written.{accepted['id']}"
     # The record's writes, followed by a core subscription: queued, then succeeded once
     # with the images (running between only for a run longer than the progress interval).
     writes = out["writes"]

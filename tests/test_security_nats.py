@@ -240,30 +240,35 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
             assert reply.data == b'{"id": "t1"}'
             info = await client.nc.request("$SRV.INFO.tandem-jobs", b"", timeout=5)
             assert b'"tandem.jobs.generate"' in info.data
-            writes: list[bytes] = []
+            writes: list[tuple[str, bytes, str]] = []
 
             async def on_write(msg: Any) -> None:
-                writes.append(msg.data)
+                writes.append((msg.subject, msg.data, (msg.headers or {}).get("Nats-Subject")))
 
-            # Following a job: each write of its record (its state, then its result).
-            await client.nc.subscribe(subjects.TASK_RECORD.wildcard, cb=on_write)
+            # Following a job: each stored write of its record is announced, headers only;
+            # the record (another tenant's prompt, owner and images) never reaches a client.
+            await client.nc.subscribe(subjects.TASK_WRITTEN.wildcard, cb=on_write)
             await client.synced()
-            record = encodejson(TaskRecord(task=GenerationTask(task_id="t1", model="noop")))
+            record = encodejson(TaskRecord(task=GenerationTask(
+                task_id="t1", model="noop", prompt="bob's secret prompt", owner="bob")))
             await admin.publish(subjects.task_record("t1"), record)  # as a worker writes it
             # A miss says what arrived and what the connections went through (a client
             # disconnected while the record was written would never see it).
-            await until(lambda: writes == [record], seen=lambda: (
-                writes, [e for e in logs if e["event"].startswith("nats.")]))
-            # Nothing else: no queue, no stream API, no KV write, nobody's telemetry.
+            await until(lambda: writes == [("tasks.written.t1", b"", "$KV.tasks.t1")],
+                        seen=lambda: (writes, [e for e in logs
+                                               if e["event"].startswith("nats.")]))
+            # Nothing else: no queue, no stream API, no KV write, nobody's telemetry, no
+            # task's record as written.
             with pytest.raises(NatsTimeout):
                 await client.publish(subjects.gen("east", "interactive"),
                                      GenerationTask(task_id="x", model="noop"), timeout=0.5)
             for subject in ("$KV.tasks.t1", "$JS.API.STREAM.INFO.GEN_EAST"):
                 await client.emit(subject, b"{}")
             await client.nc.subscribe("telemetry.>")
+            await client.nc.subscribe(subjects.TASK_RECORD.wildcard)
             await until(lambda: all(denied(s) for s in (
                 "gen.east.interactive", "$KV.tasks.t1", "$JS.API.STREAM.INFO.GEN_EAST",
-                "telemetry.>")))
+                "telemetry.>", subjects.TASK_RECORD.wildcard)))
             await svc.stop()
         finally:
             await client.drain()

@@ -63,14 +63,20 @@ class Route:
 ROUTES: list[Route] = [
     Route(subjects.GEN, "GenerationTask", "gen(cluster, lane)", "publish",
           "submit a generation; `Nats-Msg-Id` = `task_id`"),
-    Route(subjects.TASK_RECORD, "TaskRecord", "task_record(task)", "subscribe",
-          "each write of a task's record, its one source of truth: queued, running (once "
-          "it has run a while), then succeeded with the images, failed or cancelled with "
-          "the reason; read it by id with a KV get or the job service's `status`. A "
-          "write the bucket refused (a compare-and-set that lost, made again from a fresh "
-          "read) is published here too: take a terminal state heard here as the cue to "
-          "read the record (as `tandem.client` does), or watch the bucket, which delivers "
-          "stored writes only"),
+    Route(subjects.TASK_RECORD, "TaskRecord", "task_record(task)", "",
+          "each write of a task's record, its one source of truth (services only: every "
+          "tenant's whole record): queued, running (once it has run a while), then "
+          "succeeded with the images, failed or cancelled with the reason. A write the "
+          "bucket refused (a compare-and-set that lost, made again from a fresh read) is "
+          "published here too: a wake-up to read the stored record, or watch the bucket, "
+          "which delivers stored writes only"),
+    Route(subjects.TASK_WRITTEN, None, "task_written(task)", "subscribe",
+          "each stored write of a task's record, announced by the server with headers "
+          "only (`Nats-Sequence`, `KV-Operation` on a delete), never the record: what a "
+          "program with the `client` NATS user follows (the job service's "
+          "`record_subject`), then reads its record with `tandem.jobs.status`, which "
+          "checks its owner. The record itself (`$KV.tasks.<task>`) is every tenant's, "
+          "for services only"),
     Route(subjects.GEN_PROGRESS, "GenerationProgress", "gen_progress(task)", "subscribe",
           "one per denoising step while the task runs"),
     *(Route(subjects.TRAIN, name, f'train(run, "{kind}")', "subscribe", what, kind)

@@ -18,7 +18,7 @@ import httpx
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 JOBS = "tandem.jobs"  # the job service's subject prefix (tandem.common.subjects.JOBS)
 PROGRESS = "gen.progress"  # + .<task>: each denoising step (subjects.GEN_PROGRESS)
-RECORDS = "$KV.tasks"  # + .<task>: each write of a task's record (subjects.TASK_RECORD)
+WRITTEN = "tasks.written"  # + .<task>: a write of the record, headers only (TASK_WRITTEN)
 
 
 class JobError(Exception):
@@ -109,15 +109,14 @@ class Client:
 
 class NatsClient(Client):
     """Over the NATS job service (``tandem.jobs.*``, request/reply) and the task's own
-    subjects: ``gen.progress.<task>`` (each step) and ``$KV.tasks.<task>`` (each write of
-    its record, the one source of its state and result).
+    subjects: ``gen.progress.<task>`` (each step) and ``tasks.written.<task>`` (each
+    stored write of its record, headers only: the record itself, every tenant's, is for
+    services; a client reads its own through the job service, which checks its owner).
 
-    A write heard on ``$KV.tasks.<task>`` is a wake-up, not the record: a core
-    subscription hears every write as it is published, one the bucket refused too, maybe
-    before the bucket stored it, and none while the connection is away. So a terminal
-    write is confirmed by reading the record (``status``), and while nothing is heard
-    for ``recheck`` seconds the record is read again: a final write that was missed, or
-    read before it was stored, ends the follow within ``recheck``."""
+    A write heard is a wake-up to read the record (``status``), never the record; none
+    is heard while the connection is away, so while nothing is heard for ``recheck``
+    seconds the record is read again: a final write that was missed ends the follow
+    within ``recheck``."""
 
     def __init__(self, nc: Any, api_key: str | None = None, timeout: float = 10.0,
                  recheck: float = 5.0) -> None:
@@ -206,12 +205,14 @@ class NatsClient(Client):
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         async def on(msg: Any) -> None:
-            kind = "progress" if msg.subject.startswith("gen.") else "record"
-            queue.put_nowait((kind, json.loads(msg.data)))
+            if msg.subject.startswith("gen."):
+                queue.put_nowait(("progress", json.loads(msg.data)))
+            else:
+                queue.put_nowait(("written", None))
 
         # Subscribed before the record is read: no change can fall between the two.
         subs = [await self.nc.subscribe(f"{subject}.{task_id}", cb=on)
-                for subject in (PROGRESS, RECORDS)]
+                for subject in (PROGRESS, WRITTEN)]
         try:
             record = await self.status(task_id)
             state = record["state"]
@@ -231,13 +232,14 @@ class NatsClient(Client):
                         yield {"event": "state", "state": state, "cluster": record["cluster"],
                                "worker": ""}
                     yield {"event": "progress", **data}
-                elif data.get("state") in TERMINAL:
-                    record = await self.status(task_id)  # the view: presigned image URLs
+                    continue
+                record = await self.status(task_id)  # written: the record as stored
+                if record["state"] != state:
                     state = record["state"]
-                elif data.get("state") != state:
-                    state = data["state"]
-                    yield {"event": "state", "state": state, "cluster": data.get("cluster", ""),
-                           "worker": data.get("worker", "")}
+                    if state not in TERMINAL:
+                        yield {"event": "state", "state": state,
+                               "cluster": record.get("cluster", ""),
+                               "worker": record.get("worker", "")}
             yield {"event": "final", "record": record}
         finally:
             for sub in subs:

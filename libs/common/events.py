@@ -148,10 +148,12 @@ class GenerationProgress(Event, kw_only=True):
 class TaskRecord(Event, kw_only=True):
     """Value of KV ``tasks``: the one source of truth of a task, moved only forward by
     compare-and-set (``tasks.py``). Each write is also a message on
-    ``$KV.tasks.<task>`` (``subjects.task_record``): the task's state changes, readable
-    by any NATS client (a write the bucket refused is published there too: the stored
-    record, read or watched, is the truth). ``succeeded`` carries the result (``images``,
-    ``checkpoint``, ``timings``); ``failed`` and ``cancelled`` the ``reason``.
+    ``$KV.tasks.<task>`` (``subjects.task_record``): the task's state changes, for
+    services (a write the bucket refused is published there too: the stored record, read
+    or watched, is the truth); clients hear each stored write on ``tasks.written.<task>``
+    with headers only and read their own record through the job service. ``succeeded``
+    carries the result (``images``, ``checkpoint``, ``timings``); ``failed`` and
+    ``cancelled`` the ``reason``.
     """
 
     task: GenerationTask

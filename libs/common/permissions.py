@@ -270,7 +270,10 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         _Grants(CLIENT, "programs that submit jobs: the job service, job status, progress "
                 "and results; no queue, stream or bucket of their own")
         .emits(JOBS, SRV)
-        .listens(records, subjects.GEN_PROGRESS.wildcard, subjects.train_kind_filter("status"))
+        # A task's record only through the job service, which checks its owner: here,
+        # that it was written (headers only), never what it holds (every tenant's).
+        .listens(subjects.TASK_WRITTEN.wildcard, subjects.GEN_PROGRESS.wildcard,
+                 subjects.train_kind_filter("status"))
     )
 
     admin = Role(ADMIN, "operators, the CLI and the local stack's provisioning: everything",

@@ -16,6 +16,7 @@ from nats.js.api import (
     ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -66,12 +67,21 @@ class KVSpec:
     ttl: float = 0.0  # seconds; a key not rewritten within ttl disappears
     history: int = 1
     replicas: int = 1
+    # Each stored write republished by the server to this subject filter, headers only
+    # (e.g. ``tasks.written.>``): who may not read the values still hears that one changed.
+    announce: str = ""
+
+    def republish(self) -> RePublish | None:
+        if not self.announce:
+            return None
+        return RePublish(src=f"$KV.{self.bucket}.>", dest=self.announce, headers_only=True)
 
     def config(self) -> KeyValueConfig:
         return KeyValueConfig(
             bucket=self.bucket, ttl=self.ttl or None, history=self.history,
             replicas=self.replicas, storage=StorageType.FILE,
             direct=True,  # reads by direct get: no JSON, no base64, any replica answers
+            republish=self.republish(),
         )
 
 
@@ -186,7 +196,8 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
                    max_age=7 * DAY, replicas=replicas),
         KVSpec(KV_NODES, ttl=heartbeat_ttl, replicas=replicas),
         # A task's one record: its state, moved forward by compare-and-set, its result.
-        KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas),
+        KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas,
+               announce=subjects.TASKS_WRITTEN),
         # The gateway's notice that it cancelled a task, watched by every worker.
         KVSpec(KV_CANCELS, ttl=DAY, replicas=replicas),
         KVSpec(KV_IDEMPOTENCY, ttl=DAY, replicas=replicas),
@@ -285,14 +296,17 @@ async def _kv(js: JetStreamContext, spec: KVSpec) -> bool:
         ("history", have.max_msgs_per_subject, spec.history),
         ("replicas", have.num_replicas, spec.replicas),
     ])
-    if not have.allow_direct:
-        # A bucket made before reads went direct: allowing it changes no data, and until
-        # it is allowed reads still work (STREAM.MSG.GET), so a refusal is only logged.
-        have.allow_direct = True
+    republish = spec.republish()
+    if not have.allow_direct or have.republish != republish:
+        # A bucket made before reads went direct, or before its writes were announced:
+        # neither changes data, and until the update reads still work (STREAM.MSG.GET)
+        # and only who follows the announcements waits for it, so a refusal (a role
+        # that may not update streams: provision as admin) is only logged.
+        have.allow_direct, have.republish = True, republish
         try:
             await js.update_stream(have)
         except Exception as exc:
-            log.get("tandem.streams").warning("streams.allow_direct_refused",
+            log.get("tandem.streams").warning("streams.kv_update_refused",
                                               bucket=spec.bucket, error=repr(exc))
     return False
 

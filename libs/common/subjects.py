@@ -109,6 +109,13 @@ GEN_PROGRESS = Subject("gen.progress.{task}")
 # this subject, the task's whole record as JSON, so a core subscription follows a task's
 # state changes and ``$KV.tasks.*`` every task's.
 TASK_RECORD = Subject("$KV.tasks.{task}")
+# Each stored write of a task's record, republished by the server with its headers only
+# (``Nats-Sequence``, ``Nats-Msg-Size``; ``KV-Operation`` on a delete), never the record:
+# what programs outside Tandem (the ``client`` role) follow, a wake-up to read their own
+# task's record through the job service, which checks its owner. ``$KV.tasks.*`` carries
+# every tenant's whole record (prompt, owner, image keys), so only services hear it.
+TASK_WRITTEN = Subject("tasks.written.{task}")
+TASKS_WRITTEN = "tasks.written.>"  # KV tasks' republish target (streams.KVSpec.announce)
 TELEMETRY = Subject("telemetry.{cluster}.{node}")
 HEALTH = Subject("health.{cluster}.{node}")
 MODELS = Subject("models.{cluster}.{node}")
@@ -138,6 +145,11 @@ def gen_cluster_filter(cluster: str) -> str:
 def task_record(task: str) -> str:
     """Where each write of a task's record travels (KV ``tasks``, key ``task``)."""
     return f"$KV.tasks.{token(task, 'task id')}"
+
+
+def task_written(task: str) -> str:
+    """Where each stored write of a task's record is announced, headers only."""
+    return f"tasks.written.{token(task, 'task id')}"
 
 
 def gen_progress(task: str) -> str:

@@ -2,8 +2,10 @@
 
 All state lives on the bus (KV ``tasks``, KV ``idempotency``, ``GEN_*`` streams), never
 in this process, so a restarted gateway serves every earlier task as before. A task's
-record (KV ``tasks``) is its one source of truth: status, SSE and the job service read it,
-and each write of it is a message on ``$KV.tasks.<task>`` that any NATS client can follow.
+record (KV ``tasks``) is its one source of truth: status, SSE and the job service read it
+(checking its owner). Each write of it is a message on ``$KV.tasks.<task>`` (services
+only: it is the whole record, every tenant's) and, once stored, a headers-only one on
+``tasks.written.<task>`` that programs outside Tandem follow.
 """
 
 from __future__ import annotations
@@ -87,12 +89,13 @@ class Submitted:
 
     def accepted(self) -> dict[str, Any]:
         """What every door answers: the record as accepted and where to follow it: each
-        write of its record (``record_subject``, the whole record as JSON: every state
-        change, the result with it) and each denoising step (``progress_subject``)."""
+        stored write of its record (``record_subject``, ``tasks.written.<task>``: headers
+        only, a wake-up to read the record through a door that checks its owner) and each
+        denoising step (``progress_subject``)."""
         tid = self.task.task_id
         return {"id": tid, "state": self.record.state.value, "model": self.task.model,
                 "cluster": self.record.cluster, "lane": self.task.lane, "seed": self.task.seed,
-                "record_subject": subjects.task_record(tid),
+                "record_subject": subjects.task_written(tid),
                 "progress_subject": subjects.gen_progress(tid)}
 
 
