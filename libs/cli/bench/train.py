@@ -96,12 +96,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sup = RunSupervisor(bus, SupervisorConfig(
                 checkpoint_root=root / "ckpt", work_root=root / "work", cluster="bench",
                 node="bench"), "bench", cfg, LocalLauncher(), log.get("tandem.bench"))
-            relay = await asyncio.start_server(sup.handle_connection, "127.0.0.1", 0)
+            relay = await sup.listen()  # the coordinator's relay, as it is started
             pump = asyncio.create_task(relay_pump(sup))
             spec = LaunchSpec(
                 run_id="bench", attempt=1, config=cfg.model_dump(mode="json"),
                 checkpoint_root=str(root / "ckpt"), attempt_dir=str(root / "work"),
-                events=f"127.0.0.1:{relay.sockets[0].getsockname()[1]}", node="bench",
+                events=sup.relay_address, node="bench",
                 threads=args.threads)
             (root / "ckpt").mkdir()
             spec_path = root / "launch.json"

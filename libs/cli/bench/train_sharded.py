@@ -174,7 +174,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             sup = RunSupervisor(bus, SupervisorConfig(
                 checkpoint_root=root / "ckpt", work_root=root / "work", cluster=RUN,
                 node=nodes[0]), RUN, cfg, LocalLauncher(), log.get("tandem.bench"))
-            relay = await asyncio.start_server(sup.handle_connection, "127.0.0.1", 0)
+            relay = await sup.listen()  # the coordinator's relay, as it is started
             loop = asyncio.get_running_loop()
             mirrored: list[asyncio.Future[None]] = []
 
@@ -188,7 +188,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                      "moto (S3)": s3srv.cpu_seconds}
             meter = saturation.Meter(procs).start()
             out = await _train(args, cfg, root, nodes, threads, warmup, s3srv.url,
-                               f"127.0.0.1:{relay.sockets[0].getsockname()[1]}")
+                               sup.relay_address)
             training = meter.stop()
             await asyncio.wait_for(pump, 60)  # every reported step is on the bus
             await asyncio.gather(*mirrored)
