@@ -121,6 +121,21 @@ def test_without_nats_the_client_fails_with_one_line_and_no_traceback(
     assert f"127.0.0.1:{port}" in lines[0] and "tandem dev up" in lines[0]
 
 
+@pytest.mark.parametrize("argv", [["generate", "3", "--url", "{url}"],
+                                  ["train", "submit", "{tmp}/run.json"]])
+def test_with_nats_but_no_gateway_the_client_says_so_in_one_line(
+        argv: list[str], tmp_path: Path, nats_server: NatsServer) -> None:
+    (tmp_path / "run.json").write_text('{"steps": 5}')
+    argv = [a.replace("{url}", nats_server.url).replace("{tmp}", str(tmp_path)) for a in argv]
+    res = tandem(argv, NATS_URL=nats_server.url)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr and "Task was destroyed" not in res.stderr, \
+        res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "no gateway serves the job service (tandem.jobs." in lines[0], lines[0]
+
+
 @pytest.fixture
 def auth_nats(tmp_path: Path) -> Iterator[NatsServer]:
     """A NATS server that takes only user ``cli`` with password ``pw``."""

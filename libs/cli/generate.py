@@ -56,12 +56,15 @@ def _pick_model(models: list[dict[str, Any]], name: str | None, what: str) -> di
 def _generate(args: argparse.Namespace) -> int:
     from tandem.client import JobError, SyncClient
 
+    tandem = None
     try:
         tandem = SyncClient(args.url, api_key=args.api_key)
         models = tandem.models()
-    except Exception as exc:  # httpx's or nats-py's: Tandem is not there
+    except Exception as exc:  # httpx's or nats-py's, no gateway: Tandem is not there
         from tandem.cli.reach import START
 
+        if tandem is not None:
+            tandem.close()
         print(f"tandem generate: cannot reach Tandem at {args.url}: "
               f"{str(exc) or type(exc).__name__}. {START}", file=sys.stderr)
         return 2

@@ -168,8 +168,15 @@ class NatsClient(Client):
         hdrs = dict(headers or {})
         if self.api_key:
             hdrs["Authorization"] = f"Bearer {self.api_key}"
-        msg = await self.nc.request(f"{JOBS}.{endpoint}", json.dumps(body).encode(),
-                                    timeout=self.timeout, headers=hdrs or None)
+        from nats.errors import NoRespondersError
+
+        try:
+            msg = await self.nc.request(f"{JOBS}.{endpoint}", json.dumps(body).encode(),
+                                        timeout=self.timeout, headers=hdrs or None)
+        except NoRespondersError:  # NATS is there, no gateway serving tandem-jobs on it
+            raise JobError(503, f"no gateway serves the job service ({JOBS}.{endpoint}) on "
+                           "this NATS: start one (tandem dev up), or point the URL at a "
+                           "NATS where one runs") from None
         data = json.loads(msg.data) if msg.data else {}
         got = msg.headers or {}
         code = got.get("Nats-Service-Error-Code")
