@@ -309,21 +309,25 @@ async def test_upload_corrupted_in_transit_is_detected_and_sent_again(
     assert (restored.step, restored.skipped) == (20, [])
 
 
-async def test_retries_exhausted_publish_failed_with_the_reason_and_keep_the_local_copy(
+async def test_corruption_outlasting_the_attempts_hands_the_checkpoint_back_not_up(
         bus: Bus, case: Case, s3: Any, proxy: FaultProxy, tmp_path: Path) -> None:
+    """A transfer that did not verify can heal: once the attempts are spent the event is
+    handed back (redelivered later), never ``failed``; an error that will not heal is
+    (``test_checkpointer_faults``)."""
     run, bucket, events = case.run, case.bucket, case.events
     directory, manifest = case.checkpoint(30, sizes={"rng.bin": 4096})
-    proxy.corrupt(1000, lambda m, p: m == "PUT" and p.endswith("/rng.bin"))
+    proxy.corrupt(3, lambda m, p: m == "PUT" and p.endswith("/rng.bin"))
     async with running(bus, **case.config(proxy.url, attempts=2, local_keep=0)):
-        await case.publish(directory, manifest)
-        failed = await events.next(CheckpointFailed)
+        ack = await case.publish(directory, manifest)
+        mirrored = await events.next(CheckpointMirrored)
+        await settled(bus, ack.seq)
+        info = await bus.js.consumer_info("MIRROR", "checkpointer")
 
-    assert failed.step == 30 and failed.attempts == 2
-    assert "gave up after 2 attempts" in failed.reason
-    assert "rng.bin: stored object differs" in failed.reason
-    assert ck.list_steps(s3, bucket, run).get(30) is not True  # never committed
-    assert ck.scan(directory, run, 30).files == manifest.files  # local copy kept, intact
-    assert not [e for e in events.seen if isinstance(e, CheckpointMirrored)]
+    assert mirrored.step == 30 and info.delivered.consumer_seq == 2  # handed back once
+    assert len(proxy.corrupted) == 3 and uploads_of(proxy, "rng.bin") == 4
+    assert not [e for e in events.seen if isinstance(e, CheckpointFailed)]
+    restored = ck.restore(s3, bucket, run, tmp_path / "restored")
+    assert (restored.step, restored.skipped) == (30, [])
 
 
 async def test_retention_keeps_last_n_and_every_kth_and_deletes_local_copies_after_commit(

@@ -300,11 +300,13 @@ async def test_a_part_retention_has_passed_is_not_mirrored_and_a_stranded_one_is
     # goes on and commits step 50 on both nodes; with keep_last=1 nothing older is worth
     # keeping. na's stranded part of 40 would never be whole: the commit of 50 deletes
     # it. nb's part of 40, handed over at last, is not uploaded, and its local copy goes.
+    # stale_upload_age: na's part is as old as one that nothing was written to for that
+    # long (retention leaves a younger one alone: its upload may still be running).
     run, bucket = nodes.run, nodes.bucket
     events = await ckpt_events(bus, run)
     later = {n: write_part(nodes.roots[n], run, n, step=50) for n in RANKS}
-    async with running(bus, **nodes.config("na", keep_last=1)), \
-            running(bus, **nodes.config("nb", keep_last=1)):
+    async with running(bus, **nodes.config("na", keep_last=1, stale_upload_age=0.001)), \
+            running(bus, **nodes.config("nb", keep_last=1, stale_upload_age=0.001)):
         await nodes.publish("na")
         first = await events.next(CheckpointPartMirrored)
         assert (first.step, first.node, first.lacks != []) == (STEP, "na", True)

@@ -3,7 +3,8 @@
 ``Mirror.mirror(directory, manifest)`` guarantees, when it returns, that every file is
 stored whole and verified against the manifest's checksum and that ``manifest.json`` is
 stored (the commit). When it raises, nothing is committed: the manifest is put last,
-with ``If-None-Match: *``, and only after every file verified.
+with ``If-None-Match: *``, and only after every file verified; a file gone by then
+(retention swept it meanwhile) takes the commit back.
 
 Verification, per file:
 
@@ -207,7 +208,7 @@ class Mirror:
         result = MirrorResult(committed=True, manifest=manifest)
         result.aborted_uploads = self.abort_uploads(ck.step_prefix(run, step, lineage))
         self._send(directory, manifest, result)
-        result.committed = self._commit(manifest)
+        result.committed = self._commit_stored(manifest)
         result.seconds = time.perf_counter() - started
         return result
 
@@ -241,7 +242,7 @@ class Mirror:
                                  f"{exc}") from None
         if whole is not None:
             self._check_stored(whole)
-            result.committed = self._commit(whole)
+            result.committed = self._commit_stored(whole)
             result.manifest = whole
         result.seconds = time.perf_counter() - started
         return result
@@ -290,15 +291,28 @@ class Mirror:
         return out
 
     def _check_stored(self, whole: CheckpointManifest) -> None:
-        """Every file ``whole`` lists is stored with its size (each node verified its own
-        bytes before recording its part; this catches a file gone since)."""
+        """Every file ``whole`` lists is stored with its size (each file, or each node's
+        part, was verified as it was sent; this catches a file gone since)."""
         run, step, lineage = whole.run_id, whole.step, whole.lineage
         stored = self._stored_sizes(ck.step_prefix(run, step, lineage))
         for entry in whole.files:
             size = stored.get(ck.object_key(run, step, entry.name, lineage))
             if size != entry.size:
-                raise VerifyError(entry.name, f"a recorded part lists it with {entry.size} "
+                raise VerifyError(entry.name, f"the manifest lists it with {entry.size} "
                                   f"bytes, S3 holds {'none' if size is None else size}")
+
+    def _commit_stored(self, manifest: CheckpointManifest) -> bool:
+        """``_commit``, then ``_check_stored``: retention may have swept the step's files
+        while they were sent (it took the upload for an abandoned one). A file gone takes
+        the commit back (nobody may load it) and fails the attempt, to be retried: the
+        next one sends the files again."""
+        committed = self._commit(manifest)
+        try:
+            self._check_stored(manifest)
+        except VerifyError:
+            self._discard(ck.manifest_key(manifest.run_id, manifest.step, manifest.lineage))
+            raise
+        return committed
 
     def _put_verified(self, key: str, body: bytes) -> None:
         """Put a small object (a part record) and verify what was stored."""

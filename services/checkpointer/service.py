@@ -18,10 +18,13 @@ node's folder):
    only forward), retention in S3 (``ckpt.<run>.pruned``), then local copies of
    committed checkpoints beyond ``local_keep`` are deleted (``delete_local``: the only
    service that deletes a whole local checkpoint);
-   not committed after ``attempts`` → ``ckpt.<run>.failed`` with the reason; the local
-   copy is kept. Retention also deletes a checkpoint never committed that it has passed
-   (``checkpoints.passed``), and one handed over after retention passed it is not
-   mirrored at all (a node's part come after the rest was pruned: never whole).
+   not committed after ``attempts``: an error that can heal (S3 unreachable, a 5xx,
+   throttling) hands the event back to be redelivered (``Retry``; the DLQ after the
+   consumer's ``max_deliver``), one that cannot → ``ckpt.<run>.failed`` with the reason;
+   the local copy is kept either way. Retention also deletes a checkpoint never committed
+   that it has passed (``checkpoints.passed``) and nothing was written to for
+   ``stale_upload_age``, and one handed over after retention passed it is not mirrored
+   at all (a node's part come after the rest was pruned: never whole).
 
 A redelivered event (a crash between commit and ack) finds the manifest, uploads
 nothing, and finishes steps 3 (the event ids make the publishes idempotent); a crash
@@ -46,6 +49,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from botocore.exceptions import ClientError
 from pydantic import Field
 
 from tandem.common import checkpoints as ck
@@ -96,7 +100,9 @@ class CheckpointerSettings(Settings):
         "checks it (needed for stores that do not check checksums, such as moto); "
         "'checksum' trusts the store's check of the checksum sent (AWS S3, MinIO).")
     attempts: int = Field(
-        5, ge=1, le=100, description="Mirror attempts before ckpt.<run>.failed.")
+        5, ge=1, le=100,
+        description="Mirror attempts per delivery; then an error that can heal hands the "
+        "event back (redelivered later), another publishes ckpt.<run>.failed.")
     retry_backoff: float = Field(
         1.0, gt=0, le=60, description="Seconds before the 2nd attempt; doubles, max 30.")
     keep_last: int = Field(3, ge=1, description="Newest committed checkpoints kept in S3.")
@@ -118,7 +124,9 @@ class CheckpointerSettings(Settings):
         "holds a checkpoint before it is redelivered (in-progress acks keep a live one).")
     stale_upload_age: float = Field(
         3600.0, gt=0,
-        description="Multipart uploads under runs/ older than this (s) are aborted at start.")
+        description="Multipart uploads under runs/ older than this (s) are aborted at start; "
+        "retention deletes a never-committed checkpoint only once nothing was written to "
+        "it for this long.")
     scope: Literal["fleet", "node"] = Field(
         "fleet",
         description="node: mirror only the checkpoints written on this node (TANDEM_CLUSTER, "
@@ -182,8 +190,15 @@ class Checkpointer(Service):
     # --------------------------------------------------------------------------- handling
 
     async def handle(self, d: Delivery[CheckpointWritten]) -> None:
-        ev = d.event
         directory = self._validate(d)
+        # Held to the end, not only while mirroring: the listings before it and what
+        # follows the commit (events, KV, retention, local copies) can outlast AckWait
+        # too, and the message must never be handled twice at once.
+        async with d.keepalive():
+            await self._handle(d, directory)
+
+    async def _handle(self, d: Delivery[CheckpointWritten], directory: Path) -> None:
+        ev = d.event
         lineage = ev.manifest.lineage
         lg = self.ctx.log.bind(run=ev.run_id, step=ev.step, lineage=lineage, node=ev.node)
         line = await self._lineage(ev.run_id)
@@ -199,8 +214,7 @@ class Checkpointer(Service):
             await asyncio.to_thread(delete_local, directory.parent, set(), 0, lg, line,
                                     {ev.step})
             return
-        async with d.keepalive():
-            result, error, attempts = await self._mirror(ev, directory, lg)
+        result, error, attempts = await self._mirror(ev, directory, lg)
         if result is not None and ev.manifest.part:
             await self._part_mirrored(ev, directory, result, lg)
             if result.lacks:
@@ -252,9 +266,9 @@ class Checkpointer(Service):
     async def _mirror(self, ev: CheckpointWritten, directory: Path,
                       lg: Any) -> tuple[MirrorResult | None, str, int]:
         assert self.mirror is not None
-        retries = Backoff(self.settings.retry_backoff, max_delay=30.0).retries(
-            attempts=self.settings.attempts, stop=self.ctx.stopping)
-        reason = ""
+        backoff = Backoff(self.settings.retry_backoff, max_delay=30.0)
+        retries = backoff.retries(attempts=self.settings.attempts, stop=self.ctx.stopping)
+        reason, heals = "", True
         async for attempt in retries:
             try:
                 await asyncio.to_thread(storage.ensure_bucket, self.s3, self.settings.s3_bucket)
@@ -265,17 +279,23 @@ class Checkpointer(Service):
                     result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
                 return result, "", attempt
             except MirrorError as exc:
-                reason = str(exc)
+                reason, heals = str(exc), exc.retryable
                 if not exc.retryable:
                     return None, reason, attempt
             except Exception as exc:  # S3 unreachable, 5xx after boto3's own retries, ...
-                reason = f"{type(exc).__name__}: {exc}"
+                reason, heals = f"{type(exc).__name__}: {exc}", _heals(exc)
             OUTCOMES.labels("retried").inc()
             lg.warning("checkpoint.attempt_failed", attempt=attempt, error=reason)
         if retries.stopped:
             raise Retry("checkpointer stopping", delay=1.0)  # handed back, not lost
-        return None, f"gave up after {self.settings.attempts} attempts: {reason}", \
-            self.settings.attempts
+        reason = f"gave up after {self.settings.attempts} attempts: {reason}"
+        if heals:
+            # An outage, not a verdict: handed back to be redelivered (dead-lettered as
+            # any message after the consumer's max_deliver), the local copy kept.
+            delay = backoff.delay(self.settings.attempts)
+            lg.warning("checkpoint.retry_later", error=reason, delay=delay)
+            raise Retry(reason, delay=delay)
+        return None, reason, self.settings.attempts
 
     async def _part_mirrored(self, ev: CheckpointWritten, directory: Path,
                              result: MirrorResult, lg: Any) -> None:
@@ -348,23 +368,29 @@ class Checkpointer(Service):
         rec = await self.runs.update(
             run, lambda rec: _record_latest(rec, run, ev.step, lineage, uri))
         line = ck.Lineage.of(rec.forks) if rec is not None else ck.Lineage()
-        listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, bucket, run)
-        await self._prune(run, listed, line, lg)
+        written: dict[ck.CheckpointId, float] = {}
+        listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, bucket, run, written)
+        await self._prune(run, listed, written, line, lg)
         await asyncio.to_thread(delete_local, directory.parent, _history(listed, line),
                                 s.local_keep, lg, line)
 
-    async def _prune(self, run: str, listed: dict[ck.CheckpointId, bool], line: ck.Lineage,
+    async def _prune(self, run: str, listed: dict[ck.CheckpointId, bool],
+                     written: dict[ck.CheckpointId, float], line: ck.Lineage,
                      lg: Any) -> None:
         """Retention over the committed checkpoints of the run's history; every checkpoint
         of it never committed that retention has passed (the parts of a node whose others
-        never came, or that came after the rest was pruned); every checkpoint (committed
-        or not) a rollback abandoned."""
+        never came, or that came after the rest was pruned) once nothing was written to
+        it for ``stale_upload_age`` (``written``: its newest object's time; a younger one
+        may be an upload still running); every checkpoint (committed or not) a rollback
+        abandoned."""
         s = self.settings
         history = sorted(_history(listed, line))
         drop = [ck.CheckpointId(step, line.owner(step))
                 for step in ck.retention(history, s.keep_last, s.keep_every)]
+        stale = time.time() - s.stale_upload_age
         partial = [c for c, done in listed.items() if not done and line.holds(*c)
-                   and ck.passed(c.step, history, s.keep_last, s.keep_every)]
+                   and ck.passed(c.step, history, s.keep_last, s.keep_every)
+                   and written.get(c, 0.0) < stale]
         abandoned = [c for c in listed if line.abandoned(*c)]
         if not drop and not partial and not abandoned:
             return
@@ -384,6 +410,24 @@ class Checkpointer(Service):
                                                     names=names, reason=reason),
                                    msg_id=f"ckpt-{run}-pruned-{digest}", retry_for=30.0)
         lg.info("checkpoint.pruned", checkpoints=names, reason=reason)
+
+
+# S3's codes of a request refused for now (rate, a slow client), not for what it asks.
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+              "RequestLimitExceeded", "TooManyRequests"}
+
+
+def _heals(exc: Exception) -> bool:
+    """Whether an attempt's error can go away by itself: S3 unreachable, a 5xx, throttling,
+    a transfer that did not verify; not a local checkpoint that does not match its
+    manifest, a conflicting commit, or a request S3 refuses (403 AccessDenied, ...)."""
+    if isinstance(exc, MirrorError):
+        return exc.retryable
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = exc.response.get("Error", {}).get("Code", "")
+        return status >= 500 or status == 429 or code in _THROTTLED
+    return True
 
 
 def _history(listed: dict[ck.CheckpointId, bool], line: ck.Lineage) -> set[int]:

@@ -58,19 +58,27 @@ def _is_missing(exc: Exception) -> bool:
     return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
 
 
-def list_checkpoints(s3: Any, bucket: str, run_id: str) -> dict[CheckpointId, bool]:
+def list_checkpoints(s3: Any, bucket: str, run_id: str,
+                     written: dict[CheckpointId, float] | None = None
+                     ) -> dict[CheckpointId, bool]:
     """Every checkpoint (of every lineage) with objects under the run's prefix ->
-    whether it is committed, oldest first."""
-    keys: list[str] = []
+    whether it is committed, oldest first. ``written``, when given, is filled with when
+    each one's newest object was written (its ``LastModified``, epoch seconds): from the
+    same listing, for retention, which leaves an upload still in progress alone."""
+    objects: list[dict[str, Any]] = []
     paginator = s3.get_paginator("list_objects_v2")
     try:
         for page in paginator.paginate(Bucket=bucket, Prefix=run_prefix(run_id)):
-            keys += [obj["Key"] for obj in page.get("Contents", [])]
+            objects += page.get("Contents", [])
     except Exception as exc:
         if _is_missing(exc):
             return {}
         raise
-    return checkpoints_in_listing(keys, run_id)
+    if written is not None:
+        for obj in objects:
+            for cid in checkpoints_in_listing([obj["Key"]], run_id):  # its checkpoint
+                written[cid] = max(written.get(cid, 0.0), obj["LastModified"].timestamp())
+    return checkpoints_in_listing([obj["Key"] for obj in objects], run_id)
 
 
 def list_steps(s3: Any, bucket: str, run_id: str,
@@ -282,18 +290,37 @@ def restore(s3: Any, bucket: str, run_id: str, dest: Path, *, step: int | None =
 # ---------------------------------------------------------------------------------- delete
 
 
+class DeleteFailed(Exception):
+    """S3 kept objects that ``delete`` asked it to remove (``DeleteObjects`` answers 200
+    and names each key it could not delete, with a code, in ``Errors``)."""
+
+    def __init__(self, prefix: str, errors: list[tuple[str, str]], deleted: int) -> None:
+        self.errors = errors  # (key, code)
+        self.deleted = deleted
+        kept = ", ".join(f"{key} ({code})" for key, code in errors)
+        super().__init__(f"S3 kept {len(errors)} object(s) under {prefix} "
+                         f"({deleted} deleted): {kept}")
+
+
 def delete(s3: Any, bucket: str, run_id: str, step: int, lineage: int = 0) -> int:
     """Delete a checkpoint: the manifest first (it stops being committed), then its files.
 
-    Returns the number of objects deleted. Idempotent.
+    Returns the number of objects deleted. Idempotent. Raises ``DeleteFailed``, naming
+    the keys and their codes, when S3 kept any (the checkpoint is then no longer
+    committed, but not gone: call again).
     """
     s3.delete_object(Bucket=bucket, Key=manifest_key(run_id, step, lineage))
     prefix = step_prefix(run_id, step, lineage)
     n = 1
+    errors: list[tuple[str, str]] = []
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
         if keys:
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            n += len(keys)
+            resp = s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            failed = [(e.get("Key", "?"), e.get("Code", "?")) for e in resp.get("Errors", [])]
+            errors += failed
+            n += len(keys) - len(failed)
+    if errors:
+        raise DeleteFailed(prefix, errors, n)
     return n
