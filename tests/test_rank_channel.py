@@ -146,3 +146,39 @@ async def test_the_largest_step_report_a_run_can_send_reaches_the_coordinator(
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_coordinator_stopping_with_ranks_connected_logs_no_callback_error(
+        tmp_path: Path) -> None:
+    """A coordinator stopping (SIGTERM) cancels each rank's connection handler, as the
+    event loop's end does: the handler ends quietly (its rank's close still queued), not
+    with asyncio's "Exception in callback" from the server's done callback."""
+    from tandem.trainer.launcher import LocalLauncher
+    from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
+
+    cfg = parse_run_config({"run_id": "stop", "ranks": 1})
+    sup = RunSupervisor(None, SupervisorConfig(  # type: ignore[arg-type]  # no bus used
+        checkpoint_root=tmp_path, work_root=tmp_path, cluster="c", node="n0"), "stop", cfg,
+        LocalLauncher(), log.get("test"))
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    server = await sup.listen()
+    sender = channel.EventChannel(sup.relay_address, exit_on_loss=False)
+    try:
+        sender.send(Hello(rank=0, pid=1, node="n0", attempt=1, world=1))
+        assert (await asyncio.wait_for(sup.q.get(), 10))[3].rank == 0
+        handlers = [t for t in asyncio.all_tasks()
+                    if t.get_coro().__qualname__.endswith("handle_connection")]
+        assert len(handlers) == 1
+        handlers[0].cancel()
+        await asyncio.wait(handlers)
+        assert await asyncio.wait_for(sup.q.get(), 10) == ("closed", 1, 0)
+        await asyncio.sleep(0)  # the server's done callback runs on the next turn
+        assert errors == []
+    finally:
+        loop.set_exception_handler(previous)
+        await asyncio.to_thread(sender.close)
+        server.close()
+        await server.wait_closed()

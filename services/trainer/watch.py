@@ -139,6 +139,11 @@ class AttemptWatch:
                              line=exc.payload[:200].decode(errors="replace"))
         except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
             self.log.warning("relay.bad_connection", rank=rank, error=repr(exc))
+        except asyncio.CancelledError:
+            # The coordinator stopping: ended here, since asyncio's server asks a handler
+            # task for its exception when it is done, and a cancelled one raises there
+            # ("Exception in callback" in the log of every stop with ranks connected).
+            pass
         finally:
             self.q.put_nowait(("closed", attempt, rank))
             writer.close()
