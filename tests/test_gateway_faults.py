@@ -104,6 +104,33 @@ async def test_a_key_left_on_a_task_that_was_never_enqueued_moves_to_a_new_task(
     assert await queued_on(bus, settings.cluster) == 1
 
 
+async def test_a_key_whose_task_was_recorded_but_never_enqueued_queues_it_once_even_late(
+        gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """The gateway died between recording a task and enqueueing it: its record says
+    queued and nothing is in any queue. A replay of its key, even past the stream's
+    dedupe window, sends it, and replays at once send it once between them."""
+    req = GenerationRequest.model_validate(ASK)
+    spec = gw.registry.get(req.model)
+    assert spec is not None and gw.tasks is not None and gw.idem is not None
+    cluster, task_id = gw.clusters[0], uuid.uuid4().hex
+    before = await queued_on(bus, cluster)
+    long_ago = moves.queued(build_task(req, spec, task_id, cluster), cluster)
+    long_ago = msgspec.structs.replace(long_ago, created_at=long_ago.created_at - 700,
+                                       updated_at=long_ago.updated_at - 700)
+    await gw.tasks.create(task_id, long_ago)
+    await gw.idem.create(OPEN.scoped("late"), IdempotencyRecord(task_id=task_id,
+                                                                fingerprint=fingerprint(req)))
+    replays = await asyncio.gather(*(http.post("/v1/generations", json=ASK, headers={
+        "Idempotency-Key": "late"}) for _ in range(4)))
+    for r in replays:
+        assert r.status_code == 202 and r.headers["idempotent-replayed"] == "true", r.text
+        assert r.json()["id"] == task_id
+    assert await queued_on(bus, cluster) == before + 1
+    again = await http.post("/v1/generations", json=ASK, headers={"Idempotency-Key": "late"})
+    assert again.json()["id"] == task_id
+    assert await queued_on(bus, cluster) == before + 1  # within the window: the same message
+
+
 async def test_a_request_refused_by_routing_leaves_its_idempotency_key_unused(
         http: httpx.AsyncClient, bus: Bus) -> None:
     wrong = await http.post("/v1/generations", json={**ASK, "cluster": "nope"},

@@ -254,6 +254,20 @@ def to_handed_back(why: str) -> Move:
     return move
 
 
+def to_resent(older_than: float) -> Move:
+    """The gateway sends a still-queued task again (an Idempotency-Key replay whose first
+    request may have died between recording and enqueueing): marked by ``updated_at``,
+    and only on a queued record not sent (or marked) in the last ``older_than`` seconds,
+    so replays in a loop send it once per dedupe window at most. None: leave it."""
+
+    def move(rec: TaskRecord | None) -> TaskRecord | None:
+        if rec is None or rec.state != TaskState.queued or now() - rec.updated_at < older_than:
+            return None
+        return struct_replace(rec, updated_at=now())
+
+    return move
+
+
 def _to_terminal(state: TaskState, reason: str, body: GenerationTask | None = None) -> Move:
     def move(rec: TaskRecord | None) -> TaskRecord | None:
         if body is not None:

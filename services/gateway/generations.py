@@ -185,12 +185,7 @@ class Gateway:
             key = caller.scoped(idempotency_key)
             task_id, key_rev, existing = await self._claim(key, fingerprint(req), task_id)
             if existing is not None:
-                rec = existing
-                # Queued and recent: re-publish (the stream drops the duplicate by msg id),
-                # in case the first attempt died between recording and publishing.
-                recent = time.time() - rec.created_at < DUPLICATE_WINDOW
-                if rec.state == TaskState.queued and recent:
-                    await self._publish(rec.task, rec.cluster)
+                rec = await self._resend(existing)
                 SUBMITTED.labels(req.lane, "replayed").inc()
                 return Submitted(rec.task, rec, replayed=True)
         try:
@@ -300,6 +295,31 @@ class Gateway:
             await self.idem.delete(key, last=rev)
         except Exception as exc:
             _log.warning("gateway.idempotency_key_kept", error=describe(exc))
+
+    async def _resend(self, rec: TaskRecord) -> TaskRecord:
+        """A replayed key's task, sent again while its record says queued: the first
+        request may have died between recording and enqueueing it, and then nothing else
+        ever would. Sent within ``DUPLICATE_WINDOW`` of its last send, the stream drops
+        the copy by msg id; later (the task may still wait in a long queue), the record is
+        marked first (``to_resent``), so one replay in a window sends it, and the copy is
+        unsealed: a worker reads the record before running it, so it runs once."""
+        if rec.state != TaskState.queued:
+            return rec
+        if time.time() - rec.updated_at >= DUPLICATE_WINDOW:
+            assert self.tasks is not None
+            mark = moves.to_resent(DUPLICATE_WINDOW)
+            marked: list[TaskRecord] = []
+
+            def once(cur: TaskRecord | None) -> TaskRecord | None:
+                marked[:] = [new] if (new := mark(cur)) is not None else []
+                return new
+
+            now = await self.tasks.update(rec.task.task_id, once)
+            if not marked:  # moved on meanwhile (running, ended), or another replay's
+                return now or rec
+            rec = marked[0]
+        await self._publish(rec.task, rec.cluster)
+        return rec
 
     async def _record(self, task_id: str, rec: TaskRecord) -> int | None:
         """Create the task's record (None: it exists), retrying through a leader election
