@@ -194,3 +194,32 @@ async def test_train_status_ends_without_connection_warnings(
     assert res.returncode != 0
     assert "nosuchrun" in res.stderr, res.stderr[-3000:]
     assert "nats.disconnected" not in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+async def test_a_submission_whose_answer_is_lost_is_sent_again_under_one_key(
+        nats_server: NatsServer) -> None:
+    """A gateway killed mid-request leaves the client with no answer: ``generate`` sends
+    it again under the same Idempotency-Key (made for the call when none is given), so
+    the gateway queues it once however often it is sent."""
+    from tandem.client import connect
+
+    keys: list[str | None] = []
+
+    async def on(msg: object) -> None:  # stands in for the gateway: the first one dies
+        keys.append((msg.headers or {}).get("Idempotency-Key"))  # type: ignore[attr-defined]
+        if len(keys) > 1:
+            await msg.respond(json.dumps({"id": "t1", "state": "queued"}).encode())  # type: ignore[attr-defined]
+
+    bus = await Bus.connect(load(Settings, nats_url=nats_server.url), "test")
+    await bus.nc.subscribe("tandem.jobs.generate", cb=on)
+    await bus.synced()
+    client = await connect(nats_server.url, timeout=0.5)
+    try:
+        assert (await client.generate(model="noop"))["id"] == "t1"
+        assert len(keys) == 2 and keys[0] and keys[0] == keys[1]
+        keys.clear()
+        assert (await client.generate(idempotency_key="mine", model="noop"))["id"] == "t1"
+        assert keys == ["mine", "mine"]
+    finally:
+        await client.close()
+        await bus.drain()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +30,10 @@ class JobError(Exception):
     def __init__(self, status: int, detail: Any, retry_after: str | None = None) -> None:
         self.status = status
         self.detail = detail
-        self.retry_after = float(retry_after) if retry_after else None
+        try:
+            self.retry_after = float(retry_after) if retry_after else None
+        except ValueError:  # an HTTP date: not what Tandem sends, not worth failing on
+            self.retry_after = None
         text = detail if isinstance(detail, str) else "; ".join(
             f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
             for d in detail) if isinstance(detail, list) else json.dumps(detail)
@@ -41,9 +45,26 @@ class Client:
     keyword arguments (``model="digits", class_label=3``); ``idempotency_key`` makes a
     retry return the first task instead of a second one."""
 
+    retry_for = 30.0  # seconds ``generate`` goes on trying through a gateway that is away
+
     async def generate(self, *, idempotency_key: str | None = None,
                        **request: Any) -> dict[str, Any]:
+        """Queue a generation; the accepted record. A submission whose answer never came
+        (a gateway killed mid-request, none serving for a moment, a 503) is sent again
+        for ``retry_for`` seconds under the same Idempotency-Key (one made for the call
+        when none is given), so it is queued once however often it is sent."""
+        from tandem.common.backoff import Backoff, retry
+
+        key = idempotency_key or uuid.uuid4().hex
+        return await retry(lambda: self._generate(key, request), Backoff(0.5, max_delay=4.0),
+                           when=self._unanswered, within=self.retry_for)
+
+    async def _generate(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _unanswered(self, exc: BaseException) -> bool:
+        """Whether ``exc`` leaves a submission's fate unknown or refused for now only."""
+        return isinstance(exc, JobError) and exc.status in (502, 503, 504)
 
     async def status(self, task_id: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -185,10 +206,13 @@ class NatsClient(Client):
                            got.get("Retry-After"))
         return data
 
-    async def generate(self, *, idempotency_key: str | None = None,
-                       **request: Any) -> dict[str, Any]:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return await self.request("generate", request, headers)
+    async def _generate(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("generate", request, {"Idempotency-Key": key})
+
+    def _unanswered(self, exc: BaseException) -> bool:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        return isinstance(exc, NatsTimeout) or super()._unanswered(exc)
 
     async def status(self, task_id: str) -> dict[str, Any]:
         return await self.request("status", {"id": task_id})
@@ -285,10 +309,12 @@ class HttpClient(Client):
             raise JobError(r.status_code, detail, r.headers.get("retry-after"))
         return r.json()
 
-    async def generate(self, *, idempotency_key: str | None = None,
-                       **request: Any) -> dict[str, Any]:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return await self._call("POST", "/v1/generations", 202, json=request, headers=headers)
+    async def _generate(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", "/v1/generations", 202, json=request,
+                                headers={"Idempotency-Key": key})
+
+    def _unanswered(self, exc: BaseException) -> bool:
+        return isinstance(exc, httpx.TransportError) or super()._unanswered(exc)
 
     async def status(self, task_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/v1/generations/{task_id}")
