@@ -24,6 +24,10 @@ checkpointed and announced under names of their own, checkpoints the old lineage
 past the fork are abandoned (never resumed from or served), and a record whose latest
 committed checkpoint was one of them forgets it. Every other restart resumes in the same
 lineage, from the newest valid checkpoint of its history.
+
+One module, over the size the house keeps to: the state machine above and the run's
+record are one thing (every transition writes the record, bounded to fit the bus), and
+the attempt's watching already lives apart (``watch.AttemptWatch``, its base).
 """
 
 from __future__ import annotations
