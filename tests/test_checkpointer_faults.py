@@ -208,6 +208,22 @@ async def test_an_outage_longer_than_the_attempts_hands_the_checkpoint_back_not_
     assert await published(bus, run, "failed") == 0
 
 
+async def test_an_outage_outlasting_every_delivery_is_dead_lettered_and_the_run_told(
+        case: Case, s3_server: S3Server, proxy: AnsweringProxy) -> None:
+    run, bus, events = case.run, case.bus, case.events
+    proxy.answer(lambda m, p, b: (503, s3_error("SlowDown", "Please reduce your rate")))
+    directory, manifest = case.checkpoint(3, {"rng.bin": 100})
+    async with running(bus, **case.config(proxy.url, attempts=1, max_deliver=2)):
+        ack = await case.publish(directory, manifest)
+        failed = await events.next(CheckpointFailed)
+        await settled(bus, ack.seq)
+    assert failed.step == 3 and "dead-lettered (dlq.MIRROR)" in failed.reason, failed.reason
+    assert "last: gave up after 1 attempts" in failed.reason and "503" in failed.reason
+    letters = await bus.js.stream_info("DLQ", subjects_filter=subjects.dlq("MIRROR"))
+    assert (letters.state.subjects or {}).get(subjects.dlq("MIRROR")) == 1
+    assert ck.scan(directory, run, 3).files == manifest.files  # the local copy kept
+
+
 async def test_an_error_that_will_not_heal_publishes_failed_and_keeps_the_local_copy(
         case: Case, s3_server: S3Server, proxy: AnsweringProxy) -> None:
     run, bucket, bus, events = case.run, case.bucket, case.bus, case.events

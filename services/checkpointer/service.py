@@ -56,7 +56,7 @@ from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
 from tandem.common.backoff import Backoff
 from tandem.common.bus import Delivery
-from tandem.common.errors import Reject, Retry
+from tandem.common.errors import EventDecodeError, Reject, Retry
 from tandem.common.events import (
     CheckpointFailed,
     CheckpointMirrored,
@@ -64,12 +64,19 @@ from tandem.common.events import (
     CheckpointPruned,
     CheckpointWritten,
     RunRecord,
+    decode,
     now,
     struct_replace,
 )
 from tandem.common.runner import Context, Service
 from tandem.common.settings import Settings
-from tandem.common.streams import KV_RUNS, ConsumerSpec, Spec, checkpointer_consumer
+from tandem.common.streams import (
+    KV_RUNS,
+    MIRROR,
+    ConsumerSpec,
+    Spec,
+    checkpointer_consumer,
+)
 
 from .mirror import Mirror, MirrorConfig, MirrorError, MirrorResult
 
@@ -118,6 +125,10 @@ class CheckpointerSettings(Settings):
         description="Folder every checkpoint event's path (and every file in it, symlinks "
         "resolved) must be inside; others go to the DLQ, never read or deleted. The "
         "trainer's TANDEM_CHECKPOINT_ROOT, whose default it shares.")
+    max_deliver: int = Field(
+        20, ge=2, le=1000,
+        description="Deliveries of a checkpoint event before it is dead-lettered (dlq.MIRROR) "
+        "and ckpt.<run>.failed says so; each delivery makes up to 'attempts'.")
     ack_wait: float = Field(
         60.0, gt=0, le=3600,
         description="AckWait of the durable consumer: how long a crashed checkpointer "
@@ -151,13 +162,17 @@ class Checkpointer(Service):
         self.mirror: Mirror | None = None
         self.committed = 0
         self.failed = 0
+        # Why each checkpoint handed back last was (run, step, lineage): said when its
+        # event runs out of deliveries, whose last is the bus's, not a mirror attempt.
+        self._handed_back: dict[tuple[str, int, int], str] = {}
 
     @property
     def consumer_spec(self) -> ConsumerSpec:
         s = self.settings
         if s.scope == "node":
-            return checkpointer_consumer(s.ack_wait, cluster=s.cluster, node=s.node)
-        return checkpointer_consumer(s.ack_wait)
+            return checkpointer_consumer(s.ack_wait, s.max_deliver, cluster=s.cluster,
+                                         node=s.node)
+        return checkpointer_consumer(s.ack_wait, s.max_deliver)
 
     def streams(self) -> Sequence[Spec]:
         return [*super().streams(), self.consumer_spec]
@@ -181,13 +196,35 @@ class Checkpointer(Service):
         except Exception as exc:  # S3 down at start: the handler retries per checkpoint
             ctx.log.warning("checkpointer.s3_unavailable", error=repr(exc))
         consumer = ctx.bus.consumer(self.consumer_spec, CheckpointWritten, self.handle,
-                                    concurrency=s.concurrency)
+                                    concurrency=s.concurrency, on_dead=self.on_dead)
         try:
             await consumer.run(ctx.stopping)
         finally:
             await asyncio.to_thread(self.mirror.close)
 
     # --------------------------------------------------------------------------- handling
+
+    async def on_dead(self, msg: Any, reason: str) -> None:
+        """A checkpoint event out of deliveries (an outage that outlasted them all) is
+        dead-lettered by the bus; the run hears of it as of any checkpoint given up on:
+        ``ckpt.<run>.failed``, the local copy kept."""
+        try:
+            ev = decode(msg.data, CheckpointWritten)
+        except EventDecodeError:
+            return  # not a checkpoint: the letter says so, there is no run to tell
+        self.failed += 1
+        OUTCOMES.labels("failed").inc()
+        last = self._handed_back.pop((ev.run_id, ev.step, ev.manifest.lineage),
+                                     "not known here (handed back by another checkpointer)")
+        why = f"dead-lettered (dlq.{MIRROR}): {reason}; last: {last}"
+        self.ctx.log.error("checkpoint.failed", run=ev.run_id, step=ev.step, reason=why)
+        await self.ctx.bus.publish(
+            subjects.ckpt(ev.run_id, "failed"),
+            CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=why,
+                             attempts=self.settings.attempts * (self.settings.max_deliver - 1),
+                             lineage=ev.manifest.lineage),
+            msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, ev.manifest.lineage)}-failed-dead",
+            retry_for=30.0)
 
     async def handle(self, d: Delivery[CheckpointWritten]) -> None:
         directory = self._validate(d)
@@ -277,6 +314,7 @@ class Checkpointer(Service):
                                                      ev.manifest, ev.attempt)
                 else:
                     result = await asyncio.to_thread(self.mirror.mirror, directory, ev.manifest)
+                self._handed_back.pop((ev.run_id, ev.step, ev.manifest.lineage), None)
                 return result, "", attempt
             except MirrorError as exc:
                 reason, heals = str(exc), exc.retryable
@@ -294,6 +332,11 @@ class Checkpointer(Service):
             # any message after the consumer's max_deliver), the local copy kept.
             delay = backoff.delay(self.settings.attempts)
             lg.warning("checkpoint.retry_later", error=reason, delay=delay)
+            key = (ev.run_id, ev.step, ev.manifest.lineage)
+            self._handed_back.pop(key, None)
+            self._handed_back[key] = reason  # newest last; the oldest go past 256
+            while len(self._handed_back) > 256:
+                del self._handed_back[next(iter(self._handed_back))]
             raise Retry(reason, delay=delay)
         return None, reason, self.settings.attempts
 
