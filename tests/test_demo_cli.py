@@ -80,3 +80,17 @@ def test_a_reader_that_stops_early_ends_the_command_quietly_with_sigpipes_code()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err[-2000:]
     assert "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
+
+
+def test_a_failed_runs_incident_is_one_line_without_the_ranks_stacks() -> None:
+    """The demo and `tandem train status` say why a run failed in one line; the ranks'
+    stacks a hang captured stay in the record (demo.json, the report)."""
+    from tandem.cli.train import format_incident
+
+    stack = 'Thread 0x7f (most recent call first):\n  File "loop.py", line 183 in train_step\n'
+    hang = {"kind": "hang", "attempt": 6, "step": 443, "resume_from": 400,
+            "detector": "no step within 13.31s", "stacks": {"0": {"stack": stack * 40}},
+            "logs": ["/tmp/x/agent-0.log"]}
+    line = format_incident(hang)
+    assert line == "#6 hang resume_from=400 detector=no step within 13.31s"
+    assert "\n" not in line and "train_step" not in line

@@ -194,8 +194,14 @@ class Demo:
         self.rec.run = _builtins(run)
         self.rec.mark(f"training {run.state.value}")
         if run.state.value != "succeeded":
-            why = run.incidents[-1] if run.incidents else "no incident recorded"
-            raise PhaseFailed(f"run {run.run_id} {run.state.value}: {why}")
+            from tandem.cli.train import format_incident
+
+            # One line, as `tandem train status` gives it (the whole incident, ranks'
+            # stacks and all, is in demo.json and the report).
+            why = format_incident(run.incidents[-1]) if run.incidents else \
+                "no incident recorded"
+            raise PhaseFailed(f"run {run.run_id} {run.state.value} after {run.restarts} "
+                              f"restart(s): {why}")
         g = run.goodput.get("goodput")
         return (f"run {run.run_id} trained {run.latest_step} steps with {run.restarts} "
                 f"restart(s); newest committed checkpoint step {run.latest_checkpoint_step} "

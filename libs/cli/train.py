@@ -222,7 +222,7 @@ async def _watch_cmd(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- status
 
 
-def _fmt_incident(inc: dict[str, Any]) -> str:
+def format_incident(inc: dict[str, Any]) -> str:
     bits = [f"#{inc.get('attempt', '?')} {inc.get('kind')}"]
     for k in ("rank", "node", "exit_code", "anomaly", "data_pos", "skip_window",
               "stopped_ranks", "resume_from", "lineage", "forked_at", "detector"):
@@ -252,7 +252,7 @@ def render_status(rec: RunRecord) -> str:
         lines.append("  badput: " + ", ".join(
             f"{k[len('badput_'):-2]} {v:.1f}s" for k, v in g.items() if k.startswith("badput_")))
     for inc in rec.incidents:
-        lines.append("  incident " + _fmt_incident(inc))
+        lines.append("  incident " + format_incident(inc))
     for s in rec.stragglers:
         lines.append(f"  straggler rank {s.get('rank')} on {s.get('node')}: "
                      f"{s.get('score')}x the median step time (from step {s.get('step')})")
