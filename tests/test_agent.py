@@ -429,6 +429,34 @@ async def test_an_agent_killed_between_unhealthy_and_its_drain_drains_when_it_re
     await third.close()
 
 
+async def test_a_fault_that_never_heals_on_a_node_already_drained_survives_a_restart(
+        fleet_bus: Bus, uid: str) -> None:
+    """A second XID while the node is drained for the first changes no state, but it is
+    noted (a transition from drained to drained, with the evidence), so a restarted agent
+    still knows both GPUs are bad: its findings and usable GPUs say so until an undrain."""
+    cluster = f"c{uid}"
+    first, clock = agent_for(fleet_bus, cluster, "3 xid gpu=1 code=79; 8 xid gpu=3 code=79")
+    await first.start()
+    await ticks(first, clock, 5)
+    await until(lambda: first.state == Health.drained, what="the drain for GPU 1")
+    await ticks(first, clock, 5)
+    trs = await transitions(fleet_bus, cluster, "n1")
+    assert [(t.previous, t.current, t.rule, t.gpu) for t in trs] == [
+        (Health.healthy, Health.unhealthy, "xid-79", 1),
+        (Health.unhealthy, Health.drained, "drain", None),
+        (Health.drained, Health.drained, "xid-79", 3)]
+    assert trs[-1].active == ["xid-79@1", "xid-79@3"] and trs[-1].reason.startswith("also: ")
+    await first.close(remove_heartbeat=False)  # as if it died
+
+    second, _ = agent_for(fleet_bus, cluster, clock=clock)
+    await second.start()
+    assert second.tracker.active() == ["xid-79@1", "xid-79@3"]
+    await ticks(second, clock, 3)
+    assert second.heartbeat_value().gpus_usable == 2  # of 4: GPUs 1 and 3 held
+    assert len(await transitions(fleet_bus, cluster, "n1")) == 3  # nothing again
+    await second.close()
+
+
 async def test_a_backward_wall_clock_step_does_not_stop_ticks_or_heartbeats(
         fleet_bus: Bus, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # NTP steps this host's wall clock back an hour while the agent runs on WallClock.

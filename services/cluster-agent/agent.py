@@ -221,7 +221,18 @@ class NodeAgent:
         """
         target = self.target()
         if target == self.state:
-            self._pending = None
+            # A fault that never heals (latched: an XID, a lost GPU) on a node already
+            # that bad is still noted, state unchanged: the transition's ``active`` is
+            # what a restarted agent resumes from, and an operator reads the findings.
+            latched = [c for c in changes if c.fired and c.rule.latched]
+            if latched:
+                c = max(latched, key=lambda c: SEVERITY[c.rule.severity])
+                self._pending = (target, {
+                    "rule": c.rule.name, "reason": f"also: {c.rule.reason}",
+                    "action": c.rule.action, "gpu": c.gpu, "values": c.evidence,
+                    "fired": True})
+            elif self._pending is not None and self._pending[0] != target:
+                self._pending = None
             return
         pending = self._pending
         if cause is None:

@@ -375,6 +375,8 @@ class Trainer(Service):
             ev = events.decode(msg.data, HealthTransition)
         except Exception:
             return
+        if ev.previous == ev.current:  # a further finding on a node already that bad
+            return
         for sup in list(self.supervisors.values()):
             if sup.cluster == ev.cluster:
                 sup.on_health(ev.node, ev.current.value, f"{ev.rule}: {ev.reason}")
