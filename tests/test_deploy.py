@@ -478,6 +478,11 @@ def test_each_cluster_s_leaf_logs_in_to_the_hub_as_its_own_leaf_user() -> None:
         assert host == env["NATS_HUB_HOST"] != ""
         assert port in {p["port"] for p in remote["ports"]
                         if p["targetPort"] == "leafnodes"} and hub_port("leafnodes") == 7422
+    # ... and only there: the hub does not advertise its pods' own leaf addresses, which
+    # a leaf in another cluster cannot reach (it would leave the LoadBalancer for them)
+    hub_conf = nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+    leafnodes = re.search(r"^leafnodes \{(.*?)^\}", hub_conf, re.M | re.S)
+    assert leafnodes and re.search(r"^\s+no_advertise: true$", leafnodes.group(1), re.M)
 
 
 def test_control_plane_roles_in_a_gpu_cluster_reach_the_hub_as_their_role_s_user() -> None:
