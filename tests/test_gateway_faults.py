@@ -246,8 +246,11 @@ async def test_the_job_service_answers_unreadable_bodies_with_a_detail(
         jobs: JobService, bus: Bus) -> None:
     code, body = await _ask(bus, "generate", b"[" * 50_000)
     assert code == "400" and "nests arrays or objects too deeply" in body["detail"]
-    code, body = await _ask(bus, "status", b'{"id":' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+    code, body = await _ask(bus, "status", b'{"id":' + b"[" * 30_000 + b"]" * 30_000 + b"}")
     assert code == "400" and "too deeply" in body["detail"]
+    big = json.dumps({"model": "tiny-text", "prompt": "a" * (64 * 1024)}).encode()
+    code, body = await _ask(bus, "generate", big)  # refused before it is read
+    assert code == "413" and f"{len(big)} bytes, over the {64 * 1024}" in body["detail"]
     code, body = await _ask(bus, "generate", b'{"model":"tiny-text","prompt":"a\\ud800"}')
     assert code == "422", body
     [problem] = body["detail"]
@@ -276,3 +279,19 @@ async def test_a_client_expecting_100_continue_gets_413_before_sending_an_oversi
     finally:
         server.stop()
         await serving
+
+
+async def test_an_event_streams_watch_lets_its_consumer_go_soon_after_it_ends(
+        gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """Each event stream watches its task's record through a consumer the gateway may not
+    delete; streams opened and closed in a loop must not pile those up on the server for
+    the 5 minutes a service's lasting watch keeps: the stream's goes 30 s after it ends."""
+    task_id = (await http.post("/v1/generations", json=ASK)).json()["id"]
+    events = gw.follow(task_id)  # what the SSE route streams
+    try:
+        assert (await anext(events))[0] == "state"  # the stream has begun: its watch made
+        mine = [c for c in await bus.js.consumers_info(f"KV_{KV_TASKS}")
+                if c.config.filter_subject == f"$KV.{KV_TASKS}.{task_id}"]
+        assert len(mine) == 1 and mine[0].config.inactive_threshold == 30.0, mine
+    finally:
+        await events.aclose()

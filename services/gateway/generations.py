@@ -414,7 +414,10 @@ class Gateway:
                 queue.put_nowait(("progress", msg.data))
 
         sub = await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=on_progress)
-        watcher = await watch(self.tasks.kv, task_id)
+        # Short-lived, one per event stream: its consumer is let go 30 s after the stream
+        # ends (not the 5 minutes of a service's lasting watch), so streams opened and
+        # closed in a loop leave few behind on the server.
+        watcher = await watch(self.tasks.kv, task_id, inactive=30.0)
 
         async def pump() -> None:
             async for entry in watcher:

@@ -64,12 +64,17 @@ _WHICH = {"type": "object", "properties": {
 
 
 class JobService:
-    """The endpoints, bound to a gateway; ``start`` on a connection, ``stop`` to leave."""
+    """The endpoints, bound to a gateway; ``start`` on a connection, ``stop`` to leave.
 
-    def __init__(self, gw: Gateway, keys: Keyring, limits: Limits) -> None:
+    ``max_body``: the largest request body, as the HTTP door's (``MAX_BODY_BYTES``); a
+    larger one is refused before it is read, so a flood of big bodies costs little."""
+
+    def __init__(self, gw: Gateway, keys: Keyring, limits: Limits,
+                 max_body: int = 64 * 1024) -> None:
         self.gw = gw
         self.keys = keys
         self.limits = limits
+        self.max_body = max_body
         self.service: Service | None = None
 
     async def start(self, nc: Any) -> None:
@@ -109,6 +114,10 @@ class JobService:
                 return caller
 
             try:
+                if len(req.data or b"") > self.max_body:
+                    raise JobRefused(413, f"the request body is {len(req.data)} bytes, over "
+                                     f"the {self.max_body} this service takes "
+                                     "(TANDEM_MAX_BODY_BYTES)")
                 try:
                     body = json.loads(req.data) if req.data else {}
                 except ValueError as exc:

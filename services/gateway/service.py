@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from tandem.common import subjects
+from tandem.common.bus import Bus
 from tandem.common.errors import ServerStartError
 from tandem.common.jobs import JobLimitSettings
 from tandem.common.models import RegistrySettings
@@ -149,8 +150,12 @@ class GatewayService(Service):
         keys = Keyring(parse_keys(s.api_keys))
         # Both doors share them; they are every replica's (KV rates, sse, runs).
         limits = await Limits.on(ctx.bus, keys, s)
-        jobs = JobService(gw, keys, limits)
-        await jobs.start(ctx.bus.nc)
+        jobs = JobService(gw, keys, limits, max_body=s.max_body_bytes)
+        # The job service on a connection of its own: a flood of requests that the server
+        # drops as a slow consumer takes this one down (it reconnects), not the bus the
+        # gateway's records, progress and dashboard use.
+        door = await Bus.connect(s, "gateway-jobs")
+        await jobs.start(door.nc)
         asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
@@ -171,6 +176,8 @@ class GatewayService(Service):
             stopping = tg.create_task(ctx.stopping.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             await jobs.stop()  # first: a request now goes to another gateway of the group
+            with contextlib.suppress(Exception):
+                await door.drain()
             server.stop()
             stopping.cancel()
         sock.close()

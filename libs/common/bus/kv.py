@@ -222,8 +222,10 @@ class Watch:
     delivered, and the new one counts from 1 again and delivers only the rest.
     """
 
-    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool) -> None:
+    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool,
+                 inactive: float = 300.0) -> None:
         self.kv, self.pattern, self.ignore_deletes = kv, pattern, ignore_deletes
+        self.inactive = inactive
         self.current_done = False  # the None after the current values is queued
         self._queue: asyncio.Queue[KeyValue.Entry | None] = asyncio.Queue()
         self._sub: Any = None
@@ -238,7 +240,7 @@ class Watch:
         self._sub = await self.kv._js.subscribe(
             f"{self.kv._pre}{self.pattern}", stream=self.kv._stream, cb=self._on_msg,
             ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=300.0)
+            inactive_threshold=self.inactive)
         try:
             await self.check()
         except BaseException:
@@ -314,9 +316,12 @@ def _operation(headers: dict[str, str] | None) -> str | None:
     return {"MaxAge": "PURGE", "Purge": "PURGE", "Remove": "DEL"}.get(reason)
 
 
-async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False) -> Watch:
-    """Watch the keys of ``kv`` matching ``pattern`` (see ``Watch``)."""
-    return await Watch(kv, pattern, ignore_deletes)._start()
+async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False,
+                inactive: float = 300.0) -> Watch:
+    """Watch the keys of ``kv`` matching ``pattern`` (see ``Watch``). Its consumer
+    outlives a connection without interest for ``inactive`` seconds (a reconnect finds
+    it), and so also a stopped watch: roles may not delete consumers."""
+    return await Watch(kv, pattern, ignore_deletes, inactive)._start()
 
 
 async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
