@@ -30,6 +30,7 @@ ONE_OF_EACH = [
     channel.CheckpointWriteFailed(step=9, error="OSError(28, 'No space left on device')"),
     channel.Anomaly(step=10, data_pos=9, anomaly="nonfinite", loss="nan", grad_norm=2.0,
             evidence={"loss_finite": False, "grad_norm_finite": True}),
+    channel.Invalid(rank=1, error="ValueError: data.path '/data/x' is not a directory"),
     channel.Done(step=10),
     channel.Bye(rank=0, code=0),
     channel.Resumed(step=40, skipped={60: "n1: shards/__2_0.distcp: sha256 0f..."}),
@@ -124,7 +125,7 @@ async def test_the_largest_step_report_a_run_can_send_reaches_the_coordinator(
 
     ranks = 1024
     nodes = [f"gke-train-pool-{i:04d}-".ljust(MAX_TOKEN, "x") for i in range(ranks // 8)]
-    cfg = parse_run_config({"run_id": "big", "ranks": ranks, "nodes": nodes})
+    cfg = parse_run_config({"run_id": "big", "ranks": ranks, "nodes": nodes, "batch_size": 1})
     sup = RunSupervisor(None, SupervisorConfig(  # type: ignore[arg-type]  # no bus used
         checkpoint_root=tmp_path, work_root=tmp_path, cluster="c", node="n0"), "big", cfg,
         LocalLauncher(), log.get("test"))

@@ -43,7 +43,7 @@ def test_a_seed_outside_what_the_loop_can_derive_from_is_refused(seed: int) -> N
 
 def test_the_largest_seed_fits_torch_generators_of_every_rank() -> None:
     torch = pytest.importorskip("torch")
-    cfg = parse_run_config({"seed": SEED_MAX, "ranks": 1024})
+    cfg = parse_run_config({"seed": SEED_MAX, "ranks": 1024, "batch_size": 1})
     # what TrainLoop and BatchPlan derive from it (loop.py, data.py)
     torch.Generator().manual_seed(cfg.seed * 100_003 + cfg.ranks)
     torch.Generator().manual_seed(cfg.seed * 7919 + 10**6)
@@ -71,3 +71,67 @@ async def test_a_run_whose_record_would_not_fit_the_bus_is_refused_naming_the_fi
     assert set(exc.value.problems) == {"faults"}
     assert "max_payload" in exc.value.problems["faults"]
     assert await (await bus.typed(KV_RUNS, RunRecord)).get("huge") is None
+
+
+# ---------------------------------------------------- configs that validate but cannot train
+
+_FOLDER = {"kind": "image_folder", "path": "x"}
+
+
+@pytest.mark.parametrize(("config", "field"), [
+    ({"model": {"block_out_channels": [], "down_block_types": [], "up_block_types": []}},
+     "model.block_out_channels"),
+    ({"model": {"block_out_channels": [0, 0, 0]}}, "model.block_out_channels.0"),
+    ({"model": {"block_out_channels": [-8, 16, 16]}}, "model.block_out_channels.0"),
+    ({"model": {"block_out_channels": [4096, 4096, 4096]}}, "model.block_out_channels.0"),
+    ({"model": {"down_block_types": ["Nope", "AttnDownBlock2D", "DownBlock2D"]}},
+     "model.down_block_types.0"),
+    ({"model": {"up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]}},
+     "model.up_block_types.1"),
+    ({"model": {"num_train_timesteps": 10**10}}, "model.num_train_timesteps"),
+    ({"model": {"num_classes": 10**9}}, "model.num_classes"),
+    ({"model": {"kind": "dit", "num_attention_heads": 4096}}, "model.num_attention_heads"),
+    ({"model": {"kind": "dit", "attention_head_dim": 4096}}, "model.attention_head_dim"),
+    ({"model": {"norm_num_groups": 10**6}}, "model.norm_num_groups"),
+    ({"data": {"kind": "synthetic", "synthetic_size": 10**9}}, "data.synthetic_size"),
+    ({"data": {"kind": "synthetic", "synthetic_size": 1_000_000},
+      "model": {"sample_size": 256, "in_channels": 3}}, "data.synthetic_size"),
+    ({"model": {"in_channels": 2}, "data": _FOLDER}, "model.in_channels"),
+    ({"model": {"in_channels": 4}, "data": _FOLDER}, "model.in_channels"),
+    ({"batch_size": 2000, "ranks": 1}, "batch_size"),
+    ({"batch_size": 1000, "ranks": 2}, "batch_size"),
+    ({"data": {"kind": "synthetic", "synthetic_size": 1}}, "batch_size"),
+    ({"model": {"num_classes": 5}}, "model.num_classes"),
+    ({"model": {"kind": "dit", "num_classes": 1}}, "model.num_classes"),
+])
+def test_a_config_that_cannot_build_or_train_is_refused_naming_the_field(
+        config: dict[str, object], field: str) -> None:
+    """Each of these validated before and failed only in the ranks (a model of no or
+    negative channels, a block that needs cross-attention, a table or data set no node
+    holds, a batch larger than the data set, labels past the class table)."""
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config(config)
+    assert field in exc.value.problems, exc.value.problems
+
+
+@pytest.mark.parametrize("config", [
+    {"model": {"down_block_types": ["ResnetDownsampleBlock2D", "AttnDownBlock2D", "DownBlock2D"],
+               "up_block_types": ["ResnetUpsampleBlock2D", "AttnUpBlock2D", "UpBlock2D"]}},
+    {"model": {"num_classes": 0}},  # unconditional on the digits: the labels are unused
+    {"model": {"in_channels": 3}, "data": _FOLDER},
+    {"batch_size": 1, "ranks": 1024},
+    {"data": {"kind": "synthetic", "synthetic_size": 64}, "batch_size": 32},
+])
+def test_configs_at_the_edges_of_what_trains_are_accepted(config: dict[str, object]) -> None:
+    parse_run_config(config)
+
+
+async def test_submit_refuses_a_batch_larger_than_the_data_set(bus: Bus) -> None:
+    """Refused before the run is recorded (422 at the door), not restarted by the trainer
+    until its restarts are spent."""
+    await bus.provision(core_streams())
+    with pytest.raises(InvalidRunConfig) as exc:
+        await submit_run(bus, {"run_id": "toobig", "ranks": 1, "batch_size": 2000})
+    assert set(exc.value.problems) == {"batch_size"}
+    assert "1797" in exc.value.problems["batch_size"]
+    assert await (await bus.typed(KV_RUNS, RunRecord)).get("toobig") is None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,6 +23,27 @@ from tandem.common.events import RunRecord, RunState, TrainStatus, encode, now, 
 
 SEED_MAX = 2**32 - 1  # the loop's derived seeds (seed * 100_003 + rank) stay < 2**64
 MAX_NODES = 1024  # a run's nodes: as many as its most ranks (each node runs one at least)
+# Past these a model or data set does not fit a node (a UNet of 4096 channels, a class
+# table of 10**9 rows, a DiT of width 4096 x 4096): refused here rather than by a rank.
+MAX_CHANNELS = 1280  # a UNet block's channels: Stable Diffusion's widest
+MAX_CLASSES = 100_000
+MAX_TIMESTEPS = 100_000
+MAX_SYNTHETIC = 1_000_000
+SYNTHETIC_BYTES = 2**32  # a synthetic data set's tensor (float32), on every rank
+DIGITS = 1797  # images in scikit-learn's bundled digits, of 10 classes
+DIGITS_CLASSES = 10
+# The 2D blocks a UNet2DModel builds with no cross-attention (it has no text encoder).
+DownBlock = Literal["DownBlock2D", "AttnDownBlock2D", "ResnetDownsampleBlock2D"]
+UpBlock = Literal["UpBlock2D", "AttnUpBlock2D", "ResnetUpsampleBlock2D"]
+
+
+class FieldError(ValueError):
+    """A check across fields that blames one of them: ``parse_run_config`` names ``field``
+    (a dotted path) as the problem's, not the whole config."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class _Spec(BaseModel):
@@ -38,19 +59,21 @@ class ModelSpec(_Spec):
     kind: Literal["unet", "dit"] = "unet"
     sample_size: int = Field(16, ge=4, le=1024, description="Image side in pixels.")
     in_channels: int = Field(1, ge=1, le=16)
-    num_classes: int = Field(10, ge=0, description="Class-conditional with this many classes.")
+    num_classes: int = Field(10, ge=0, le=MAX_CLASSES,
+                             description="Class-conditional with this many classes.")
     # UNet
-    block_out_channels: tuple[int, ...] = (32, 64, 64)
+    block_out_channels: tuple[Annotated[int, Field(ge=1, le=MAX_CHANNELS)], ...] = Field(
+        (32, 64, 64), min_length=1, max_length=8)
     layers_per_block: int = Field(1, ge=1, le=8)
-    down_block_types: tuple[str, ...] = ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D")
-    up_block_types: tuple[str, ...] = ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")
-    norm_num_groups: int = Field(8, ge=1)
+    down_block_types: tuple[DownBlock, ...] = ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D")
+    up_block_types: tuple[UpBlock, ...] = ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")
+    norm_num_groups: int = Field(8, ge=1, le=MAX_CHANNELS)
     # DiT
     num_layers: int = Field(4, ge=1, le=64)
-    num_attention_heads: int = Field(4, ge=1)
-    attention_head_dim: int = Field(16, ge=4)
+    num_attention_heads: int = Field(4, ge=1, le=16)
+    attention_head_dim: int = Field(16, ge=4, le=128)
     patch_size: int = Field(2, ge=1)
-    num_train_timesteps: int = Field(1000, ge=10)
+    num_train_timesteps: int = Field(1000, ge=10, le=MAX_TIMESTEPS)
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:
@@ -74,7 +97,8 @@ class DataSpec(_Spec):
 
     kind: Literal["digits", "image_folder", "synthetic"] = "digits"
     path: str | None = Field(None, description="image_folder: root with one folder per class.")
-    synthetic_size: int = Field(1024, ge=1, description="synthetic: number of images.")
+    synthetic_size: int = Field(1024, ge=1, le=MAX_SYNTHETIC,
+                                description="synthetic: number of images.")
 
     @model_validator(mode="after")
     def _path(self) -> DataSpec:
@@ -251,7 +275,33 @@ class RunConfig(_Spec):
         if self.model.kind == "unet" and self.model.sample_size % 2 ** (
                 len(self.model.block_out_channels) - 1):
             raise ValueError("model.sample_size must be divisible by 2^(number of blocks - 1)")
+        self._data_fits()
         return self
+
+    def _data_fits(self) -> None:
+        """What the data set must have for the model and one global batch (every rank's
+        batch of one step): refused here, naming the field, rather than by each rank."""
+        m, data, batch = self.model, self.data, self.batch_size * self.ranks
+        per_step = f"batch_size x ranks ({self.batch_size} x {self.ranks} = {batch})"
+        if data.kind == "image_folder" and m.in_channels not in (1, 3):
+            raise FieldError("model.in_channels", "must be 1 (grey) or 3 (RGB) for an "
+                             f"image_folder data set, got {m.in_channels}")
+        if data.kind == "digits":
+            if batch > DIGITS:
+                raise FieldError("batch_size", f"{per_step} is more than the digits' "
+                                 f"{DIGITS} images")
+            if 0 < m.num_classes < DIGITS_CLASSES:
+                raise FieldError("model.num_classes", f"must be at least {DIGITS_CLASSES} "
+                                 f"(or 0, unconditional) for the digits, got {m.num_classes}")
+        if data.kind == "synthetic":
+            if batch > data.synthetic_size:
+                raise FieldError("batch_size", f"{per_step} is more than "
+                                 f"data.synthetic_size ({data.synthetic_size})")
+            size = data.synthetic_size * m.sample_size ** 2 * m.in_channels * 4
+            if size > SYNTHETIC_BYTES:
+                raise FieldError("data.synthetic_size", f"{data.synthetic_size} images of "
+                                 f"{m.sample_size}x{m.sample_size}x{m.in_channels} are "
+                                 f"{size} bytes, over {SYNTHETIC_BYTES} on every rank")
 
 
 def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
@@ -263,9 +313,16 @@ def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        problems = {".".join(str(p) for p in e["loc"]) or "(config)": e["msg"]
-                    for e in exc.errors()}
+        problems = {_where(e): e["msg"] for e in exc.errors()}
         raise InvalidRunConfig(problems) from None
+
+
+def _where(error: Any) -> str:
+    """The field a validation error names: its location, or a ``FieldError``'s field."""
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        return cause.field
+    return ".".join(str(p) for p in error["loc"]) or "(config)"
 
 
 def fits(record: RunRecord, max_payload: int) -> None:

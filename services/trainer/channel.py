@@ -7,6 +7,7 @@ on the wire (``{"kind": "step", ...}``). The rank sends them in this order::
     resumed                                 rank 0, when the nodes fetched a checkpoint
     step / checkpoint / checkpoint_failed   rank 0, while training
     anomaly                                 rank 0, instead of the step that ended in it
+    invalid                                 any rank whose config cannot build or train
     done                                    rank 0, after the last step
     bye                                     every rank, just before it closes
 
@@ -47,6 +48,7 @@ ORPHANED = 17  # exit code of a rank whose coordinator went away
 # token of up to 64 characters): about 95 KB; a sharded checkpoint's manifest lists a
 # file per rank. Past this a line ends the rank's connection, as a broken one does.
 LINE_LIMIT = 4 * 1024 * 1024
+ERROR_CHARS = 4000  # the longest error an ``Invalid`` carries (the run's record cuts it again)
 _STOP = object()
 
 
@@ -116,6 +118,17 @@ class Anomaly(_Message, tag="anomaly"):
     evidence: dict[str, Any] = {}  # what the loss health check saw (z-score, median, ...)
 
 
+class Invalid(_Message, tag="invalid"):
+    """A rank whose run cannot be built or trained as configured: building its data or
+    model, loading the resume checkpoint or its attempt's first step raised (a data set
+    that cannot be read, a shape the model refuses). Sent before it exits
+    (``rank.INVALID``); the coordinator ends the run ``failed`` at once with an incident
+    ``invalid_config`` and this reason, not restarting an attempt that would fail alike."""
+
+    rank: int
+    error: str  # the exception, its type and text (cut to ``ERROR_CHARS``)
+
+
 class Done(_Message, tag="done"):
     """Rank 0: every step is trained and the last checkpoint written; the run succeeds
     once the agents exit 0."""
@@ -131,7 +144,7 @@ class Bye(_Message, tag="bye"):
 
 
 RankMessage = (Hello | Resumed | StepReport | CheckpointWritten | CheckpointWriteFailed
-               | Anomaly | Done | Bye)
+               | Anomaly | Invalid | Done | Bye)
 
 _decoder = msgspec.json.Decoder(RankMessage)
 

@@ -9,6 +9,7 @@ sees exactly the batches it would have, and skipping a bad window is skipping po
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,8 +44,15 @@ def load_digits_tensor(size: int, channels: int) -> tuple[torch.Tensor, torch.Te
     return x.repeat(1, channels, 1, 1), torch.from_numpy(table[:, -1].astype(np.int64))
 
 
-def load_image_folder(root: str, size: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``root/<class>/<image>``: classes are the sorted folder names."""
+def load_image_folder(root: str, size: int, channels: int, num_classes: int = 0,
+                      data_root: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """``root/<class>/<image>``: classes are the sorted folder names.
+
+    Refused, naming it (``ValueError``: the run's config, which the rank reports): more
+    class folders than ``num_classes`` (when conditional), a class folder or image that
+    resolves outside ``data_root`` (a symlink out of the trainer's ``DATA_ROOT``; empty:
+    any), an image that is not a regular file (a FIFO would block the rank for ever, a
+    folder named ``x.png``), and one that does not decode (truncated, not an image)."""
     from PIL import Image
 
     base = Path(root)
@@ -53,20 +61,39 @@ def load_image_folder(root: str, size: int, channels: int) -> tuple[torch.Tensor
     classes = sorted(p.name for p in base.iterdir() if p.is_dir())
     if not classes:
         raise ValueError(f"data.path {root!r} has no class folders")
+    if 0 < num_classes < len(classes):
+        raise ValueError(f"data.path {root!r} has {len(classes)} class folders, more than "
+                         f"model.num_classes ({num_classes})")
+    confine = Path(data_root).resolve() if data_root else None
     mode = "L" if channels == 1 else "RGB"
     xs, ys = [], []
     for label, name in enumerate(classes):
-        for f in sorted((base / name).iterdir()):
+        folder = _inside(base / name, confine)
+        for f in sorted(folder.iterdir()):
             if f.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".webp"):
                 continue
-            with Image.open(f) as im:
-                img = im.convert(mode).resize((size, size))
-                t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+            if not stat.S_ISREG(_inside(f, confine).stat().st_mode):
+                raise ValueError(f"data set file {str(f)!r} is not a regular file")
+            try:
+                with Image.open(f) as im:
+                    img = im.convert(mode).resize((size, size))
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:
+                raise ValueError(f"data set file {str(f)!r} is not a readable image: "
+                                 f"{exc}") from exc
+            t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
             xs.append(t.view(size, size, channels).permute(2, 0, 1).float() / 255.0)
             ys.append(label)
     if not xs:
         raise ValueError(f"data.path {root!r} has no images")
     return torch.stack(xs) * 2 - 1, torch.tensor(ys, dtype=torch.long)
+
+
+def _inside(path: Path, root: Path | None) -> Path:
+    """``path``, refused when it resolves (its symlinks followed) outside ``root``."""
+    if root is not None and not path.resolve().is_relative_to(root):
+        raise ValueError(f"data set path {str(path)!r} leads to {str(path.resolve())!r}, "
+                         f"outside the data root {str(root)!r} (TANDEM_DATA_ROOT)")
+    return path
 
 
 def synthetic(n: int, size: int, channels: int, classes: int, seed: int
@@ -86,13 +113,13 @@ def synthetic(n: int, size: int, channels: int, classes: int, seed: int
     return x.unsqueeze(1).repeat(1, channels, 1, 1), y
 
 
-def load(spec: DataSpec, size: int, channels: int, classes: int, seed: int
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def load(spec: DataSpec, size: int, channels: int, classes: int, seed: int,
+         data_root: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     if spec.kind == "digits":
         return load_digits_tensor(size, channels)
     if spec.kind == "image_folder":
         assert spec.path is not None
-        return load_image_folder(spec.path, size, channels)
+        return load_image_folder(spec.path, size, channels, classes, data_root)
     return synthetic(spec.synthetic_size, size, channels, classes, seed)
 
 

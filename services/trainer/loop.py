@@ -94,7 +94,7 @@ def lr_factor(cfg: RunConfig, step: int) -> float:
 class TrainLoop:
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world: int = 1,
                  device: torch.device | None = None, distributed: bool = False,
-                 skipped: list[list[int]] | None = None) -> None:
+                 skipped: list[list[int]] | None = None, data_root: str = "") -> None:
         self.cfg = cfg
         self.rank = rank
         self.world = world
@@ -102,7 +102,12 @@ class TrainLoop:
         self.distributed = distributed
         self.skipped = [list(w) for w in (skipped or [])]
         m = cfg.model
-        x, y = data_mod.load(cfg.data, m.sample_size, m.in_channels, m.num_classes, cfg.seed)
+        x, y = data_mod.load(cfg.data, m.sample_size, m.in_channels, m.num_classes, cfg.seed,
+                             data_root)
+        if m.num_classes and len(y) and int(y.max()) >= m.num_classes:
+            # A DiT's class table has one row more, its null class: it would train on it.
+            raise ValueError(f"the data set has labels up to {int(y.max())}, past "
+                             f"model.num_classes ({m.num_classes})")
         self.x, self.y = x.to(self.device), y.to(self.device)
         self.plan = data_mod.BatchPlan(len(x), cfg.batch_size, world, rank, cfg.seed)
         self.model = build_model(cfg).to(self.device)

@@ -7,7 +7,8 @@ and reports to the coordinator. SIGUSR1 dumps every thread's stack to
 ``<attempt_dir>/stacks-rank<r>.txt`` (the watchdog asks for it on a hang).
 
 Exit codes: 0 done, 1 crashed, ``ANOMALY`` (3) stopped on a loss anomaly before applying
-the bad update, ``channel.ORPHANED`` (17) coordinator gone.
+the bad update, ``INVALID`` (4) the run cannot be built or trained as configured (told
+to the coordinator first: ``channel.Invalid``), ``channel.ORPHANED`` (17) coordinator gone.
 """
 
 from __future__ import annotations
@@ -29,18 +30,21 @@ from tandem.common.events import CheckpointWritten
 from tandem.common.models import leave_out
 from tandem.common.runs import RunConfig
 from tandem.trainer.channel import (
+    ERROR_CHARS,
     Anomaly,
     Bye,
     CheckpointWriteFailed,
     Done,
     EventChannel,
     Hello,
+    Invalid,
     Resumed,
     StepReport,
 )
 from tandem.trainer.spec import LaunchSpec
 
 ANOMALY = 3
+INVALID = 4
 
 
 def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def]
@@ -106,10 +110,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
         rank_nodes = [""] * world
         dist.all_gather_object(rank_nodes, node)  # every rank's node, for reports and hooks
-    loop = TrainLoop(cfg, rank=rank, world=world, device=device, distributed=distributed,
-                     skipped=spec.skipped)
+    # Building the data and the model, loading and the first step are where a config
+    # that validates but cannot train fails: the run ends there (``configured``).
+    loop = configured(channel, rank, lambda: TrainLoop(
+        cfg, rank=rank, world=world, device=device, distributed=distributed,
+        skipped=spec.skipped, data_root=spec.data_root))
     if spec.resume_path:
-        loop.load(Path(spec.resume_path))
+        configured(channel, rank, loop.load, Path(spec.resume_path))
     elif spec.resume_steps:  # nodes with disks of their own: each fetches it from S3
         from tandem.trainer.fetch import fetch
 
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         if rank == 0:
             channel.send(Resumed(step=step, skipped=skipped))
         if path is not None:
-            loop.load(path)
+            configured(channel, rank, loop.load, path)
 
     if cfg.parallelism == "fsdp":
         writer = checkpoint_writer(spec, channel, node, pin=device.type == "cuda",
@@ -129,12 +136,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
     faults = cfg.faults
     samples = cfg.batch_size * world
     code = 0
+    first = True
     while loop.step < cfg.steps:
         if faults.crash_at_step == loop.step + 1 and rank == faults.crash_rank:
             print(f"tandem rank {rank}: fault hook crash_at_step={faults.crash_at_step}",
                   file=sys.stderr, flush=True)
             os._exit(1)
-        r = loop.train_step()
+        r = configured(channel, rank, loop.train_step) if first else loop.train_step()
+        first = False
         if r.anomaly is not None:
             if rank == 0:
                 channel.send(Anomaly(step=r.step + 1, data_pos=r.data_pos,
@@ -157,6 +166,38 @@ def main(argv: list[str] | None = None) -> NoReturn:
         while True:
             signal.pause()  # until the coordinator stops it
     leave(code)
+
+
+def configured(channel: EventChannel, rank: int, build: Any, *args: Any) -> Any:
+    """``build(*args)``; where it raises because of the run's config (not a peer lost),
+    the coordinator is told (``Invalid``, the exception's type and text) and the rank
+    exits ``INVALID``: the coordinator ends the run failed rather than restarting an
+    attempt that would fail alike. An error of the process group (a peer killed, its
+    node gone: ``DistError``, or gloo's own ``RuntimeError``) is raised as before: a
+    crash, which the coordinator restarts."""
+    try:
+        return build(*args)
+    except Exception as exc:
+        if peer_lost(exc):
+            raise
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        error = f"{type(exc).__name__}: {exc}"
+        if len(error) > ERROR_CHARS:
+            error = error[:ERROR_CHARS - 3] + "..."
+        channel.send(Invalid(rank=rank, error=error))
+        channel.close()
+        leave(INVALID)
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is the process group's (another rank or the store gone), not the
+    run's config: torch's ``DistError`` (NCCL, the store), or gloo's ``RuntimeError``,
+    which names gloo (its source file) in its text."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or "gloo" in str(exc).lower()
 
 
 def leave(code: int) -> NoReturn:

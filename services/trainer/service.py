@@ -177,6 +177,7 @@ class Trainer(Service):
             work_root=Path(self.s.work_root).resolve(), cluster=self.s.cluster,
             node=self.s.node, relay_host=self.s.relay_host,
             threads_per_rank=self.s.threads_per_rank, status_every_s=self.s.status_every_s,
+            data_root=self.s.data_root,
             # NOTE: S3 is AWS's own when no endpoint is set (the Kubernetes default), so
             # whether to restore is this setting alone, not whether an endpoint is named.
             restore=self._restore if self.s.restore_from_s3 else None,

@@ -26,6 +26,9 @@ class LaunchSpec(msgspec.Struct, kw_only=True):
     # The run's record's forks (``checkpoints.Lineage``): each checkpoint is written in
     # the lineage that owns its step, so a rollback never reuses a checkpoint's name.
     forks: list[int] = []
+    # The trainer's DATA_ROOT: an image folder's class folders and files must resolve
+    # under it (its symlinks followed); empty: any path.
+    data_root: str = ""
     threads: int = 0  # torch intra-op threads per rank; 0: the node's cores but one / its ranks
     node: str = ""
     cluster: str = ""

@@ -8,6 +8,8 @@ The life of a run (each transition is in KV ``runs`` and on ``train.<run>.status
                                 │
                                 └─ restarts > max_restarts ─> failed (with every incident)
 
+    starting ─a rank cannot build or start the run (``invalid``)─> failed (invalid_config)
+
 Failures are detected from the ranks' own signals (a rank's connection closing without
 a goodbye is a dead rank, found within milliseconds; an agent's non-zero exit), from
 time (no step within ``hang_multiple`` x the median step interval: a hang, whose stacks
@@ -95,6 +97,7 @@ class SupervisorConfig:
     # committed steps (and the forks, so each step's lineage) and every node fetches the
     # newest that all of them verify (``fetch.py``).
     s3_steps: Any = None
+    data_root: str = ""  # TANDEM_DATA_ROOT: the ranks' image folders stay under it
 
 
 class RestoreFailed(Exception):
@@ -364,6 +367,14 @@ class RunSupervisor(AttemptWatch):
             self.goodput.finished()
             await self._status(RunState.cancelled, self.cancel_reason)
             return RunState.cancelled
+        if outcome.kind == "invalid_config":  # a rank could not build or train it: no restart
+            self.goodput.finished()
+            incident = {"kind": "invalid_config", "attempt": self.attempt_no,
+                        "at": time.time(), "step": self.latest_step, **outcome.detail}
+            self.incidents.append(incident)
+            await self._status(RunState.failed, f"invalid config: {outcome.detail['reason']}",
+                               incident)
+            return RunState.failed
         fork: dict[str, Any] = {}
         if outcome.kind == "loss_anomaly":
             # The state of a checkpoint at step s holds the batches of steps 1..s, and
@@ -446,7 +457,8 @@ class RunSupervisor(AttemptWatch):
             events=self.relay_address, rank_nodes=placement.rank_nodes,
             resume_path=str(resume.path) if resume else "", resume_steps=fetch,
             skipped=self.skipped, forks=self.line.json(),
-            threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster)
+            threads=self.cfg.threads_per_rank, node=self.cfg.node, cluster=self.cluster,
+            data_root=self.cfg.data_root)
         spec_path = attempt_dir / "launch.json"
         spec_path.write_bytes(msgspec.json.encode(spec))
         self.placement = placement

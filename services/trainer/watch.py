@@ -46,6 +46,7 @@ from tandem.trainer.channel import (
     CheckpointWriteFailed,
     Done,
     Hello,
+    Invalid,
     RankMessage,
     Resumed,
     StepReport,
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
     #            final_checkpoint_unwritten, no_healthy_nodes, launch_failed,
-    #            restore_failed, stopping, cancelled
+    #            restore_failed, invalid_config, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -268,6 +269,13 @@ class AttemptWatch:
                             await self._on_checkpoint(message)
                         case CheckpointWriteFailed():
                             await self._on_checkpoint_failed(item[2], message)
+                        case Invalid():
+                            # The run cannot be built or trained as configured: every
+                            # attempt would end alike, so the run ends (``_conclude``).
+                            return Outcome("invalid_config", {
+                                "reason": message.error, "rank": message.rank,
+                                "node": self._node_of(message.rank),
+                                "detector": "the rank building or starting the run"})
                         case Anomaly():
                             anomaly = Outcome("loss_anomaly", {
                                 "anomaly": message.anomaly, "data_pos": message.data_pos,
