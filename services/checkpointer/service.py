@@ -212,18 +212,25 @@ class Checkpointer(Service):
             ev = decode(msg.data, CheckpointWritten)
         except EventDecodeError:
             return  # not a checkpoint: the letter says so, there is no run to tell
-        self.failed += 1
-        OUTCOMES.labels("failed").inc()
         last = self._handed_back.pop((ev.run_id, ev.step, ev.manifest.lineage),
                                      "not known here (handed back by another checkpointer)")
-        why = f"dead-lettered (dlq.{MIRROR}): {reason}; last: {last}"
-        self.ctx.log.error("checkpoint.failed", run=ev.run_id, step=ev.step, reason=why)
+        await self._failed(ev, f"dead-lettered (dlq.{MIRROR}): {reason}; last: {last}",
+                           self.settings.attempts * (self.settings.max_deliver - 1), "dead",
+                           self.ctx.log.bind(run=ev.run_id, step=ev.step))
+
+    async def _failed(self, ev: CheckpointWritten, reason: str, attempts: int, delivery: str,
+                      lg: Any) -> None:
+        """``ckpt.<run>.failed``: the checkpoint given up on (its local copy kept); one
+        event per ``delivery`` that gave up (its number, or ``dead``)."""
+        self.failed += 1
+        OUTCOMES.labels("failed").inc()
+        lg.error("checkpoint.failed", reason=reason, attempts=attempts)
+        lineage = ev.manifest.lineage
         await self.ctx.bus.publish(
             subjects.ckpt(ev.run_id, "failed"),
-            CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=why,
-                             attempts=self.settings.attempts * (self.settings.max_deliver - 1),
-                             lineage=ev.manifest.lineage),
-            msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, ev.manifest.lineage)}-failed-dead",
+            CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=reason,
+                             attempts=attempts, lineage=lineage),
+            msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, lineage)}-failed-{delivery}",
             retry_for=30.0)
 
     async def handle(self, d: Delivery[CheckpointWritten]) -> None:
@@ -257,15 +264,8 @@ class Checkpointer(Service):
             if result.lacks:
                 return
         if result is None:
-            self.failed += 1
-            OUTCOMES.labels("failed").inc()
-            lg.error("checkpoint.failed", reason=error, attempts=attempts, kept=str(directory))
-            await self.ctx.bus.publish(
-                subjects.ckpt(ev.run_id, "failed"),
-                CheckpointFailed(run_id=ev.run_id, step=ev.step, reason=error,
-                                 attempts=attempts, lineage=lineage),
-                msg_id=f"ckpt-{ev.run_id}-{ck.step_name(ev.step, lineage)}-failed-"
-                f"{d.num_delivered}", retry_for=30.0)
+            await self._failed(ev, error, attempts, str(d.num_delivered),
+                               lg.bind(kept=str(directory)))
             return
         await self._committed(ev, directory, result, lg)
 

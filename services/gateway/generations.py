@@ -307,17 +307,12 @@ class Gateway:
             return rec
         if time.time() - rec.updated_at >= DUPLICATE_WINDOW:
             assert self.tasks is not None
-            mark = moves.to_resent(DUPLICATE_WINDOW)
-            marked: list[TaskRecord] = []
-
-            def once(cur: TaskRecord | None) -> TaskRecord | None:
-                marked[:] = [new] if (new := mark(cur)) is not None else []
-                return new
-
-            now = await self.tasks.update(rec.task.task_id, once)
-            if not marked:  # moved on meanwhile (running, ended), or another replay's
-                return now or rec
-            rec = marked[0]
+            marked = await self.tasks.applied(rec.task.task_id,
+                                              moves.to_resent(DUPLICATE_WINDOW))
+            if marked is None:  # moved on meanwhile (running, ended), or another replay's
+                got = await self.tasks.get(rec.task.task_id)
+                return got[0] if got else rec
+            rec = marked
         await self._publish(rec.task, rec.cluster)
         return rec
 

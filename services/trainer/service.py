@@ -352,18 +352,13 @@ class Trainer(Service):
         kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
         incident = {"kind": "invalid_config", "reason": reason, "at": events.now(),
                     "detector": "the coordinator's check of the run's config"}
-        failed: list[RunRecord] = []
-
         def fail(cur: RunRecord | None) -> RunRecord | None:
-            failed.clear()
             if cur is None or cur.state.terminal:
                 return None
-            failed.append(struct_replace(cur, state=RunState.failed, updated_at=events.now(),
-                                         incidents=[*cur.incidents, incident]))
-            return failed[0]
+            return struct_replace(cur, state=RunState.failed, updated_at=events.now(),
+                                  incidents=[*cur.incidents, incident])
 
-        await kv.update(run_id, fail)
-        if not failed:
+        if await kv.applied(run_id, fail) is None:
             return
         await self.ctx.bus.publish(subjects.train(run_id, "status"), TrainStatus(
             run_id=run_id, state=RunState.failed, reason=reason, incident=incident),

@@ -117,6 +117,19 @@ class TypedKV(Generic[E]):
         got = await self.move(key, fn, attempts, expect)
         return got[0] if got is not None else None
 
+    async def applied(self, key: str, fn: Callable[[E | None], E | None],
+                      attempts: int = 50) -> E | None:
+        """``update``, answering only what ``fn`` made: the value this call stored, or
+        None when ``fn`` declined the value it was last given (the key left as it is)."""
+        made: list[E] = []
+
+        def once(cur: E | None) -> E | None:
+            made[:] = [] if (new := fn(cur)) is None else [new]
+            return new
+
+        await self.update(key, once, attempts)
+        return made[0] if made else None
+
     async def move(self, key: str, fn: Callable[[E | None], E | None], attempts: int = 50,
                    expect: tuple[E, int] | None = None) -> tuple[E, int] | None:
         """``update``, with the revision: the value stored and its revision, or the
