@@ -170,6 +170,30 @@ async def test_oversized_body_gets_413_whether_declared_or_streamed(
     assert r.status_code == 413
 
 
+async def test_an_event_stream_follows_its_task_without_a_consumer_of_its_own(
+        gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """Each open stream used to hold a JetStream consumer on the tasks bucket's stream
+    (an ordered watch): thousands of followers were thousands of consumers. It now
+    hears the task's progress and record writes on core subjects, as clients do."""
+    task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]
+    consumers = (await bus.js.stream_info(f"KV_{KV_TASKS}")).state.consumer_count
+    events = gw.follow(task_id)
+    kind, data = await asyncio.wait_for(anext(events), 10)
+    assert (kind, data["state"]) == ("state", "queued")
+    assert (await bus.js.stream_info(f"KV_{KV_TASKS}")).state.consumer_count == consumers
+    # A worker's first step says it runs; its progress follows.
+    await bus.nc.publish(subjects.gen_progress(task_id), b'{"step": 1, "steps": 10}')
+    assert await asyncio.wait_for(anext(events), 10) == (
+        "state", {"id": task_id, "state": "running", "cluster": "", "worker": ""})
+    assert await asyncio.wait_for(anext(events), 10) == ("progress", {"step": 1, "steps": 10})
+    # A write of the record (here the cancel) is heard and read: the stream ends on it.
+    assert (await http.delete(f"/v1/generations/{task_id}")).status_code == 200
+    kind, data = await asyncio.wait_for(anext(events), 10)
+    assert (kind, data["state"]) == ("final", "cancelled")
+    with pytest.raises(StopAsyncIteration):
+        await anext(events)
+
+
 async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refuse(
         http: httpx.AsyncClient, bus: Bus) -> None:
     task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]

@@ -195,7 +195,8 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
 
     gateway = (
         _Grants("gateway", "HTTP edge: enqueues generations, follows them, submits runs")
-        .listens(subjects.GEN_PROGRESS.wildcard)
+        # an event stream follows its task as clients do: progress, and each record write
+        .listens(subjects.GEN_PROGRESS.wildcard, subjects.TASK_WRITTEN.wildcard)
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_IDEMPOTENCY, write=True)
         .kv(streams.KV_CANCELS, write=True)  # a cancel's notice to the workers
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)

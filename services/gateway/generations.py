@@ -24,7 +24,7 @@ import msgspec
 
 from tandem.common import log, metrics, subjects
 from tandem.common import tasks as moves
-from tandem.common.bus import Bus, TypedKV, describe, retry_transient, watch
+from tandem.common.bus import Bus, TypedKV, describe, retry_transient
 from tandem.common.clusters import ClusterBoard
 from tandem.common.events import (
     CancelNotice,
@@ -32,7 +32,6 @@ from tandem.common.events import (
     IdempotencyRecord,
     TaskRecord,
     TaskState,
-    decode,
     encode,
 )
 from tandem.common.jobs import (
@@ -400,58 +399,64 @@ class Gateway:
         A task's first progress says it runs: the record is written ``running`` only
         once a task has run for the worker's progress interval, so a queued record
         followed by progress is reported ``running`` at once.
+
+        It follows as programs outside Tandem do: core subscriptions to the task's
+        progress and to ``tasks.written.<task>`` (each stored write, headers only), and a
+        read of the record after each write, not a JetStream consumer per stream (an
+        open event stream used to hold one on the bucket's stream, created and deleted
+        with it). A write announced while the connection was away is not heard: the
+        record is read again at each ping, so a stream never outlives its task by more.
         """
         assert self.tasks is not None
+        tasks = self.tasks
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=10_000)
 
-        async def on_progress(msg: Any) -> None:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(("progress", msg.data))
+        def heard(kind: str) -> Callable[[Any], Awaitable[None]]:
+            async def on(msg: Any) -> None:
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait((kind, msg.data))
+            return on
 
-        sub = await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=on_progress)
-        # Short-lived, one per event stream: its consumer is let go 30 s after the stream
-        # ends (not the 5 minutes of a service's lasting watch), so streams opened and
-        # closed in a loop leave few behind on the server.
-        watcher = await watch(self.tasks.kv, task_id, inactive=30.0)
-
-        async def pump() -> None:
-            async for entry in watcher:
-                if entry is not None and entry.value:
-                    await queue.put(("record", entry.value))
-
-        pumping = asyncio.create_task(pump())
-        last_state: str | None = None
+        # Subscribed before the record is read: no write can fall between the two.
+        subs = [await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=heard("progress")),
+                await self.bus.nc.subscribe(subjects.task_written(task_id), cb=heard("written"))]
+        state: str | None = None
         try:
+            kind = "written"
             while True:
+                if kind == "written":
+                    got = await retry_transient(lambda: tasks.get(task_id),
+                                                self.publish_retry_for,
+                                                what=f"record {task_id}")
+                    if got is None:  # gone (its TTL) while followed: nothing more to say
+                        return
+                    rec = got[0]
+                    if rec.state.terminal:
+                        yield "final", self.view(rec)
+                        return
+                    if rec.state.value != state and not (
+                            state == TaskState.running.value
+                            and rec.state == TaskState.queued):
+                        state = rec.state.value
+                        yield "state", {"id": task_id, "state": state,
+                                        "cluster": rec.cluster, "worker": rec.worker}
                 try:
                     kind, data = await asyncio.wait_for(queue.get(), self.sse_ping)
                 except TimeoutError:
                     yield "ping", {}
+                    kind = "written"  # read again: a write may have gone unheard
                     continue
                 if kind == "progress":
-                    if last_state == TaskState.queued.value:
-                        last_state = TaskState.running.value
-                        yield "state", {"id": task_id, "state": last_state,
+                    if state == TaskState.queued.value:
+                        state = TaskState.running.value
+                        yield "state", {"id": task_id, "state": state,
                                         "cluster": "", "worker": ""}
-                    if last_state in (None, TaskState.running.value):
+                    if state in (None, TaskState.running.value):
                         yield "progress", msgspec.json.decode(data)
-                    continue
-                rec = decode(data, TaskRecord)
-                if rec.state.terminal:
-                    yield "final", self.view(rec)
-                    return
-                if rec.state.value != last_state:
-                    last_state = rec.state.value
-                    yield "state", {"id": task_id, "state": last_state,
-                                    "cluster": rec.cluster, "worker": rec.worker}
         finally:
-            pumping.cancel()
-            with contextlib.suppress(BaseException):
-                await pumping
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     # -------------------------------------------------------------------------- models
 
