@@ -281,17 +281,60 @@ async def test_a_client_expecting_100_continue_gets_413_before_sending_an_oversi
         await serving
 
 
-async def test_an_event_streams_watch_lets_its_consumer_go_soon_after_it_ends(
-        gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
-    """Each event stream watches its task's record through a consumer the gateway may not
-    delete; streams opened and closed in a loop must not pile those up on the server for
-    the 5 minutes a service's lasting watch keeps: the stream's goes 30 s after it ends."""
-    task_id = (await http.post("/v1/generations", json=ASK)).json()["id"]
-    events = gw.follow(task_id)  # what the SSE route streams
-    try:
-        assert (await anext(events))[0] == "state"  # the stream has begun: its watch made
-        mine = [c for c in await bus.js.consumers_info(f"KV_{KV_TASKS}")
-                if c.config.filter_subject == f"$KV.{KV_TASKS}.{task_id}"]
-        assert len(mine) == 1 and mine[0].config.inactive_threshold == 30.0, mine
-    finally:
-        await events.aclose()
+async def test_the_job_service_answers_on_inboxes_only(
+        jobs: JobService, gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """A reply subject chose where the gateway published its answer, with its own
+    permissions: ``$KV.tasks.<id>`` wrote an error body over another tenant's record (its
+    status then 500, its worker dead-lettering it), ``gen.<cluster>.<lane>`` queued junk.
+    A request whose reply is not an inbox, or that has none, is dropped unserved."""
+    victim = (await http.post("/v1/generations", json=ASK)).json()["id"]
+    tasks = await bus.typed(KV_TASKS, TaskRecord)
+    before = await tasks.get(victim)
+    queued = await queued_on(bus, gw.clusters[0])
+    record = subjects.task_record(victim)
+    for subject, body in ((subjects.jobs("status"), {"id": "x"}),
+                          (subjects.jobs("generate"), ASK), ("$SRV.PING", None),
+                          ("$SRV.STATS.tandem-jobs", None)):
+        for reply in (record, subjects.gen(gw.clusters[0], "batch")):
+            await bus.nc.publish(subject, b"" if body is None else json.dumps(body).encode(),
+                                 reply=reply)
+        await bus.nc.publish(subject, json.dumps(ASK).encode())  # no reply at all
+        # The same subscription answers in order: once this is answered, those were seen.
+        answer = await bus.nc.request(subject, b"" if body is None else json.dumps(
+            body).encode(), timeout=30)
+        assert answer.data
+    assert await tasks.get(victim) == before
+    assert await queued_on(bus, gw.clusters[0]) == queued + 1  # the one answered generate
+    assert subjects.is_inbox("_INBOX.abc") and subjects.is_inbox("_INBOX_east.a.b")
+    assert subjects.is_inbox("_R_.xyz.abc")
+    assert not any(subjects.is_inbox(r) for r in (None, "", "_INBOX", "_INBOX.", "_INBOX.>",
+                                                  "_INBOXES.a", record, "x._INBOX.a"))
+
+
+async def test_the_job_service_reads_header_names_in_any_case(
+        jobs: JobService, bus: Bus) -> None:
+    """Header names are case-insensitive over HTTP; a NATS client that sent
+    ``idempotency-key`` used to get a second task for each spelling."""
+    ids = set()
+    for name in ("Idempotency-Key", "idempotency-key", "IDEMPOTENCY-KEY"):
+        msg = await bus.nc.request(subjects.jobs("generate"), json.dumps(ASK).encode(),
+                                   timeout=30, headers={name: "one-key"})
+        ids.add(json.loads(msg.data)["id"])
+    assert len(ids) == 1
+
+
+async def test_a_job_service_failure_answers_the_documented_body_and_stats_echo_no_input(
+        jobs: JobService, gw: Gateway, bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken() -> list[dict[str, Any]]:
+        raise RuntimeError("a bug with secret-ish internals")
+
+    monkeypatch.setattr(gw, "models", broken)
+    code, body = await _ask(bus, "models", {})
+    assert code == "500" and "logged as" in body["detail"]
+    assert "secret-ish" not in body["detail"]
+    code, _ = await _ask(bus, "generate", {**ASK, "steps": "a tenant's secret"})
+    assert code == "422"
+    stats = json.loads((await bus.nc.request("$SRV.STATS.tandem-jobs", b"", timeout=30)).data)
+    errors = {e["name"]: e["last_error"] for e in stats["endpoints"]}
+    assert errors["models"] == "500 Internal Server Error"
+    assert errors["generate"] == "422 Unprocessable Entity"

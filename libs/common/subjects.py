@@ -163,6 +163,17 @@ def jobs(endpoint: str) -> str:
     return f"tandem.jobs.{endpoint}"
 
 
+def is_inbox(reply: str | None) -> bool:
+    """Whether ``reply`` is a requester's inbox, the only subject a service answers on:
+    ``_INBOX.<...>``, a cluster's ``_INBOX_<cluster>.<...>`` (accounts.inbox_prefix), or
+    ``_R_.<...>``, a reply nats-server mapped across accounts. A request whose reply names
+    anything else (a KV key, a queue) would have its answer published there with the
+    service's own permissions."""
+    head, dot, rest = (reply or "").partition(".")
+    return (bool(dot and rest) and (head in ("_INBOX", "_R_") or head.startswith("_INBOX_"))
+            and not {"*", ">", " "} & set(rest))
+
+
 def telemetry(cluster: str, node: str) -> str:
     return f"telemetry.{token(cluster, 'cluster')}.{token(node, 'node')}"
 

@@ -26,19 +26,26 @@ status; ``Retry-After`` on a 429) and the HTTP API's body (``{"detail": ...}``; 
 names each bad field). ``$SRV.PING``, ``$SRV.INFO`` (each
 endpoint with its subject and the JSON Schema of its request in ``metadata``) and
 ``$SRV.STATS`` answer as for any NATS service; every gateway joins one queue group.
+
+Header names are read without regard to case, as over HTTP. A request is answered only
+on an inbox (``subjects.is_inbox``): one whose reply subject names anything else, or
+none, is dropped unserved, since its answer would be published with the gateway's own
+permissions (a reply of ``$KV.tasks.<id>`` wrote over another tenant's task record).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import Service
+from nats.micro.service import Service, ServiceConfig
 from pydantic import ValidationError
 
 from tandem.common import log, subjects
@@ -78,9 +85,10 @@ class JobService:
         self.service: Service | None = None
 
     async def start(self, nc: Any) -> None:
-        svc = self.service = await add_service(
-            nc, name=NAME, version=VERSION, queue_group=NAME,
-            description="Submit, follow and cancel Tandem jobs (generation, training).")
+        svc = self.service = _InboxOnly(nc, ServiceConfig(
+            name=NAME, version=VERSION, queue_group=NAME,
+            description="Submit, follow and cancel Tandem jobs (generation, training)."))
+        await svc.start()
         group = svc.add_group(name=PREFIX)
         endpoints: list[tuple[str, Handler, dict[str, Any]]] = [
             ("generate", self.generate, GenerationRequest.model_json_schema()),
@@ -105,11 +113,14 @@ class JobService:
 
     def _serve(self, name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
         async def serve(req: Request) -> None:
-            headers = req.headers or {}
+            if not answerable(req._msg, subjects.jobs(name)):
+                return
+            headers = {k.lower(): v for k, v in (req.headers or {}).items()}
 
             async def auth(need: str) -> Caller:
-                caller = self.keys.check(bearer(headers.get("Authorization", "")), need,
-                                         subjects.jobs(name))
+                caller = self.keys.check(
+                    bearer(headers.get("authorization") or headers.get("x-api-key", "")),
+                    need, subjects.jobs(name))
                 await self.limits.admit(caller)  # the key's one rate, shared with HTTP
                 return caller
 
@@ -135,6 +146,11 @@ class JobService:
                 await self._refuse(req, name, JobRefused(
                     503, f"the message bus (NATS) failed to serve {name}: {describe(exc)}; "
                          "try again", retry_after=1))
+            except Exception:  # a bug: the documented body, not nats.micro's bare repr
+                ref = uuid.uuid4().hex[:12]
+                _log.exception("jobs.failed", endpoint=name, ref=ref)
+                await self._refuse(req, name, JobRefused(
+                    500, f"the gateway failed to serve {name} (logged as {ref})"))
             else:
                 await req.respond(msgspec.json.encode(reply))
 
@@ -147,10 +163,12 @@ class JobService:
                                 msgspec.json.encode(json_safe(exc.body())), headers=extra)
         # nats.micro counts an error only when a handler raises, and then answers with no
         # body; this answers with the HTTP API's body, so it counts the error itself.
+        # $SRV.STATS answers anyone: its last error names the status, never the detail
+        # (a 422 echoes what another tenant sent).
         for endpoint in self.service._endpoints if self.service else []:
             if endpoint._name == name:
                 endpoint._num_errors += 1
-                endpoint._last_error = f"{exc.status} {exc}"
+                endpoint._last_error = f"{exc.status} {HTTPStatus(exc.status).phrase}"
 
     # ---------------------------------------------------------------------- endpoints
 
@@ -161,7 +179,7 @@ class JobService:
             req = GenerationRequest.model_validate(body)
         except ValidationError as exc:
             raise JobRefused.invalid(pydantic_problems(exc)) from None
-        key = headers.get("Idempotency-Key")
+        key = headers.get("idempotency-key")
         if key is not None and not 1 <= len(key) <= 255:
             raise JobRefused.invalid([Problem("Idempotency-Key", "1 to 255 characters")],
                                      "header")
@@ -195,6 +213,32 @@ class JobService:
         """The model registry: what each model takes, and where it is loaded."""
         await auth(ANY_KEY)
         return {"models": await self.gw.models()}
+
+
+def answerable(msg: Msg, what: str) -> bool:
+    """Whether ``msg``'s reply subject is an inbox to answer on (``subjects.is_inbox``);
+    if not, the request is dropped unserved, and logged."""
+    if subjects.is_inbox(msg.reply):
+        return True
+    _log.warning("jobs.unanswerable", subject=what, reply=(msg.reply or "")[:120],
+                 why="a request is answered on an inbox only (_INBOX.<...>)")
+    return False
+
+
+class _InboxOnly(Service):
+    """nats.micro's service, whose own ``$SRV`` verbs answer on inboxes only too."""
+
+    async def _handle_ping_request(self, msg: Msg) -> None:
+        if answerable(msg, msg.subject):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg: Msg) -> None:
+        if answerable(msg, msg.subject):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg: Msg) -> None:
+        if answerable(msg, msg.subject):
+            await super()._handle_stats_request(msg)
 
 
 def _which(body: Any) -> tuple[str, str]:

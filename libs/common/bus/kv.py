@@ -235,10 +235,8 @@ class Watch:
     delivered, and the new one counts from 1 again and delivers only the rest.
     """
 
-    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool,
-                 inactive: float = 300.0) -> None:
+    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool) -> None:
         self.kv, self.pattern, self.ignore_deletes = kv, pattern, ignore_deletes
-        self.inactive = inactive
         self.current_done = False  # the None after the current values is queued
         self._queue: asyncio.Queue[KeyValue.Entry | None] = asyncio.Queue()
         self._sub: Any = None
@@ -253,7 +251,7 @@ class Watch:
         self._sub = await self.kv._js.subscribe(
             f"{self.kv._pre}{self.pattern}", stream=self.kv._stream, cb=self._on_msg,
             ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=self.inactive)
+            inactive_threshold=300.0)
         try:
             await self.check()
         except BaseException:
@@ -329,12 +327,12 @@ def _operation(headers: dict[str, str] | None) -> str | None:
     return {"MaxAge": "PURGE", "Purge": "PURGE", "Remove": "DEL"}.get(reason)
 
 
-async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False,
-                inactive: float = 300.0) -> Watch:
+async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False) -> Watch:
     """Watch the keys of ``kv`` matching ``pattern`` (see ``Watch``). Its consumer
-    outlives a connection without interest for ``inactive`` seconds (a reconnect finds
-    it), and so also a stopped watch: roles may not delete consumers."""
-    return await Watch(kv, pattern, ignore_deletes, inactive)._start()
+    outlives a connection without interest for 5 minutes (a reconnect finds it), and so
+    also a stopped watch: roles may not delete consumers. A watch is a service's, for
+    its life: one per request would pile consumers up on the server."""
+    return await Watch(kv, pattern, ignore_deletes)._start()
 
 
 async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
