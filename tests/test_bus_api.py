@@ -33,7 +33,7 @@ DOC = ROOT / bus_api.DOC
 
 # Functions of subjects.py that build something other than a subject.
 NOT_SUBJECTS = {"token", "token_list", "node", "lane", "node_key", "cluster_keys",
-                "gen_stream_name", "is_inbox"}
+                "gen_stream_name", "is_inbox", "service_inbox"}
 
 
 def _printed(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

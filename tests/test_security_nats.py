@@ -276,6 +276,36 @@ async def test_a_client_may_use_the_job_service_and_follow_jobs_and_nothing_else
     assert (await admin.js.stream_info("GEN_EAST")).state.messages == 0
 
 
+async def test_a_client_hears_no_services_replies_on_its_inbox(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    """Every program outside Tandem subscribes to ``_INBOX.>`` for its replies. The
+    services used the same prefix, so a client subscribed to ``_INBOX.>`` heard their
+    replies: the records the gateway read from KV (every tenant's prompt), the tasks a
+    worker pulled. A service's replies now come on its role's own prefix."""
+    srv, passwords = auth_nats
+    tasks = await admin.typed(streams.KV_TASKS, TaskRecord)
+    await tasks.put("t1", TaskRecord(task=GenerationTask(
+        task_id="t1", model="noop", prompt="bob's secret prompt", owner="bob")))
+    gateway = await Bus.connect(as_role(srv, passwords, "gateway"), "gateway")
+    client = await Bus.connect(as_role(srv, passwords, "client"), "client")
+    heard: list[bytes] = []
+    try:
+        async def on_reply(msg: Any) -> None:
+            heard.append(msg.data)
+
+        await client.nc.subscribe("_INBOX.>", cb=on_reply)
+        await client.synced()
+        got = await (await gateway.typed(streams.KV_TASKS, TaskRecord)).get("t1")
+        assert got is not None and got[0].task.prompt == "bob's secret prompt"
+        # The server queued any copy for the client when it routed the reply, before
+        # the gateway had it: a round trip of the client's comes back after that copy.
+        await client.nc.flush()
+        assert not [d for d in heard if b"secret" in d], heard
+    finally:
+        await client.drain()
+        await gateway.drain()
+
+
 async def test_what_the_dashboard_and_failover_read_is_allowed(
         auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
     """Reads the end-to-end test does not reach: a run's step history replayed by the

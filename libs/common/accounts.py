@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tandem.common import permissions, subjects
-from tandem.common.permissions import ADMIN, API, CLIENT, CONTROL, INBOX
+from tandem.common.permissions import ADMIN, API, CLIENT, CONTROL
 
 CONTROL_ACCOUNT = "control-plane"
 # The prefix a cluster's processes reach the control plane's JetStream API by
@@ -113,7 +113,9 @@ def imports(clusters: Sequence[str], home: str, control: str = CONTROL) -> list[
     """What cluster ``home``'s account imports, from its roles' declaration."""
     roles = permissions.declaration(clusters, control, home=home)
     pub = {p for r in CLUSTER_ROLES for p in roles[r].publish if not _provisioning(p)}
-    sub = {s for r in CLUSTER_ROLES for s in roles[r].subscribe if s != INBOX}
+    # Their replies come on the cluster's own inbox prefix (below), not the role's.
+    sub = {s for r in CLUSTER_ROLES for s in roles[r].subscribe
+           if s != permissions.replies(r)}
     services = _prune(pub)
     out = [Import("service", s, "stream" if ".CONSUMER.MSG.NEXT." in s else None, _to(s))
            for s in services]

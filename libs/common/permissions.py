@@ -19,8 +19,11 @@ nats-py sends for it:
 ``emits`` / ``listens``  core NATS publish / subscribe
 =====================  =================================================================
 
-Every user may subscribe to ``_INBOX.>`` (replies to its own requests). The ``admin``
-role (operators, the CLI, the local stack's provisioning) may do anything.
+A service role subscribes to replies on its own inbox prefix only,
+``_SERVICE_INBOX.<role>.>`` (``subjects.service_inbox``; ``Bus.connect`` uses it for a
+service's user); ``client`` on ``_INBOX.>``, so no program outside Tandem hears a
+service's replies (records read from KV, pulled tasks). The ``admin`` role (operators,
+the CLI, the local stack's provisioning) may do anything.
 
 ``nats_config`` renders the nats-server ``authorization`` block; ``deploy/nats/auth.conf``
 is its output for compose (a test checks they agree), ``tandem dev up --auth`` writes
@@ -75,6 +78,12 @@ class Role:
         return any(fnmatch.fnmatchcase(name, p) for p in self.provisions)
 
 
+def replies(role: str) -> str:
+    """What ``role`` subscribes to for the replies to its requests: ``_INBOX.>`` for
+    ``client``, its own ``_SERVICE_INBOX.<role>.>`` for a service role."""
+    return INBOX if role == CLIENT else f"{subjects.service_inbox(role)}.>"
+
+
 @dataclass
 class _Grants:
     """Accumulates one role's subjects while the declaration below is read."""
@@ -82,7 +91,10 @@ class _Grants:
     name: str
     description: str
     pub: set[str] = field(default_factory=set)
-    sub: set[str] = field(default_factory=lambda: {INBOX})
+    sub: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.sub.add(replies(self.name))
     provisions: set[str] = field(default_factory=set)
     responds: bool = False
 

@@ -163,6 +163,15 @@ def jobs(endpoint: str) -> str:
     return f"tandem.jobs.{endpoint}"
 
 
+def service_inbox(role: str) -> str:
+    """``_SERVICE_INBOX.<role>``: the inbox prefix of a service role's connections (the
+    replies to its requests: KV reads, pulled tasks, publish acks). Programs outside
+    Tandem share ``_INBOX.>`` (the ``client`` role), so a service's replies must not land
+    there. Not ``_INBOX_<x>``: that is a cluster's (``accounts.inbox_prefix``), imported
+    into the cluster's account by its prefix."""
+    return f"_SERVICE_INBOX.{token(role, 'role')}"
+
+
 def is_inbox(reply: str | None) -> bool:
     """Whether ``reply`` is a requester's inbox, the only subject a service answers on:
     ``_INBOX.<...>``, a cluster's ``_INBOX_<cluster>.<...>`` (accounts.inbox_prefix), or

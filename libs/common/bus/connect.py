@@ -29,7 +29,7 @@ from tandem.common.bus.consumer import Consumer, Delivery
 from tandem.common.bus.kv import TypedKV
 from tandem.common.bus.publish import Publishing
 from tandem.common.events import DeadLetter, decode, encode, struct_replace
-from tandem.common.permissions import violation
+from tandem.common.permissions import SERVICE_ROLES, violation
 from tandem.common.settings import Settings
 from tandem.common.streams import ConsumerSpec, Spec, provision
 
@@ -121,6 +121,8 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         opts["user_credentials"] = settings.nats_creds
     if settings.nats_inbox_prefix:
         opts["inbox_prefix"] = settings.nats_inbox_prefix
+    elif settings.nats_user in SERVICE_ROLES:  # its role's own (permissions: _Grants)
+        opts["inbox_prefix"] = subjects.service_inbox(settings.nats_user)
     if settings.nats_tls_ca:
         import ssl
 
