@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from tandem.common.tasks import SealSettings
 from tandem.gateway import dashboard
 from tandem.gateway.api import create_app
 from tandem.gateway.auth import AuthSettings, Guard, Keyring, Limits, document, parse_keys
+from tandem.gateway.connections import BoundedHttpTools, HttpBounds
 from tandem.gateway.generations import Gateway
 from tandem.gateway.jobs import JobService
 from tandem.gateway.observe import Observer
@@ -56,6 +58,17 @@ class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, SealSetti
         "Longer than any client's or load balancer's idle timeout (httpx 5, AWS ALB 60): "
         "a server that closes first races the client's next request on that connection, "
         "which then fails without a response.")
+    http_max_header_bytes: int = Field(
+        HttpBounds.max_header_bytes, ge=1024, le=16 * 1024 * 1024,
+        description="Largest request line plus headers; larger gets 431 and the "
+        "connection closed.")
+    http_head_timeout: float = Field(
+        HttpBounds.head_timeout, gt=0, le=3600, description="Seconds a request head may "
+        "take from the connection's opening (or the first byte of a later request) to its "
+        "end; then 408 and the connection closed. Bodies and responses (SSE) are not timed.")
+    http_max_connections: int = Field(
+        HttpBounds.max_connections, ge=1, description="Open HTTP connections; one more "
+        "gets 503 at once, while those open go on.")
 
     @field_validator("clusters")
     @classmethod
@@ -72,7 +85,8 @@ class _Server:
     """uvicorn without its signal handlers: the runner owns SIGTERM."""
 
     def __init__(self, app: Any, sock: socket.socket, ssl_certfile: str | None = None,
-                 ssl_keyfile: str | None = None, keep_alive: float = 75.0) -> None:
+                 ssl_keyfile: str | None = None, keep_alive: float = 75.0,
+                 bounds: HttpBounds = HttpBounds()) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -82,7 +96,8 @@ class _Server:
 
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, ssl_certfile=ssl_certfile,
-                                ssl_keyfile=ssl_keyfile, timeout_keep_alive=keep_alive)
+                                ssl_keyfile=ssl_keyfile, timeout_keep_alive=keep_alive,
+                                http=BoundedHttpTools.with_bounds(bounds))
         self.config = config
         self.server = Server(config)
         self.sock = sock
@@ -108,6 +123,26 @@ def bind(host: str, port: int) -> socket.socket:
                                "(set TANDEM_HTTP_PORT, 0 picks a free one)") from None
     sock.set_inheritable(True)
     return sock
+
+
+# Files the gateway holds besides its HTTP connections: NATS, S3's pool, the metrics
+# port, logs, the event loop's own.
+OWN_FILES = 100
+
+
+def open_files_for(connections: int) -> bool:
+    """Raise this process's soft limit on open files, up to the hard one, so that
+    ``connections`` HTTP connections fit beside the gateway's own files; whether they do.
+    Shells and systemd start processes at 1024: without this the connection cap would
+    come after accept() fails (EMFILE), and with it every socket the gateway opens."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + OWN_FILES
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return True
+    if hard != resource.RLIM_INFINITY and hard < want:
+        want = hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return want >= connections + OWN_FILES
 
 
 class GatewayService(Service):
@@ -166,7 +201,17 @@ class GatewayService(Service):
         sock = bind(s.http_host, s.http_port)
         self.port = sock.getsockname()[1]
         tls = (s.http_tls_cert, s.http_tls_key) if s.tls else (None, None)
-        server = self._server = _Server(asgi, sock, *tls, keep_alive=s.http_keep_alive)
+        bounds = HttpBounds(s.http_max_header_bytes, s.http_head_timeout,
+                            s.http_max_connections)
+        if not open_files_for(bounds.max_connections):
+            ctx.log.warning("gateway.open_files_short",
+                            open_files=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                            http_max_connections=bounds.max_connections,
+                            hint="raise the hard limit (ulimit -Hn) or lower "
+                            "TANDEM_HTTP_MAX_CONNECTIONS: past it accept() and the gateway's "
+                            "own NATS and S3 sockets fail instead")
+        server = self._server = _Server(asgi, sock, *tls, keep_alive=s.http_keep_alive,
+                                        bounds=bounds)
         scheme = "https" if s.tls else "http"
         ctx.log.info("gateway.listening", url=f"{scheme}://{s.http_host}:{self.port}",
                      docs=f"{scheme}://{s.http_host}:{self.port}/docs", clusters=s.cluster_list)
