@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tandem.common import subjects
+from tandem.common import model_size, subjects
 from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound, TooManyRuns
 from tandem.common.events import RunRecord, RunState, TrainStatus, encode, now, struct_replace
 
@@ -357,10 +357,11 @@ async def get_run(bus: Any, run_id: str) -> RunRecord:
 
 async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
                      owner: str = "", max_unfinished: int | None = None) -> RunRecord:
-    """Validate ``config``, record the run as pending (created by API key ``owner``) and
-    announce it. A run recorded but never announced (a caller that died between the two,
-    or a publish refused past its retries) is claimed by a coordinator of its cluster
-    ``unclaimed_after_s`` later all the same (``tandem.trainer.service``).
+    """Validate ``config`` (its model's size too: ``model_size.check``), record the run
+    as pending (created by API key ``owner``) and announce it. A run recorded but never
+    announced (a caller that died between the two, or a publish refused past its
+    retries) is claimed by a coordinator of its cluster ``unclaimed_after_s`` later all
+    the same (``tandem.trainer.service``).
 
     Returns the stored record. Idempotent: the same config under the same run id by the
     same owner returns the existing record (and re-announces it if it is still pending);
@@ -381,6 +382,7 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     from tandem.common.streams import KV_RUNS
 
     cfg = parse_run_config(config)
+    model_size.check(cfg)  # here, not in RunConfig: a run accepted before still parses
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     run_id = cfg.run_id

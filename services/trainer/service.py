@@ -27,6 +27,9 @@
   publishing, or a stream that refused the publish for longer than the gateway
   retried), and without this it would wait forever, counting against its key's limit
   of unfinished runs.
+
+One module past 450 lines: claiming, adoption, health, drains and cancels all act on
+one table of supervisors in one task group, and the settings are a fifth of it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from tandem.common.events import (
     TrainStatus,
     struct_replace,
 )
+from tandem.common.model_size import rank_state_over
 from tandem.common.runner import Context, Service
 from tandem.common.runs import parse_run_config
 from tandem.common.settings import Settings
@@ -92,6 +96,11 @@ class TrainerSettings(Settings):
     data_root: str = Field(
         "", description="Directory every image_folder data set must be under (relative "
         "data.path values start there); empty: any path this host can read.")
+    max_rank_state_gb: float = Field(
+        8.0, gt=0, description="Coordinator: the most training state (fp32 weights, "
+        "gradients, AdamW's two moments, the EMA: 20 bytes a parameter; with fsdp a rank's "
+        "share) one rank of a run it claims may hold: what a node's memory takes beside "
+        "the activations. A run past it fails at claim, naming both figures.")
     trainer_role: Literal["coordinator", "node"] = Field(
         "coordinator", description="coordinator: claims and supervises runs; node: this "
         "node's trainer agent, which runs torchrun for the node when a coordinator orders "
@@ -291,6 +300,10 @@ class Trainer(Service):
         try:
             config = parse_run_config(rec.config)
             config = config.model_copy(update={"data": config.data.confined(self.s.data_root)})
+            # An adopted run was let through before: its size is not judged again.
+            too_big = None if adopted else rank_state_over(config, self.s.max_rank_state_gb)
+            if too_big is not None:
+                raise ValueError(too_big)
         except Exception as exc:
             self.tg.create_task(self._reject(run_id, str(exc)))
             return
@@ -347,8 +360,9 @@ class Trainer(Service):
 
     async def _reject(self, run_id: str, reason: str) -> None:
         """A run this coordinator refuses (its config fails here: a ``data.path`` outside
-        ``DATA_ROOT``): failed, with the reason as an incident (``invalid_config``). A
-        run that ended meanwhile (cancelled) is left as it is."""
+        ``DATA_ROOT``, a rank's state past ``MAX_RANK_STATE_GB``): failed, with the reason
+        as an incident (``invalid_config``). A run that ended meanwhile (cancelled) is
+        left as it is."""
         kv = await self.ctx.bus.typed(KV_RUNS, RunRecord)
         incident = {"kind": "invalid_config", "reason": reason, "at": events.now(),
                     "detector": "the coordinator's check of the run's config"}
