@@ -135,3 +135,50 @@ async def test_submit_refuses_a_batch_larger_than_the_data_set(bus: Bus) -> None
     assert set(exc.value.problems) == {"batch_size"}
     assert "1797" in exc.value.problems["batch_size"]
     assert await (await bus.typed(KV_RUNS, RunRecord)).get("toobig") is None
+
+
+async def test_a_record_that_does_not_decode_blocks_no_submission_and_no_reader(
+        bus: Bus) -> None:
+    """One unreadable record in KV runs (written by hand, or through a bug) made every
+    submission with a limit fail after its own record was written (a 500 whose run then
+    ran anyway, claimed unannounced), and every reader of the whole bucket with it."""
+    await bus.provision(core_streams())
+    await (await bus.js.key_value(KV_RUNS)).put("junk", b'{"detail": "not a run"}')
+    rec = await submit_run(bus, {"run_id": "fine"}, owner="alice", max_unfinished=2)
+    assert rec.run_id == "fine"
+    runs = await bus.typed(KV_RUNS, RunRecord)
+    assert set(await runs.items()) == {"fine"}
+    assert set(await runs.entries()) == {"fine"}
+
+
+async def test_a_run_for_a_cluster_the_caller_does_not_send_to_is_refused_naming_them(
+        bus: Bus) -> None:
+    await bus.provision(core_streams())
+    with pytest.raises(InvalidRunConfig) as exc:
+        await submit_run(bus, {"run_id": "north", "cluster": "north"},
+                         clusters=["east", "west"])
+    assert set(exc.value.problems) == {"cluster"}
+    assert "east, west" in exc.value.problems["cluster"]
+    assert await (await bus.typed(KV_RUNS, RunRecord)).get("north") is None
+    assert (await submit_run(bus, {"run_id": "east-run", "cluster": "east"},
+                             clusters=["east", "west"])).run_id == "east-run"
+
+
+async def test_a_submission_whose_count_fails_leaves_no_run_behind(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error after the run's record was written (the count of the key's runs: the bus
+    timing out) is the caller's error to retry: the record must not stay, or a
+    coordinator claims it unannounced and the retry makes a second run."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from tandem.common.bus import TypedKV
+
+    await bus.provision(core_streams())
+
+    async def times_out(self: TypedKV[RunRecord]) -> dict[str, tuple[RunRecord, int]]:
+        raise NatsTimeout
+
+    monkeypatch.setattr(TypedKV, "entries", times_out)
+    with pytest.raises(NatsTimeout):
+        await submit_run(bus, {"run_id": "counted"}, owner="alice", max_unfinished=2)
+    assert await (await bus.typed(KV_RUNS, RunRecord)).get("counted") is None

@@ -11,7 +11,9 @@ record; a different config under an existing id raises ``RunExists``.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -356,7 +358,8 @@ async def get_run(bus: Any, run_id: str) -> RunRecord:
 
 
 async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
-                     owner: str = "", max_unfinished: int | None = None) -> RunRecord:
+                     owner: str = "", max_unfinished: int | None = None,
+                     clusters: Sequence[str] = ()) -> RunRecord:
     """Validate ``config`` (its model's size too: ``model_size.check``), record the run
     as pending (created by API key ``owner``) and announce it. A run recorded but never
     announced (a caller that died between the two, or a publish refused past its
@@ -366,6 +369,8 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     Returns the stored record. Idempotent: the same config under the same run id by the
     same owner returns the existing record (and re-announces it if it is still pending);
     a different config or another owner under an existing run id raises ``RunExists``.
+    ``clusters``: where the caller may send runs (the gateway's); a ``cluster`` outside
+    them is refused, naming them (it would wait ``pending`` for a coordinator for good).
 
     ``max_unfinished``: a new run is refused (``TooManyRuns``) when ``owner`` has that many
     runs not finished before it, counted in KV ``runs`` after its record is written,
@@ -383,6 +388,9 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
 
     cfg = parse_run_config(config)
     model_size.check(cfg)  # here, not in RunConfig: a run accepted before still parses
+    if clusters and cfg.cluster and cfg.cluster not in clusters:
+        raise InvalidRunConfig({"cluster": f"{cfg.cluster!r} is not one of the clusters "
+                                f"runs go to here: {', '.join(clusters)}"})
     if cfg.run_id is None:
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     run_id = cfg.run_id
@@ -401,9 +409,16 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
         if record.state != RunState.pending:
             return record
     elif max_unfinished is not None:
-        others = sorted(k for k, (rec, rev) in (await kv.entries()).items()
-                        if k != run_id and rec.owner == owner and not rec.state.terminal
-                        and (rec.state != RunState.pending or rev < revision))
+        try:
+            others = sorted(k for k, (rec, rev) in (await kv.entries()).items()
+                            if k != run_id and rec.owner == owner and not rec.state.terminal
+                            and (rec.state != RunState.pending or rev < revision))
+        except BaseException:
+            # Refused with an error, so not left to run: a coordinator would claim it
+            # unannounced later, and the caller's retry would make a second run.
+            with contextlib.suppress(Exception):
+                await kv.delete(run_id, last=revision)
+            raise
         if len(others) >= max_unfinished:
             # Moved meanwhile (cancelled; or claimed by a coordinator that found it
             # unannounced, unclaimed_after_s later: a stall no submission lasts): leave it.

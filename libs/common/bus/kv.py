@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from nats.errors import TimeoutError as NatsTimeout
@@ -191,13 +191,29 @@ class TypedKV(Generic[E]):
         return out
 
     async def items(self) -> dict[str, E]:
-        """Every key's value, read in one pass (``snapshot``)."""
-        return {k: decode(v, self.event_type) for k, v in (await snapshot(self.kv)).items()}
+        """Every key's value, read in one pass (``snapshot``); one that does not decode
+        is left out (``readable``)."""
+        values = await snapshot(self.kv)
+        return {k: v for k, v, _ in self._readable((k, v, 0) for k, v in values.items())}
 
     async def entries(self) -> dict[str, tuple[E, int]]:
-        """Every key's value and revision, read in one pass (``entries``)."""
-        return {k: (decode(e.value, self.event_type), e.revision or 0)
-                for k, e in (await entries(self.kv)).items()}
+        """Every key's value and revision, read in one pass (``entries``); one that does
+        not decode is left out (``readable``)."""
+        got = await entries(self.kv)
+        return {k: (v, rev) for k, v, rev in self._readable(
+            (k, e.value, e.revision or 0) for k, e in got.items())}
+
+    def _readable(self, values: Iterable[tuple[str, bytes, int]]) -> Iterator[tuple[str, E, int]]:
+        """The values that decode as this bucket's events. One that does not (written by
+        hand, or by a program with write access and a bug) is logged and skipped: a
+        reader of the whole bucket (a coordinator adopting its runs, a count of a key's
+        runs) must not fail on every other record for it."""
+        for key, value, revision in values:
+            try:
+                yield key, decode(value, self.event_type), revision
+            except Exception as exc:  # EventDecodeError, and whatever msgspec raises
+                _log.warning("kv.undecodable", bucket=self.kv._name,
+                             key=key, error=str(exc)[:200])
 
     async def delete(self, key: str, last: int | None = None) -> bool:
         """Delete ``key`` (if its revision is still ``last``, when given); whether it was."""
