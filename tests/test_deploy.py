@@ -418,6 +418,12 @@ def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
         for key in ("readinessProbe", "livenessProbe"):
             probe = c[key]["httpGet"]
             assert probe["path"].startswith("/healthz") and port_number(c, probe["port"]) == port
+    # A hub pod counts as started (so a rolling update goes on to the next) only once its
+    # streams are current, the strict /healthz; a roll once moved on while a restarted
+    # server's lighter paths answered 200 and its stream was still catching up.
+    (hub,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
+    assert hub["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert hub["startupProbe"]["periodSeconds"] * hub["startupProbe"]["failureThreshold"] >= 600
 
 
 # ------------------------------------------------------------------- planes and clusters
