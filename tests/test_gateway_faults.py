@@ -338,3 +338,33 @@ async def test_a_job_service_failure_answers_the_documented_body_and_stats_echo_
     errors = {e["name"]: e["last_error"] for e in stats["endpoints"]}
     assert errors["models"] == "500 Internal Server Error"
     assert errors["generate"] == "422 Unprocessable Entity"
+
+
+async def test_a_follow_on_the_bus_reads_on_while_no_gateway_answers(
+        jobs: JobService, gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """Only ``generate`` retried: in a rolling restart of the gateways, a ``wait`` whose
+    read of the record found none serving (503, no responders) or timed out ended with
+    that error while its task ran on. A follow's reads now ride it out (``patience``)."""
+    from tandem.client import JobError, NatsClient
+
+    refused: list[int] = []
+    was_refused = asyncio.Event()
+
+    class Watched(NatsClient):
+        async def status(self, task_id: str) -> dict[str, Any]:
+            try:
+                return await super().status(task_id)
+            except JobError as exc:
+                refused.append(exc.status)
+                was_refused.set()
+                raise
+
+    task_id = (await http.post("/v1/generations", json=ASK)).json()["id"]
+    await jobs.stop()  # every gateway away
+    waiting = asyncio.create_task(Watched(bus.nc, recheck=0.2).wait(task_id, timeout=60))
+    await asyncio.wait_for(was_refused.wait(), 30)  # its first read: it must read on
+    assert refused[0] == 503 and not waiting.done()
+    await gw.cancel(task_id)
+    await jobs.start(bus.nc)  # a gateway back
+    record = await waiting
+    assert record["id"] == task_id and record["state"] == "cancelled"

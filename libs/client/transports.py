@@ -46,6 +46,7 @@ class Client:
     retry return the first task instead of a second one."""
 
     retry_for = 30.0  # seconds ``generate`` goes on trying through a gateway that is away
+    patience = 120.0  # seconds a follow reads on through a gateway that is away
 
     async def generate(self, *, idempotency_key: str | None = None,
                        **request: Any) -> dict[str, Any]:
@@ -68,6 +69,15 @@ class Client:
 
     async def status(self, task_id: str) -> dict[str, Any]:
         raise NotImplementedError
+
+    async def _status_patiently(self, task_id: str) -> dict[str, Any]:
+        """``status`` read again while unanswered (as ``generate``: a gateway restarting,
+        none serving for a moment, a 503) for ``patience`` seconds: a follow's reads, so
+        that ``wait`` and ``events`` ride out a rolling restart of the gateways."""
+        from tandem.common.backoff import Backoff, retry
+
+        return await retry(lambda: self.status(task_id), Backoff(0.5, max_delay=4.0),
+                           when=self._unanswered, within=self.patience)
 
     async def cancel(self, task_id: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -99,7 +109,7 @@ class Client:
             async for event in self.events(task_id):
                 if event["event"] == "final":
                     return event["record"]
-        return await self.status(task_id)
+        return await self._status_patiently(task_id)
 
     async def wait_run(self, run_id: str, timeout: float | None = None,
                        poll: float = 1.0) -> dict[str, Any]:
@@ -245,7 +255,7 @@ class NatsClient(Client):
         subs = [await self.nc.subscribe(f"{subject}.{task_id}", cb=on)
                 for subject in (PROGRESS, WRITTEN)]
         try:
-            record = await self.status(task_id)
+            record = await self._status_patiently(task_id)
             state = record["state"]
             yield {"event": "state", "state": state, "cluster": record["cluster"],
                    "worker": record["worker"]}
@@ -253,7 +263,7 @@ class NatsClient(Client):
                 try:
                     kind, data = await asyncio.wait_for(queue.get(), self.recheck)
                 except TimeoutError:  # nothing heard: read the record (see the class)
-                    record = await self.status(task_id)
+                    record = await self._status_patiently(task_id)
                     if record["state"] in TERMINAL:
                         state = record["state"]
                     continue
@@ -264,7 +274,7 @@ class NatsClient(Client):
                                "worker": ""}
                     yield {"event": "progress", **data}
                     continue
-                record = await self.status(task_id)  # written: the record as stored
+                record = await self._status_patiently(task_id)  # written: as stored
                 if record["state"] != state:
                     state = record["state"]
                     if state not in TERMINAL:
@@ -288,8 +298,8 @@ class HttpClient(Client):
     A follow whose event stream breaks (the gateway restarts, a proxy hangs up) or ends
     without the final event reads the task's status every ``recheck`` seconds until it
     has ended, then gives the final event: the task runs on without the stream. While
-    the gateway cannot be reached, it keeps trying for ``patience`` seconds, then raises
-    the transport's error."""
+    the gateway cannot be reached or answers 502-504, it keeps trying for ``patience``
+    seconds, then raises the last error."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0,
                  verify: Any = True, recheck: float = 2.0, patience: float = 120.0) -> None:
@@ -357,17 +367,10 @@ class HttpClient(Client):
 
     async def _ended(self, task_id: str) -> dict[str, Any]:
         """The task's record once it has ended, read every ``recheck`` seconds."""
-        since = asyncio.get_running_loop().time()  # the gateway last answered
         while True:
-            try:
-                record = await self.status(task_id)
-            except httpx.TransportError:
-                if asyncio.get_running_loop().time() - since > self.patience:
-                    raise
-            else:
-                since = asyncio.get_running_loop().time()
-                if record["state"] in TERMINAL:
-                    return record
+            record = await self._status_patiently(task_id)
+            if record["state"] in TERMINAL:
+                return record
             await asyncio.sleep(self.recheck)  # polling: no stream to wait on
 
     async def close(self) -> None:
