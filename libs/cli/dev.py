@@ -22,6 +22,7 @@ from pathlib import Path
 from tandem.cli.stack import Cancelled, Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.common.errors import ServerStartError, SettingsError
+from tandem.common.permissions import ADMIN, CLIENT
 
 DEFAULT_ROOT = Path(".tandem")
 
@@ -118,8 +119,8 @@ def _up(args: argparse.Namespace) -> int:
     for line in summary(stack, health):
         say(line)
     if stack.auth:
-        say("NATS auth on: each service is its own user; for the CLI, as admin: "
-            f"export TANDEM_NATS_USER=admin TANDEM_NATS_PASSWORD={stack.passwords['admin']}")
+        for line in credentials(stack.passwords):
+            say(line)
     say(f"ready: {len(stack.children)} service processes; NATS {stack.nats_url}, "
         f"S3 {stack.s3_endpoint}; Ctrl-C stops everything")
     while not stop.wait(0.5):
@@ -130,6 +131,20 @@ def _up(args: argparse.Namespace) -> int:
     killed = stack.stop()
     say("stopped" + (f"; had to SIGKILL {', '.join(killed)}" if killed else " cleanly"))
     return 0
+
+
+def credentials(passwords: dict[str, str]) -> list[str]:
+    """The NATS users a person needs from ``dev up --auth`` (the rest are the services'),
+    each with what it is for: ``admin`` for the CLI and trusted tools, ``client`` for a
+    program outside Tandem (the job service, following jobs: docs/bus-api.md)."""
+    lines = ["NATS auth on: each service is its own user; for the CLI and trusted tools, "
+             "as admin (may do anything): export TANDEM_NATS_USER=admin "
+             f"TANDEM_NATS_PASSWORD={passwords[ADMIN]}"]
+    if CLIENT in passwords:
+        lines.append("for a program outside Tandem (the job service tandem.jobs.*, "
+                     "following jobs: docs/bus-api.md), as client: user client, "
+                     f"password {passwords[CLIENT]}")
+    return lines
 
 
 def summary(stack: Stack, health: dict[str, str]) -> list[str]:

@@ -35,7 +35,11 @@ TOKEN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class GenerationRequest(BaseModel):
-    """A request for images. Unset fields take the model's defaults."""
+    """A request for images. Unset fields take the model's defaults.
+
+    Its integer fields are strict: ``true``, ``"5"`` and ``5.0`` are refused (422 naming
+    the field), not read as 1 and 5, as the schema says ``integer``; ``guidance`` (a
+    number) takes ``5`` as well as ``5.0``."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "tiny-text", "prompt": "a red fox in the snow", "num_images": 2, "seed": 7},
@@ -47,18 +51,20 @@ class GenerationRequest(BaseModel):
                                description="Text models only; length bounded per model.")
     negative_prompt: str | None = Field(None, max_length=100_000,
                                         description="Text models only.")
-    class_label: int | None = Field(None, ge=0, description="Class-conditional models only.")
-    width: int | None = Field(None, ge=8, le=8192, multiple_of=8,
+    class_label: int | None = Field(None, ge=0, strict=True,
+                                    description="Class-conditional models only.")
+    width: int | None = Field(None, ge=8, le=8192, multiple_of=8, strict=True,
                               description="Pixels; a multiple of 8 the model allows.")
-    height: int | None = Field(None, ge=8, le=8192, multiple_of=8,
+    height: int | None = Field(None, ge=8, le=8192, multiple_of=8, strict=True,
                                description="Pixels; a multiple of 8 the model allows.")
-    steps: int | None = Field(None, ge=1, le=10_000, description="Denoising steps.")
+    steps: int | None = Field(None, ge=1, le=10_000, strict=True,
+                              description="Denoising steps.")
     guidance: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
                                    description="Classifier-free guidance scale.")
-    seed: int | None = Field(None, ge=0, le=2**32 - 1,
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, strict=True,
                              description="Same seed, model and parameters: same images. "
                              "Unset: derived from the task id (and reported).")
-    num_images: int = Field(1, ge=1, le=256, description="Images to make.")
+    num_images: int = Field(1, ge=1, le=256, strict=True, description="Images to make.")
     lane: Literal["interactive", "batch"] = Field(
         "interactive", description="interactive runs before batch on every worker.")
     cluster: str | None = Field(None, pattern=TOKEN, description="Pin to one cluster.")
@@ -97,7 +103,7 @@ class JobRefused(TandemError):
         self.detail = detail
         self.retry_after = retry_after
         super().__init__(detail if isinstance(detail, str) else "; ".join(
-            f"{'.'.join(str(p) for p in d['loc'][1:])}: {d['msg']}" for d in detail))
+            _named(d["loc"][1:], d["msg"]) for d in detail))
 
     @classmethod
     def invalid(cls, problems: list[Problem], where: str = "body") -> JobRefused:
@@ -106,6 +112,11 @@ class JobRefused(TandemError):
 
     def body(self) -> dict[str, Any]:
         return {"detail": self.detail}
+
+
+def _named(path: list[Any], msg: str) -> str:
+    """One problem as a line: ``field.path: why``, or ``why`` for the body as a whole."""
+    return f"{'.'.join(str(p) for p in path)}: {msg}" if path else msg
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,15 @@ from pydantic import ValidationError
 
 from tandem.common import log, subjects
 from tandem.common.bus import describe
-from tandem.common.jobs import Caller, GenerationRequest, JobRefused, Problem, pydantic_problems
+from tandem.common.errors import InvalidToken
+from tandem.common.jobs import (
+    TOKEN,
+    Caller,
+    GenerationRequest,
+    JobRefused,
+    Problem,
+    pydantic_problems,
+)
 from tandem.common.runs import RunConfig
 from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Limits, Scope, bearer
 from tandem.gateway.generations import Gateway
@@ -65,9 +73,9 @@ PREFIX = subjects.JOBS.template.rsplit(".", 1)[0]  # tandem.jobs
 Auth = Callable[[str], Awaitable[Caller]]  # the needed scope -> the caller, or raises Denied
 Handler = Callable[[Any, dict[str, str], Auth], Awaitable[dict[str, Any]]]
 _WHICH = {"type": "object", "properties": {
-    "id": {"type": "string", "description": "a generation's task id"},
-    "run_id": {"type": "string", "description": "a training run's id"}},
-    "oneOf": [{"required": ["id"]}, {"required": ["run_id"]}]}
+    "id": {"type": "string", "pattern": TOKEN, "description": "a generation's task id"},
+    "run_id": {"type": "string", "pattern": TOKEN, "description": "a training run's id"}},
+    "oneOf": [{"required": ["id"]}, {"required": ["run_id"]}], "additionalProperties": False}
 
 
 class JobService:
@@ -242,7 +250,8 @@ class _InboxOnly(Service):
 
 
 def _which(body: Any) -> tuple[str, str]:
-    """``("id", task)`` or ``("run_id", run)`` from a cancel or status body."""
+    """``("id", task)`` or ``("run_id", run)`` from a cancel or status body (``_WHICH``);
+    422 naming the field when the id is not one any job could have (``"a.b"``)."""
     if not isinstance(body, dict):
         raise JobRefused(422, 'the body is {"id": <task>} or {"run_id": <run>}')
     given = [k for k in ("id", "run_id") if k in body]
@@ -251,4 +260,9 @@ def _which(body: Any) -> tuple[str, str]:
         problems = [Problem(k, "not a field of this request") for k in unknown] or [
             Problem("id", 'give exactly one of "id" (a task) or "run_id" (a run), a string')]
         raise JobRefused.invalid(problems)
-    return given[0], body[given[0]]
+    kind, job_id = given[0], body[given[0]]
+    try:
+        subjects.token(job_id, "task id" if kind == "id" else "run id")
+    except InvalidToken as exc:
+        raise JobRefused.invalid([Problem(kind, exc.reason, job_id)]) from None
+    return kind, job_id

@@ -1,4 +1,5 @@
-"""The HTTP API's response models (pydantic) and its refusals: what clients get back.
+"""The HTTP API's response models (pydantic) and its refusals: what clients get back
+(the job service's replies are the same views, as JSON).
 
 What clients send, ``GenerationRequest``, and its checks live in ``tandem.common.jobs``:
 the job service and the worker validate with the same code.
@@ -11,9 +12,9 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from tandem.common.events import TaskRecord
+from tandem.common.events import RunState, TaskRecord
 from tandem.common.jobs import JobRefused
 
 
@@ -120,3 +121,35 @@ def view(rec: TaskRecord, images: list[ImageRef]) -> GenerationView:
         created_at=_ts(rec.created_at), updated_at=_ts(rec.updated_at),
         started_at=_ts(rec.started_at), finished_at=_ts(rec.finished_at), images=images,
     )
+
+
+class RunView(BaseModel):
+    """A training run as every door shows it (GET, DELETE /v1/training-runs/{id}; the job
+    service's ``train``, ``status`` and ``cancel``). Times are Unix seconds, as in the
+    run's record (a task's view gives ISO-8601 strings)."""
+
+    run_id: str
+    state: RunState
+    cancel_requested: bool = Field(description=(
+        "A cancel was taken. A pending run is cancelled at once; a running one stays "
+        "running (or restarting) until its coordinator has stopped its ranks, then ends "
+        "cancelled."))
+    cancel_reason: str = Field(description="Why it was cancelled; empty: no cancel.")
+    restarts: int
+    latest_step: int
+    latest_checkpoint_step: int | None
+    latest_checkpoint_uri: str
+    goodput: dict[str, float]
+    incidents: list[dict[str, Any]]
+    nodes: list[str]
+    config: dict[str, Any]
+    created_at: float
+    updated_at: float
+    owner: str  # the API key (its name) that submitted it; empty: an open gateway
+    status_subject: str  # train.<run>.status: its state changes, on the bus
+
+
+class RunSubmitted(RunView):
+    """POST /v1/training-runs: the run's view and where to read it (``Location``)."""
+
+    status_url: str

@@ -15,21 +15,42 @@ from fastapi import FastAPI, Path, Request, Response
 from tandem.common import fleet, runs, subjects
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
 from tandem.common.events import RunRecord, RunState
-from tandem.common.jobs import Caller, JobRefused
+from tandem.common.jobs import TOKEN, Caller, JobRefused
 from tandem.gateway.auth import Denied, Limits
-from tandem.gateway.schemas import refused
+from tandem.gateway.schemas import RunSubmitted, RunView, refused
 
-RUN_ID = Path(description="The run id returned by POST /v1/training-runs.", max_length=64)
+# A token, as every run id: "a.b" is a 422 naming it, not a 404 for a run that cannot exist.
+RUN_ID = Path(description="The run id returned by POST /v1/training-runs.", pattern=TOKEN)
 
 
-def _view(rec: Any) -> dict[str, Any]:
-    return {
-        "run_id": rec.run_id, "state": rec.state.value, "restarts": rec.restarts,
-        "latest_step": rec.latest_step, "latest_checkpoint_step": rec.latest_checkpoint_step,
-        "latest_checkpoint_uri": rec.latest_checkpoint_uri, "goodput": rec.goodput,
-        "incidents": rec.incidents, "nodes": rec.nodes, "config": rec.config,
-        "created_at": rec.created_at, "updated_at": rec.updated_at, "owner": rec.owner,
-    }
+# parse_run_config's names for a problem of the config as a whole (not a mapping; a check
+# across fields that blames none): the body itself, as FastAPI's loc ["body"].
+_WHOLE_CONFIG = ("", "(config)")
+
+
+def _problems(exc: InvalidRunConfig, config: Any) -> list[dict[str, Any]]:
+    """A refused run config as the 422 items of every door (FastAPI's shape, as for a
+    generation): ``loc`` the field's path, or the body itself for the config as a whole,
+    and ``input`` what was sent there (None when the field was not sent)."""
+    body = config.model_dump(mode="json") if isinstance(config, runs.RunConfig) else config
+    out = []
+    for path, msg in exc.problems.items():
+        parts = [] if path in _WHOLE_CONFIG else path.split(".")
+        out.append({"type": "value_error", "loc": ["body", *parts], "msg": msg,
+                    "input": _at(body, parts)})
+    return out
+
+
+def _at(value: Any, path: list[str]) -> Any:
+    """What ``value`` holds at ``path`` (keys and list indices); None if nothing."""
+    for part in path:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
 
 
 async def submit_training(bus: Any, config: Any, caller: Caller,
@@ -45,8 +66,7 @@ async def submit_training(bus: Any, config: Any, caller: Caller,
     except Denied as exc:
         raise JobRefused(exc.status, exc.message, retry_after=exc.retry_after) from None
     except InvalidRunConfig as exc:
-        raise JobRefused(422, [{"type": "value_error", "loc": ["body", *k.split(".")],
-                                "msg": v} for k, v in exc.problems.items()]) from None
+        raise JobRefused(422, _problems(exc, config)) from None
     except RunExists as exc:
         raise JobRefused(409, str(exc)) from None
     except InvalidToken as exc:
@@ -78,13 +98,22 @@ async def cancel_training(bus: Any, run_id: str, caller: Caller) -> RunRecord:
 
 
 def run_view(rec: RunRecord) -> dict[str, Any]:
-    """A run as every door shows it, with the subject its events come on."""
-    return {**_view(rec), "status_subject": subjects.train(rec.run_id, "status")}
+    """A run as every door shows it (``RunView``), with the subject its events come on."""
+    return RunView(
+        run_id=rec.run_id, state=rec.state, cancel_requested=bool(rec.cancel),
+        cancel_reason=rec.cancel, restarts=rec.restarts, latest_step=rec.latest_step,
+        latest_checkpoint_step=rec.latest_checkpoint_step,
+        latest_checkpoint_uri=rec.latest_checkpoint_uri, goodput=rec.goodput,
+        incidents=rec.incidents, nodes=rec.nodes, config=rec.config,
+        created_at=rec.created_at, updated_at=rec.updated_at, owner=rec.owner,
+        status_subject=subjects.train(rec.run_id, "status"),
+    ).model_dump(mode="json")
 
 
 def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Caller],
                         limits: Limits | None = None) -> None:
-    @app.post("/v1/training-runs", status_code=202, responses={409: {}, 422: {}})
+    @app.post("/v1/training-runs", status_code=202, response_model=RunSubmitted,
+              responses={409: {}, 422: {}})
     async def submit_training_run(config: runs.RunConfig, request: Request,
                                   response: Response) -> Any:
         """Submit a training run (model, data, steps, batch, lr, EMA, checkpoint interval,
@@ -98,7 +127,7 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         response.headers["Location"] = url
         return {**run_view(rec), "status_url": url}
 
-    @app.get("/v1/training-runs/{run_id}", responses={404: {}})
+    @app.get("/v1/training-runs/{run_id}", response_model=RunView, responses={404: {}})
     async def get_training_run(request: Request, run_id: str = RUN_ID) -> Any:
         """A run's state, restarts, latest step and committed checkpoint, goodput and
         incidents. Another API key's run is 404 (unless the key is admin)."""
@@ -107,10 +136,12 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         except JobRefused as exc:
             return refused(exc)
 
-    @app.delete("/v1/training-runs/{run_id}", responses={404: {}, 409: {}})
+    @app.delete("/v1/training-runs/{run_id}", response_model=RunView,
+                responses={404: {}, 409: {}})
     async def cancel_training_run(request: Request, run_id: str = RUN_ID) -> Any:
-        """Cancel a run: a pending one never starts; a running one's ranks are stopped
-        by its coordinator and the run ends ``cancelled``."""
+        """Cancel a run: a pending one never starts (``cancelled`` at once); a running
+        one answers ``cancel_requested`` in its state of the moment, then its ranks are
+        stopped by its coordinator and it ends ``cancelled``."""
         try:
             return run_view(await cancel_training(bus, run_id, caller(request)))
         except JobRefused as exc:
