@@ -24,7 +24,7 @@ async def http(bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
     gw = Gateway(bus, Registry.parse(""), ["local"], s3=None, bucket="b", url_ttl=60,
                  publish_retry_for=1.0,
                  limits=JobLimits(max_images=4, max_prompt_chars=100, max_size=512))
-    asgi, _ = create_app(gw, max_body_bytes=65536)
+    asgi, _ = create_app(gw, max_body_bytes=65536, train_clusters=["control", "local"])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi),
                                  base_url="http://gw") as client:
         yield client
@@ -55,6 +55,26 @@ async def test_invalid_run_config_is_422_naming_the_field(http: httpx.AsyncClien
     assert any("steps" in d["loc"] for d in r.json()["detail"])
     r = await http.post("/v1/training-runs", json={"run_id": "bad.id"})
     assert r.status_code == 422 and "run_id" in r.text
+
+
+async def test_a_run_for_a_cluster_this_gateway_does_not_send_to_is_422_naming_them(
+        http: httpx.AsyncClient, uid: str) -> None:
+    """It used to be accepted and stay pending for good (no coordinator there), holding
+    one of its key's run slots."""
+    r = await http.post("/v1/training-runs", json={"run_id": f"n{uid}", "cluster": "north"})
+    assert r.status_code == 422, r.text
+    [problem] = r.json()["detail"]
+    assert problem["loc"] == ["body", "cluster"] and "control, local" in problem["msg"]
+    assert problem["input"] == "north"
+    assert (await http.get(f"/v1/training-runs/n{uid}")).status_code == 404
+    r = await http.post("/v1/training-runs", json={"run_id": f"l{uid}", "cluster": "local"})
+    assert r.status_code == 202, r.text
+
+
+async def test_an_id_no_job_could_have_is_422_naming_it(http: httpx.AsyncClient) -> None:
+    for path in ("/v1/generations/a.b", "/v1/training-runs/a.b"):
+        r = await http.get(path)
+        assert r.status_code == 422, (path, r.text)
 
 
 async def test_unknown_run_is_404(http: httpx.AsyncClient) -> None:

@@ -56,7 +56,8 @@ class Jobs(ServingStack):
             for n, k in self.keys.items()]))
         common = self.env(cluster=CLUSTER)
         gw = gateway(self.root, "gateway", **common, clusters=CLUSTER, routing="static",
-                     api_keys=f"@{self.root / 'keys.json'}")
+                     api_keys=f"@{self.root / 'keys.json'}",
+                     train_clusters=f"{CLUSTER},nowhere")  # nowhere: no coordinator
         self.children.append(gw.start())
         w = worker(self.root, "w-jobs", **common, node="w-jobs", serve="digits")
         trainer = Child(name="trainer", log_path=self.root / "trainer.log",
@@ -258,6 +259,11 @@ def test_train_submit_goes_through_the_job_service_and_names_each_bad_field(
     err = capsys.readouterr().err
     assert "422" in err and "steps" in err and "model.kind" in err
     good = tmp_path / "run.toml"
+    good.write_text('steps = 5\ncluster = "north"\n')
+    with pytest.raises(SystemExit) as exc:  # not one of the gateway's TRAIN_CLUSTERS
+        main(["train", "submit", str(good)])
+    assert exc.value.code == 2
+    assert "cluster" in capsys.readouterr().err
     good.write_text('steps = 5\ncluster = "nowhere"\n')  # no coordinator takes it
     run = f"cli-{uuid.uuid4().hex[:8]}"
     with pytest.raises(SystemExit) as exc:

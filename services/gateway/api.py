@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Header, Path, Request, Response
@@ -14,14 +14,15 @@ from nats.errors import Error as NatsError
 
 from tandem.common import metrics
 from tandem.common.bus import describe
-from tandem.common.jobs import OPEN, Caller, GenerationRequest, JobRefused
+from tandem.common.jobs import OPEN, TOKEN, Caller, GenerationRequest, JobRefused
 from tandem.gateway.auth import Limits
 from tandem.gateway.generations import Gateway
 from tandem.gateway.limits import BodyLimit
 from tandem.gateway.schemas import Accepted, GenerationView, json_safe, refused
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
-TASK_ID = Path(description="The task id returned by POST /v1/generations.", max_length=64)
+# A token, as every task id: "a.b" is a 422 naming it, not a 404 for a task that cannot exist.
+TASK_ID = Path(description="The task id returned by POST /v1/generations.", pattern=TOKEN)
 
 
 def caller(request: Request) -> Caller:
@@ -50,7 +51,9 @@ def _native_telemetry() -> dict[str, Any]:
 
 
 def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
-               limits: Limits | None = None) -> Any:
+               limits: Limits | None = None, train_clusters: Sequence[str] = ()) -> Any:
+    """The HTTP API of ``gw``; ``train_clusters``: the clusters a training run may name
+    (empty: any)."""
     app = FastAPI(
         title="Tandem gateway",
         version="1",
@@ -156,6 +159,6 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
         body, ctype = metrics.exposition()
         return Response(content=body, media_type=ctype)
 
-    add_training_routes(app, gw.bus, caller, limits)
+    add_training_routes(app, gw.bus, caller, limits, train_clusters)
     add_fleet_routes(app, gw.bus)
     return BodyLimit(app, max_body_bytes), app

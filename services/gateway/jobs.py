@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -85,8 +85,9 @@ class JobService:
     larger one is refused before it is read, so a flood of big bodies costs little."""
 
     def __init__(self, gw: Gateway, keys: Keyring, limits: Limits,
-                 max_body: int = 64 * 1024) -> None:
+                 max_body: int = 64 * 1024, train_clusters: Sequence[str] = ()) -> None:
         self.gw = gw
+        self.train_clusters = train_clusters
         self.keys = keys
         self.limits = limits
         self.max_body = max_body
@@ -197,7 +198,7 @@ class JobService:
     async def train(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Submit a training run (a RunConfig); the run's record."""
         return run_view(await submit_training(self.gw.bus, body, await auth(Scope.train),
-                                              self.limits))
+                                              self.limits, self.train_clusters))
 
     async def cancel(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Cancel a generation ({"id"}) or a training run ({"run_id"}); its record."""

@@ -70,7 +70,11 @@ class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, SealSetti
         HttpBounds.max_connections, ge=1, description="Open HTTP connections; one more "
         "gets 503 at once, while those open go on.")
 
-    @field_validator("clusters")
+    train_clusters: str = Field("", description="Comma-separated clusters a training run "
+                                "may name; empty: this process's cluster and CLUSTERS. "
+                                "Another is refused (422): no coordinator would claim it.")
+
+    @field_validator("clusters", "train_clusters")
     @classmethod
     def _clusters(cls, v: str) -> str:
         subjects.token_list(v, "cluster")
@@ -79,6 +83,11 @@ class GatewaySettings(RoutingSettings, AuthSettings, JobLimitSettings, SealSetti
     @property
     def cluster_list(self) -> list[str]:
         return subjects.token_list(self.clusters, "cluster") or [self.cluster]
+
+    @property
+    def train_cluster_list(self) -> list[str]:
+        return (subjects.token_list(self.train_clusters, "cluster")
+                or list(dict.fromkeys([self.cluster, *self.cluster_list])))
 
 
 class _Server:
@@ -185,13 +194,15 @@ class GatewayService(Service):
         keys = Keyring(parse_keys(s.api_keys))
         # Both doors share them; they are every replica's (KV rates, sse, runs).
         limits = await Limits.on(ctx.bus, keys, s)
-        jobs = JobService(gw, keys, limits, max_body=s.max_body_bytes)
+        jobs = JobService(gw, keys, limits, max_body=s.max_body_bytes,
+                          train_clusters=s.train_cluster_list)
         # The job service on a connection of its own: a flood of requests that the server
         # drops as a slow consumer takes this one down (it reconnects), not the bus the
         # gateway's records, progress and dashboard use.
         door = await Bus.connect(s, "gateway-jobs")
         await jobs.start(door.nc)
-        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits)
+        asgi, app = create_app(gw, max_body_bytes=s.max_body_bytes, limits=limits,
+                               train_clusters=s.train_cluster_list)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
                             url_ttl=s.result_url_ttl)

@@ -7,7 +7,7 @@ view is the same one ``tandem clusters`` prints (``tandem.common.fleet``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Path, Request, Response
@@ -54,15 +54,18 @@ def _at(value: Any, path: list[str]) -> Any:
 
 
 async def submit_training(bus: Any, config: Any, caller: Caller,
-                          limits: Limits | None = None) -> RunRecord:
+                          limits: Limits | None = None,
+                          clusters: Sequence[str] = ()) -> RunRecord:
     """A run from any door, validated and recorded for ``caller`` by the same code as
     ``tandem train submit`` (``runs.submit_run``), within the caller's limit of unfinished
-    runs (``limits``, shared by the doors); ``JobRefused`` saying why not."""
+    runs (``limits``, shared by the doors) and, when given, to one of ``clusters``;
+    ``JobRefused`` saying why not."""
     try:
         if limits is None:
-            return await runs.submit_run(bus, config, owner=caller.key)
+            return await runs.submit_run(bus, config, owner=caller.key, clusters=clusters)
         async with limits.run_limit(caller) as limit:
-            return await runs.submit_run(bus, config, owner=caller.key, max_unfinished=limit)
+            return await runs.submit_run(bus, config, owner=caller.key, max_unfinished=limit,
+                                         clusters=clusters)
     except Denied as exc:
         raise JobRefused(exc.status, exc.message, retry_after=exc.retry_after) from None
     except InvalidRunConfig as exc:
@@ -111,7 +114,7 @@ def run_view(rec: RunRecord) -> dict[str, Any]:
 
 
 def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Caller],
-                        limits: Limits | None = None) -> None:
+                        limits: Limits | None = None, clusters: Sequence[str] = ()) -> None:
     @app.post("/v1/training-runs", status_code=202, response_model=RunSubmitted,
               responses={409: {}, 422: {}})
     async def submit_training_run(config: runs.RunConfig, request: Request,
@@ -120,7 +123,7 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
         ranks, nodes or cluster, seed). 202 with the run id; the same config under the
         same ``run_id`` is idempotent, a different one (or another key's) is 409."""
         try:
-            rec = await submit_training(bus, config, caller(request), limits)
+            rec = await submit_training(bus, config, caller(request), limits, clusters)
         except JobRefused as exc:
             return refused(exc)
         url = str(request.url_for("get_training_run", run_id=rec.run_id).path)
