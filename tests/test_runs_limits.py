@@ -6,6 +6,7 @@ config whose run record would not fit the bus. The error names the field."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -182,3 +183,17 @@ async def test_a_submission_whose_count_fails_leaves_no_run_behind(
     with pytest.raises(NatsTimeout):
         await submit_run(bus, {"run_id": "counted"}, owner="alice", max_unfinished=2)
     assert await (await bus.typed(KV_RUNS, RunRecord)).get("counted") is None
+
+
+@pytest.mark.parametrize("value", [True, "5", 5.0])
+@pytest.mark.parametrize(("field", "config"), [
+    ("steps", lambda v: {"steps": v}),
+    ("model.sample_size", lambda v: {"model": {"sample_size": v}}),
+    ("model.block_out_channels.0", lambda v: {"model": {"block_out_channels": [v, 64, 64]}}),
+])
+def test_a_whole_number_given_as_another_type_is_refused_naming_its_field(
+        field: str, config: Callable[[object], dict[str, object]], value: object) -> None:
+    """``"steps": true`` trained 1 step, ``"5"`` and ``5.0`` 5: the schema says integer."""
+    with pytest.raises(InvalidRunConfig) as exc:
+        parse_run_config(config(value))
+    assert set(exc.value.problems) == {field}

@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tandem.common import model_size, subjects
 from tandem.common.errors import InvalidRunConfig, RunExists, RunNotFound, TooManyRuns
@@ -34,6 +42,9 @@ MAX_SYNTHETIC = 1_000_000
 SYNTHETIC_BYTES = 2**32  # a synthetic data set's tensor (float32), on every rank
 DIGITS = 1797  # images in scikit-learn's bundled digits, of 10 classes
 DIGITS_CLASSES = 10
+# A config's whole numbers: true, "5" and 5.0 are refused naming the field, not read as
+# 1 and 5 (the published schema says integer).
+Int = Annotated[int, Strict()]
 # The 2D blocks a UNet2DModel builds with no cross-attention (it has no text encoder).
 DownBlock = Literal["DownBlock2D", "AttnDownBlock2D", "ResnetDownsampleBlock2D"]
 UpBlock = Literal["UpBlock2D", "AttnUpBlock2D", "ResnetUpsampleBlock2D"]
@@ -59,23 +70,23 @@ class ModelSpec(_Spec):
     """The network. ``unet`` builds a diffusers UNet2DModel, ``dit`` a DiTTransformer2DModel."""
 
     kind: Literal["unet", "dit"] = "unet"
-    sample_size: int = Field(16, ge=4, le=1024, description="Image side in pixels.")
-    in_channels: int = Field(1, ge=1, le=16)
-    num_classes: int = Field(10, ge=0, le=MAX_CLASSES,
+    sample_size: Int = Field(16, ge=4, le=1024, description="Image side in pixels.")
+    in_channels: Int = Field(1, ge=1, le=16)
+    num_classes: Int = Field(10, ge=0, le=MAX_CLASSES,
                              description="Class-conditional with this many classes.")
     # UNet
-    block_out_channels: tuple[Annotated[int, Field(ge=1, le=MAX_CHANNELS)], ...] = Field(
+    block_out_channels: tuple[Annotated[Int, Field(ge=1, le=MAX_CHANNELS)], ...] = Field(
         (32, 64, 64), min_length=1, max_length=8)
-    layers_per_block: int = Field(1, ge=1, le=8)
+    layers_per_block: Int = Field(1, ge=1, le=8)
     down_block_types: tuple[DownBlock, ...] = ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D")
     up_block_types: tuple[UpBlock, ...] = ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")
-    norm_num_groups: int = Field(8, ge=1, le=MAX_CHANNELS)
+    norm_num_groups: Int = Field(8, ge=1, le=MAX_CHANNELS)
     # DiT
-    num_layers: int = Field(4, ge=1, le=64)
-    num_attention_heads: int = Field(4, ge=1, le=16)
-    attention_head_dim: int = Field(16, ge=4, le=128)
-    patch_size: int = Field(2, ge=1)
-    num_train_timesteps: int = Field(1000, ge=10, le=MAX_TIMESTEPS)
+    num_layers: Int = Field(4, ge=1, le=64)
+    num_attention_heads: Int = Field(4, ge=1, le=16)
+    attention_head_dim: Int = Field(16, ge=4, le=128)
+    patch_size: Int = Field(2, ge=1)
+    num_train_timesteps: Int = Field(1000, ge=10, le=MAX_TIMESTEPS)
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:
@@ -99,7 +110,7 @@ class DataSpec(_Spec):
 
     kind: Literal["digits", "image_folder", "synthetic"] = "digits"
     path: str | None = Field(None, description="image_folder: root with one folder per class.")
-    synthetic_size: int = Field(1024, ge=1, le=MAX_SYNTHETIC,
+    synthetic_size: Int = Field(1024, ge=1, le=MAX_SYNTHETIC,
                                 description="synthetic: number of images.")
 
     @model_validator(mode="after")
@@ -128,7 +139,7 @@ class WatchdogSpec(_Spec):
         10.0, gt=1, description="A hang is no step within this multiple of the median step.")
     hang_floor_s: float = Field(5.0, gt=0, description="Never call a hang sooner than this.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Launch to first step.")
-    max_restarts: int = Field(5, ge=0, description="Past this the run is failed.")
+    max_restarts: Int = Field(5, ge=0, description="Past this the run is failed.")
     backoff_s: float = Field(1.0, ge=0, description="First restart delay; doubles each time.")
     backoff_max_s: float = Field(60.0, ge=0)
     teardown_grace_s: float = Field(
@@ -138,40 +149,40 @@ class WatchdogSpec(_Spec):
 
 class LossHealthSpec(_Spec):
     enabled: bool = True
-    window: int = Field(50, ge=5, description="Steps of loss history for the robust z-score.")
-    min_history: int = Field(20, ge=3, description="Steps before spikes are judged.")
+    window: Int = Field(50, ge=5, description="Steps of loss history for the robust z-score.")
+    min_history: Int = Field(20, ge=3, description="Steps before spikes are judged.")
     z_threshold: float = Field(
         12.0, gt=0, description="Robust z-score (median/MAD) above which a loss is a spike.")
-    skip_batches: int = Field(
+    skip_batches: Int = Field(
         1, ge=1, description="Data window skipped after a rollback, ending at the bad batch.")
 
 
 class StragglerSpec(_Spec):
     ratio: float = Field(1.5, gt=1, description="Flag a rank slower than this times the median.")
-    window: int = Field(20, ge=3, description="Steps over which slowness must persist.")
+    window: Int = Field(20, ge=3, description="Steps over which slowness must persist.")
 
 
 class FaultSpec(_Spec):
     """Fault hooks for tests and drills; all off by default."""
 
-    nan_at_data_pos: list[int] = Field(
+    nan_at_data_pos: list[Int] = Field(
         [], description="Inject a NaN loss whenever the batch at these data positions is used.")
-    crash_at_step: int | None = Field(None, description="Rank crash_rank exits 1 at this step.")
-    crash_rank: int = 0
-    slow_rank: int | None = Field(
+    crash_at_step: Int | None = Field(None, description="Rank crash_rank exits 1 at this step.")
+    crash_rank: Int = 0
+    slow_rank: Int | None = Field(
         None, description="This rank sleeps slow_s in every step, and its step's compute "
                           "takes slow_factor times as long (a throttled GPU).")
     slow_s: float = Field(0.0, ge=0)
     slow_factor: float = Field(1.0, ge=1)
-    hang_on_exit_rank: int | None = Field(
+    hang_on_exit_rank: Int | None = Field(
         None, description="This rank never exits after its goodbye (a teardown that hangs).")
-    stall_checkpoint_at_step: int | None = Field(
+    stall_checkpoint_at_step: Int | None = Field(
         None, description="Sharded runs, first attempt only: the node of rank "
         "stall_checkpoint_rank never commits its part of this step's checkpoint (its first "
         "rank waits before the local commit until it is killed), while the other nodes "
         "commit theirs: a node lost in the middle of a checkpoint, for kill drills.")
-    stall_checkpoint_rank: int = 0
-    fail_checkpoint_write_at_step: int | None = Field(
+    stall_checkpoint_rank: Int = 0
+    fail_checkpoint_write_at_step: Int | None = Field(
         None, description="Every attempt: the write of this step's checkpoint on the node of "
         "rank 0 fails as on a full disk (OSError ENOSPC once its files are written, before "
         "the commit): the run must go on, report it, and leave no partial folder behind.")
@@ -206,18 +217,18 @@ class RunConfig(_Spec):
     run_id: str | None = Field(None, description="Token; generated when absent.")
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
-    steps: int = Field(1000, ge=1)
-    batch_size: int = Field(32, ge=1, description="Per rank.")
+    steps: Int = Field(1000, ge=1)
+    batch_size: Int = Field(32, ge=1, description="Per rank.")
     lr: float = Field(2e-4, gt=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: Int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     ema_decay: float = Field(0.999, ge=0, lt=1)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
-    step_event_every: int = Field(1, ge=1, description="Publish every k-th step.")
-    ranks: int = Field(2, ge=1, le=1024, description="Total ranks (world size).")
+    checkpoint_every: Int = Field(100, ge=1, description="Steps between checkpoints.")
+    step_event_every: Int = Field(1, ge=1, description="Publish every k-th step.")
+    ranks: Int = Field(2, ge=1, le=1024, description="Total ranks (world size).")
     nodes: list[str] = Field([], max_length=MAX_NODES,
                              description="Nodes to run on; empty: the coordinator's node.")
     cluster: str | None = Field(None, description="Cluster whose coordinator runs it.")
@@ -227,7 +238,7 @@ class RunConfig(_Spec):
         "ddp", description="ddp replicates the model on every rank; fsdp shards parameters, "
         "gradients and optimizer state (FSDP2) and checkpoints per rank (DCP).")
     fsdp: FSDPSpec = FSDPSpec()
-    seed: int = 0
+    seed: Int = 0
     watchdog: WatchdogSpec = WatchdogSpec()
     loss_health: LossHealthSpec = LossHealthSpec()
     straggler: StragglerSpec = StragglerSpec()
