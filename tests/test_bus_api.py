@@ -194,3 +194,14 @@ def test_pydantic_job_bodies_round_trip_through_their_printed_schemas(
     request.validate({"model": "digits", "class_label": 3, "steps": 50})
     assert not request.is_valid({"model": "digits", "num_images": "two"})
     assert not request.is_valid({"model": "a.b"})  # the token pattern is in this schema
+
+
+def test_the_client_column_says_admin_where_the_client_user_may_not() -> None:
+    """The doc told integrators to publish on gen.* and subscribe to the DLQ, which the
+    shared client NATS user is refused; the column now comes from its permissions."""
+    cells = {r.form: bus_api.client_may(r) for r in bus_api.ROUTES}
+    assert cells["gen.<cluster>.<lane>"] == "publish (admin)"
+    assert cells["dlq.<stream>"] == "subscribe (admin)"
+    assert cells["tasks.written.<task>"] == "subscribe"
+    assert cells["tandem.jobs.generate"] == "request"
+    assert cells["$KV.tasks.<task>"] == "—"

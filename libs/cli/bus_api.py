@@ -286,11 +286,22 @@ def _payload(name: str | None) -> str:
     return f"[`{name}`](#{name.lower()})" if name else "(empty)"
 
 
+def client_may(route: Route) -> str:
+    """The subjects table's ``client`` cell: what a program outside Tandem does with
+    ``route``, and "(admin)" where the ``client`` NATS user may not (the bare door, the
+    dead letters: for trusted tools), as its permissions say."""
+    if not route.client:
+        return "—"
+    role = permissions.declaration([CLUSTER])[permissions.CLIENT]
+    lists = role.subscribe if route.client == "subscribe" else role.publish
+    return route.client if _covers(lists, route) else f"{route.client} (admin)"
+
+
 def render_subjects() -> str:
     rows = []
     for r in ROUTES:
         stream = stream_of(r)
-        rows.append([f"`{r.form}`", r.client or "—", _payload(r.payload),
+        rows.append([f"`{r.form}`", client_may(r), _payload(r.payload),
                      _stored_in(stream),
                      _list(publishers(r)), _list(readers(r)), f"`subjects.{r.builder}`",
                      r.what])
