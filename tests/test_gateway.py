@@ -194,6 +194,25 @@ async def test_an_event_stream_follows_its_task_without_a_consumer_of_its_own(
         await anext(events)
 
 
+async def test_an_event_stream_whose_client_leaves_during_its_set_up_leaves_no_subscription(
+        gw: Gateway, http: httpx.AsyncClient, bus: Bus) -> None:
+    """A client that hung up while its stream was being set up (the first read of the
+    record, a round trip) left the progress subscription behind for the gateway's life:
+    about one in fifteen impatient clients in the soak red team's run."""
+    task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]
+    before = len(bus.nc._subs)
+    for yields in range(12):  # each point of the set-up a cancel can land on
+        events = gw.follow(task_id)
+        opening = asyncio.create_task(anext(events))
+        for _ in range(yields):
+            await asyncio.sleep(0)  # let the set-up run that far: no time passes
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await opening
+        await events.aclose()  # as the loop does to a stream's abandoned generator
+        assert len(bus.nc._subs) == before, yields
+
+
 async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refuse(
         http: httpx.AsyncClient, bus: Bus) -> None:
     task_id = (await http.post("/v1/generations", json={"model": "noop"})).json()["id"]

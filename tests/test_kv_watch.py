@@ -116,6 +116,27 @@ async def test_a_snapshot_of_an_empty_bucket_ends_at_once(bus: Bus, uid: str) ->
     assert await snapshot(await bus.kv(bucket), timeout=5.0) == {}
 
 
+async def test_a_snapshot_lets_its_consumer_go_soon_a_lasting_watch_does_not(
+        bus: Bus, uid: str) -> None:
+    """Roles may not delete consumers, so each outlives its reader by its inactivity
+    threshold. A one-pass read kept a lasting watch's 5 minutes: a gateway reading three
+    buckets a second (its dashboard) held ~900 consumers, and polling /v1/clusters filled
+    KV nodes' consumer limit (soak red team)."""
+    bucket = await filled_bucket(bus, uid)
+    stream = f"KV_{bucket}"
+    assert await snapshot(await bus.kv(bucket)) == KEYS
+    # The snapshot's consumer is gone, or going within seconds; never kept for minutes.
+    assert not [c for c in await bus.js.consumers_info(stream)
+                if c.config.inactive_threshold >= 60]
+    w = await watch(await bus.kv(bucket))
+    try:
+        (lasting,) = [c for c in await bus.js.consumers_info(stream)
+                      if c.config.inactive_threshold >= 60]
+        assert lasting.config.inactive_threshold == 300
+    finally:
+        await w.stop()
+
+
 async def test_a_snapshot_whose_ordered_consumer_was_recreated_still_has_every_key(
         proxied: Bus, proxy: NatsProxy, uid: str) -> None:
     # The third value is lost on the wire and the fourth shows the gap: nats-py recreates

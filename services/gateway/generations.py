@@ -417,11 +417,13 @@ class Gateway:
                     queue.put_nowait((kind, msg.data))
             return on
 
-        # Subscribed before the record is read: no write can fall between the two.
-        subs = [await self.bus.nc.subscribe(subjects.gen_progress(task_id), cb=heard("progress")),
-                await self.bus.nc.subscribe(subjects.task_written(task_id), cb=heard("written"))]
+        subs: list[Any] = []
         state: str | None = None
-        try:
+        try:  # from the first subscribe: a client gone during the set-up leaves none
+            # Subscribed before the record is read: no write can fall between the two.
+            for subject, kind in ((subjects.gen_progress(task_id), "progress"),
+                                  (subjects.task_written(task_id), "written")):
+                subs.append(await self.bus.nc.subscribe(subject, cb=heard(kind)))
             kind = "written"
             while True:
                 if kind == "written":

@@ -251,8 +251,10 @@ class Watch:
     delivered, and the new one counts from 1 again and delivers only the rest.
     """
 
-    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool) -> None:
+    def __init__(self, kv: KeyValue, pattern: str, ignore_deletes: bool,
+                 inactive: float = 300.0) -> None:
         self.kv, self.pattern, self.ignore_deletes = kv, pattern, ignore_deletes
+        self.inactive = inactive
         self.current_done = False  # the None after the current values is queued
         self._queue: asyncio.Queue[KeyValue.Entry | None] = asyncio.Queue()
         self._sub: Any = None
@@ -267,7 +269,7 @@ class Watch:
         self._sub = await self.kv._js.subscribe(
             f"{self.kv._pre}{self.pattern}", stream=self.kv._stream, cb=self._on_msg,
             ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=300.0)
+            inactive_threshold=self.inactive)
         try:
             await self.check()
         except BaseException:
@@ -343,12 +345,13 @@ def _operation(headers: dict[str, str] | None) -> str | None:
     return {"MaxAge": "PURGE", "Purge": "PURGE", "Remove": "DEL"}.get(reason)
 
 
-async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False) -> Watch:
+async def watch(kv: KeyValue, pattern: str = ">", *, ignore_deletes: bool = False,
+                inactive: float = 300.0) -> Watch:
     """Watch the keys of ``kv`` matching ``pattern`` (see ``Watch``). Its consumer
-    outlives a connection without interest for 5 minutes (a reconnect finds it), and so
-    also a stopped watch: roles may not delete consumers. A watch is a service's, for
-    its life: one per request would pile consumers up on the server."""
-    return await Watch(kv, pattern, ignore_deletes)._start()
+    outlives a connection without interest for ``inactive`` seconds (a reconnect finds
+    it), and so also a stopped watch: roles may not delete consumers. A lasting watch is
+    a service's, for its life; a one-pass read (``entries``) lets its consumer go soon."""
+    return await Watch(kv, pattern, ignore_deletes, inactive)._start()
 
 
 async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
@@ -357,10 +360,16 @@ async def snapshot(kv: KeyValue, timeout: float = 5.0) -> dict[str, bytes]:
     return {k: e.value for k, e in (await entries(kv, timeout)).items()}
 
 
+# How long a one-pass read's consumer outlives it on the server (roles may not delete
+# consumers). With a lasting watch's 300 s, a gateway reading three buckets each second
+# (the dashboard) held ~900 consumers, and polling /v1/clusters filled KV nodes' limit.
+SNAPSHOT_INACTIVE = 5.0
+
+
 async def entries(kv: KeyValue, timeout: float = 5.0) -> dict[str, KeyValue.Entry]:
     """``snapshot`` with each key's entry (its revision too); keys without a value are
     left out."""
-    watcher = await watch(kv, ignore_deletes=True)
+    watcher = await watch(kv, ignore_deletes=True, inactive=SNAPSHOT_INACTIVE)
     out: dict[str, KeyValue.Entry] = {}
     try:
         while (entry := await watcher.updates(timeout=timeout)) is not None:
