@@ -231,7 +231,7 @@ async def test_cancel_queued_task_moves_it_to_cancelled_and_finished_tasks_refus
     assert notice[0].reason == got[0].reason
     assert await notices.get(other) is None
     assert (await http.delete("/v1/generations/unknown")).status_code == 404
-    assert (await http.get("/v1/generations/not..valid")).status_code == 404
+    assert (await http.get("/v1/generations/not..valid")).status_code == 422  # no task could
     assert (await http.get("/v1/generations/unknown")).status_code == 404
 
 
