@@ -15,7 +15,7 @@ from nats.js.errors import APIError
 
 from tandem.cli.devstack import NatsServer
 from tandem.common import streams, subjects
-from tandem.common.bus import Bus, Consumer, Delivery
+from tandem.common.bus import Bus, Consumer, Delivery, Poller
 from tandem.common.errors import Reject, StreamConflict
 from tandem.common.events import DeadLetter, GenerationTask, decode, struct_replace
 from tandem.common.settings import Settings
@@ -701,3 +701,30 @@ def test_a_dead_letter_too_large_for_max_payload_keeps_the_start_of_its_body() -
     assert cut.reason == (f"r [dead letter cut: it holds the first {len(cut.data)} of the "
                           f"body's {len(data)} bytes (sha256 {hashlib.sha256(data).hexdigest()}"
                           f"); the whole would exceed max_payload {1 << 20}]")
+
+
+async def test_a_lower_priority_consumer_is_asked_before_the_first_is_long_polled(
+        bus: Bus, uid: str) -> None:
+    """The first consumer (the interactive lane) was long-polled, and a lower one (batch)
+    asked only once that poll came back empty: a steady trickle of interactive tasks,
+    one every idle_poll, held a batch queue for minutes while the worker sat idle (soak
+    red team). Now each consumer is asked for what it holds, in order, before the first
+    is long-polled: with an hour's long poll, a batch message is still taken at once."""
+    stream = streams.StreamSpec(f"L_{uid}", (f"l.{uid}.*",),
+                                retention=RetentionPolicy.WORK_QUEUE)
+    first = streams.ConsumerSpec(stream.name, "interactive",
+                                 filter_subjects=(f"l.{uid}.interactive",))
+    lower = streams.ConsumerSpec(stream.name, "batch", filter_subjects=(f"l.{uid}.batch",))
+    await bus.provision([stream, first, lower])
+    await bus.publish(f"l.{uid}.batch", GenerationTask(task_id="b1", model="noop"))
+    taken: list[str] = []
+    stop = asyncio.Event()
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        taken.append(d.event.task_id)
+        stop.set()
+
+    poller = Poller([bus.consumer(first, GenerationTask, handle),
+                     bus.consumer(lower, GenerationTask, handle)], idle_poll=3600.0)
+    await asyncio.wait_for(poller.run(stop), TIMEOUT)
+    assert taken == ["b1"]

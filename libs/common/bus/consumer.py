@@ -357,10 +357,13 @@ class Poller:
 
     Each round fetches as many messages as there is room for (``concurrency`` less the
     handlers running; a whole ``batch`` for sequential handlers, ``concurrency`` 1) from
-    the first consumer that has any. The first is long-polled (``idle_poll``) unless a
-    lower one had work last round, so a message on it is taken the moment it arrives and
-    a busy lower one is not held up by waits on an empty first one; the others are
-    asked (``busy_poll``) for what they hold now.
+    the first consumer that has any: each is asked in order for what it holds now
+    (``busy_poll``), and only when none holds anything is the first long-polled
+    (``idle_poll``), so a message on it is taken the moment it arrives. A lower consumer
+    is thus never starved by a steady trickle on the first: it waited for a long poll of
+    the first to come back empty, which light interactive traffic (one task every 0.5 s)
+    never let happen, while the worker sat idle and the batch queue grew for minutes. A
+    single consumer is only long-polled.
 
     - ``consumers`` is read every round: its owner may edit it in place (failover).
     - A failed fetch (a reconnect, a leader election) is retried after ``backoff``,
@@ -391,7 +394,6 @@ class Poller:
 
     async def run(self, stop: asyncio.Event) -> None:
         retries = self.backoff.retries(stop=stop)
-        lower_busy = False
         async with asyncio.TaskGroup() as tg:
             while not stop.is_set():
                 if self.paused is not None and self.paused():
@@ -404,8 +406,9 @@ class Poller:
                     await _wait(self._slot, self.idle_poll)
                     continue
                 owner, msgs = None, []
-                for i, c in enumerate(self.consumers):
-                    wait = self.idle_poll if i == 0 and not lower_busy else self.busy_poll
+                consumers = list(self.consumers)
+                asks = [(c, self.busy_poll) for c in consumers] if len(consumers) > 1 else []
+                for c, wait in [*asks, *[(c, self.idle_poll) for c in consumers[:1]]]:
                     try:
                         msgs = await c.fetch(room, wait)
                     except Exception as exc:
@@ -416,10 +419,8 @@ class Poller:
                         continue
                     retries.reset()
                     if msgs:
-                        owner, lower_busy = c, i > 0
+                        owner = c
                         break
-                else:
-                    lower_busy = False
                 if owner is None:
                     continue
                 if self.paused is not None and self.paused():  # while the fetch waited
