@@ -18,6 +18,12 @@ beside the next call.
 - A child that dies (killed, out of memory) fails the call it was running with an error
   naming its exit status; the next call starts a fresh child. A child whose worker dies
   sees its socket close and exits.
+- A call the child started that then reports nothing (no step, no end) for
+  ``stall_timeout`` seconds (``TANDEM_CALL_STALL_TIMEOUT``: a hung CUDA call, a driver
+  deadlock) is stalled: the child is killed, that call raises ``CallStalled`` (its tasks
+  are handed back, not blamed), and the calls queued behind it run on a fresh child. The
+  clock is per step and starts when the child takes the call (it says so), never while
+  the call waits behind another.
 - Models of a run (``run:``, hot-swapped between checkpoints) and the no-op models stay
   in the worker's process; fault models (tests) run apart only where the worker allows
   fault injection, so a test can crash a child as a task's input would.
@@ -26,6 +32,9 @@ beside the next call.
   CPU node, or the cores feeding a GPU), the worker's bursts of encoding, uploads and bus
   I/O after each batch then never take a core from the call, as they do when the
   scheduler may put them anywhere.
+
+One module past 450 lines: the worker's side (``ProcessPipeline``, ``_Child``) and the
+child's (``_serve``) are the two ends of one socket protocol, read together.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from tandem.common import log
 from tandem.common.models import ModelSpec, leave_out
 
 from .pipelines import (
+    CallStalled,
     CallTime,
     Interrupted,
     Item,
@@ -149,12 +159,15 @@ class ProcessPipeline(Pipeline):
 
     def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto",
                  threads: int = 0, start_timeout: float = 600.0,
-                 cpus: frozenset[int] = frozenset(), fault_injection: bool = False) -> None:
+                 cpus: frozenset[int] = frozenset(), fault_injection: bool = False,
+                 stall_timeout: float = 0.0) -> None:
         """``cpus``: the child runs on these CPUs only (empty: wherever the worker may), with
-        ``threads`` 0 meaning one torch thread per CPU of them."""
+        ``threads`` 0 meaning one torch thread per CPU of them. ``stall_timeout``: seconds a
+        started call may go without a step before the child is killed (0: never)."""
         super().__init__(spec)
         self._args = (spec, device, dtype, threads, cpus, fault_injection)
         self._start_timeout = start_timeout
+        self.stall_timeout = stall_timeout
         self._lock = threading.Lock()  # (re)starting the child
         self._child: _Child | None = None
         self._finalizer = weakref.finalize(self, _Child.close_ref, [None])
@@ -192,13 +205,14 @@ class ProcessPipeline(Pipeline):
              on_step: StepHook) -> tuple[list[Any], CallTime]:
         child = self._live()
         try:
-            return child.call(items, params, on_step)
+            return child.call(items, params, on_step, self.stall_timeout)
         except PipelineProcessDied as exc:
             # Dead before this call's first step: most likely before it reached the child
-            # (killed between calls, not yet reaped); once more, on a fresh child.
+            # (killed between calls, not yet reaped, or for a call stalled ahead of this
+            # one); once more, on a fresh child.
             if exc.stepped:
                 raise
-            return self._live(dead=child).call(items, params, on_step)
+            return self._live(dead=child).call(items, params, on_step, self.stall_timeout)
 
     def close(self) -> None:
         self._finalizer()
@@ -217,6 +231,7 @@ class _Child:
         self._calls: dict[int, queue.SimpleQueue[tuple[Any, ...]]] = {}
         self._next = 0
         self._dead: BaseException | None = None
+        self.stalled = False  # killed for a call that stopped reporting (``kill``)
         self.threads: int | None = None  # the torch threads in force there, once ready
 
     @classmethod
@@ -252,7 +267,7 @@ class _Child:
         return child
 
     def alive(self) -> bool:
-        return self._dead is None and self.proc.poll() is None
+        return not self.stalled and self._dead is None and self.proc.poll() is None
 
     def _read(self) -> None:
         try:
@@ -266,11 +281,15 @@ class _Child:
             for q in list(self._calls.values()):
                 q.put(("died",))
 
-    def call(self, items: list[Item], params: Params,
-             on_step: StepHook) -> tuple[list[Any], CallTime]:
-        """One call in the child: its images and how long it took there."""
+    def call(self, items: list[Item], params: Params, on_step: StepHook,
+             stall_timeout: float = 0.0) -> tuple[list[Any], CallTime]:
+        """One call in the child: its images and how long it took there. Once the child
+        has started it, each reply must come within ``stall_timeout`` seconds (0: no
+        limit), or the child is killed and ``CallStalled`` raised."""
         replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         stopped = stepped = False
+        wait: float | None = None  # for the next reply: none until the child starts it
+        step = 0
         with self._send:
             cid = self._next
             self._next += 1
@@ -285,9 +304,18 @@ class _Child:
             else:
                 replies.put(("died",))
             while True:
-                msg = replies.get()
+                try:
+                    msg = replies.get(timeout=wait)
+                except queue.Empty:
+                    self.kill()
+                    raise CallStalled(self.model, stall_timeout, step, params.steps,
+                                      ended=True) from None
+                if msg[0] == "start":
+                    wait = stall_timeout or None
+                    continue
                 if msg[0] == "step":
                     stepped = True
+                    step = msg[2]
                     if stopped:
                         continue
                     try:
@@ -317,6 +345,18 @@ class _Child:
         except OSError:
             pass  # dead: the reader says so
 
+    def kill(self) -> None:
+        """A call here stalled: the process is killed (its calls cannot be stopped between
+        steps) and every call waiting on it fails as if it had died (the socket is shut
+        down, so the reader wakes even if the process does not die); the next call starts
+        a fresh child."""
+        self.stalled = True
+        _log.error("worker.pipeline_process_stalled", model=self.model, pid=self.proc.pid)
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def _status(self) -> int | None:
         try:
             return self.proc.wait(timeout=5.0)
@@ -331,7 +371,15 @@ class _Child:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                # Killed and still there: stuck in its driver (a hung GPU), it goes when
+                # that call returns, if ever. Reaped by a thread of its own: the next call,
+                # which waits for this close, must not wait for that.
+                _log.error("worker.pipeline_process_unkillable", model=self.model,
+                           pid=self.proc.pid)
+                threading.Thread(target=self.proc.wait, daemon=True).start()
         self.conn.close()
 
     @staticmethod
@@ -390,6 +438,7 @@ def _serve(conn: Connection) -> None:
             stopped.discard(current)
             conn.send(("interrupted", current))
             continue
+        conn.send(("start", current))  # its stall clock starts now, not while it queued
         try:
             images, took = pipe.call(items, params, on_step)  # timed here, in the child
         except Interrupted:

@@ -28,6 +28,15 @@ worker held with it; the call's tasks are known to the next worker (``ledger``):
 of them comes back alone, those that already died alone last in line, and one that
 keeps killing its worker alone is refused (the service's ``max_crashes``).
 
+A call that makes no step for ``stall_timeout`` seconds (a hung CUDA call, a driver
+deadlock: ``TANDEM_CALL_STALL_TIMEOUT``) is stalled, and its tasks resolve with
+``CallStalled``: the worker hands them back rather than keep them alive for ever, and
+never blames them (not split, not counted in the ledger). A call apart is watched where
+it runs (``apart``: its child is killed, and the next call starts a fresh one); a call
+in this process is watched here, from its start (the first step may be slow, never
+absent) and then step by step, and since nothing can end it, the batcher is done: every
+task it holds goes back, and ``stalled`` says why (the worker turns unhealthy).
+
 Cancelling a task that waits removes it; cancelling one that is queued or runs resolves
 it at once (the caller sees it stop within one step) and the call stops at the next step
 (a queued one before its first) when no task in it is still wanted.
@@ -35,6 +44,10 @@ it at once (the caller sees it stop within one step) and the call stops at the n
 ``usage`` sums what the calls took (wall and CPU seconds on the compute thread, calls,
 images, first start and last end), so the pipeline's busy fraction is measured where it
 happens (``/healthz``).
+
+One module past 450 lines: forming, handing over, watching and ending a call all read and
+write the same state (``pending``, ``running``, the room, the turns, ``stalled``) from two
+threads; split, the rules that keep it consistent would be read across files.
 """
 
 from __future__ import annotations
@@ -44,14 +57,21 @@ import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tandem.common import log, metrics
 from tandem.common.events import GenerationTask
 from tandem.inference_worker.ledger import CallLedger
-from tandem.inference_worker.pipelines import CallTime, Interrupted, Item, Params, Pipeline
+from tandem.inference_worker.pipelines import (
+    CallStalled,
+    CallTime,
+    Interrupted,
+    Item,
+    Params,
+    Pipeline,
+)
 
 _log = log.get("tandem.inference_worker.batcher")
 R = TypeVar("R")
@@ -67,6 +87,8 @@ SPLITS = metrics.Counter("tandem_worker_batch_splits", "Calls of several tasks t
                          "each of their tasks was run again alone")
 GEN_SECONDS = metrics.Histogram("tandem_worker_generation_seconds",
                                 "Pipeline call duration, seconds")
+STALLS = metrics.Counter("tandem_worker_stalled_calls", "Pipeline calls that made no step "
+                         "for TANDEM_CALL_STALL_TIMEOUT: their tasks were handed back")
 
 
 class Turns:
@@ -164,6 +186,30 @@ def _rank(job: Job) -> tuple[int, int, float]:
     return job.rank
 
 
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """What a call nobody waits for any more ended with, taken so it is not reported."""
+    if not done.cancelled():
+        done.exception()
+
+
+@dataclass(eq=False)
+class Watch:
+    """An in-process call's signs of life, written by its thread: when it began (its turn
+    came) and when it last stepped, on the monotonic clock."""
+
+    total: int
+    began: float | None = None
+    last: float = 0.0
+    step: int = 0
+    stalled: bool = False  # given up on: a step it makes after all stops it
+
+    def start(self) -> None:
+        self.began = self.last = time.monotonic()
+
+    def stepped(self, step: int) -> None:
+        self.last, self.step = time.monotonic(), step
+
+
 ProgressHook = Callable[[list[Job], int, int], None]
 PipelineGetter = Callable[[str], Awaitable[Pipeline]]
 
@@ -232,9 +278,11 @@ class Usage:
 class Batcher:
     def __init__(self, get_pipeline: PipelineGetter, *, max_batch: int = 8,
                  linger: float = 0.02, on_step: ProgressHook | None = None,
-                 ledger: CallLedger | None = None) -> None:
+                 ledger: CallLedger | None = None, stall_timeout: float = 0.0) -> None:
         self.get_pipeline = get_pipeline
         self.ledger = ledger  # told each in-process call's tasks while it runs
+        self.stall_timeout = stall_timeout  # seconds without a step; 0: never stalled
+        self.stalled: CallStalled | None = None  # an in-process call hangs: nothing runs
         self.max_batch = max_batch
         self.linger = linger
         self.on_step = on_step
@@ -413,12 +461,19 @@ class Batcher:
         loop = asyncio.get_running_loop()
 
         first = True
+        # Watched here: a call on this process's threads (one apart watches itself).
+        watch = Watch(params.steps) if self.stall_timeout and executor is not None \
+            and not pipeline.concurrent else None
 
         def on_step(step: int, total: int) -> None:
             # Runs in the pipeline's thread: stop when nobody wants the result any more,
             # and a call handed over ahead (``concurrent``) whose first step comes once
             # the batcher is closed: its tasks go back, as a queued call's do.
             nonlocal first
+            if watch is not None:
+                watch.stepped(step)
+                if watch.stalled:
+                    raise Interrupted()
             if self._abort or all(j.cancelled for j in group) or (
                     first and self._closed and pipeline.concurrent):
                 raise Interrupted()
@@ -435,7 +490,7 @@ class Batcher:
                 else:
                     try:
                         work = executor.submit(self._call, pipeline, group, items, params,
-                                               on_step, ticket)
+                                               on_step, ticket, watch)
                     except BaseException:
                         if ticket is not None:
                             self._turns.skip(ticket)
@@ -443,7 +498,8 @@ class Batcher:
                     if ticket is not None:
                         work.add_done_callback(
                             lambda f, n=ticket: self._turns.skip(n) if f.cancelled() else None)
-                    images = await asyncio.wrap_future(work)
+                    images = await (asyncio.wrap_future(work) if watch is None
+                                    else self._watched(work, watch, pipeline.spec.name))
             except asyncio.CancelledError:
                 # Cancelled from outside: stop the thread at its next step too, or the
                 # process would wait for the whole call before it could exit.
@@ -452,6 +508,8 @@ class Batcher:
         except Interrupted:
             for job in group:
                 job.resolve(JobCancelled() if job.cancelled else HandedBack())
+        except CallStalled as exc:
+            self._stalled(exc, group)
         except Exception as exc:
             if len(group) > 1 and not self._closed:
                 self._split(group, exc)
@@ -469,6 +527,47 @@ class Batcher:
                 self.running.remove(job)
             self._room.release()
 
+    async def _watched(self, work: Future[list[Any]], watch: Watch, model: str) -> list[Any]:
+        """``work``'s images, unless its call goes ``stall_timeout`` seconds without a step
+        (from its start, once its turn came): then ``CallStalled``, and the call is left
+        to run on its thread (nothing can stop it between steps it never reaches)."""
+        done = asyncio.wrap_future(work)
+        limit = self.stall_timeout
+        try:
+            while not work.done():
+                # Queued behind another call: looked at again within one limit of its start.
+                left = limit if watch.began is None else watch.last + limit - time.monotonic()
+                if left <= 0:
+                    watch.stalled = True
+                    done.add_done_callback(_retrieved)  # if it ever ends, nobody waits
+                    raise CallStalled(model, limit, watch.step, watch.total, ended=False)
+                await asyncio.wait({done}, timeout=left)
+        except asyncio.CancelledError:
+            done.cancel()  # as awaiting it would: a call not started is never started
+            raise
+        return await done
+
+    def _stalled(self, exc: CallStalled, group: list[Job]) -> None:
+        """A call stalled: its tasks go back (they are not blamed: a hung device is not
+        their input). One in this process still holds the accelerator and the call's
+        ledger slot: the slot is cleared (a death from now on is the stall's, not theirs),
+        and every other task goes back too, for nothing more can run here."""
+        STALLS.inc()
+        _log.error("worker.call_stalled", model=exc.model, step=exc.step, total=exc.total,
+                   stall_timeout=exc.timeout, in_worker_process=not exc.ended,
+                   tasks=[job.task.task_id for job in group])
+        for job in group:
+            job.resolve(exc)
+        if exc.ended:
+            return
+        self.stalled = exc
+        if self.ledger is not None:
+            with contextlib.suppress(OSError):
+                self.ledger.end()
+        self.close()
+        for job in self.running:  # the calls queued behind it: never to start
+            job.resolve(HandedBack())
+
     def _split(self, group: list[Job], exc: Exception) -> None:
         """A call of several tasks failed: each task still wanted waits again, at its old
         place in line, to run in a call of its own."""
@@ -482,7 +581,8 @@ class Batcher:
         self._changed.set()
 
     def _call(self, pipeline: Pipeline, group: list[Job], items: list[Item], params: Params,
-              on_step: Callable[[int, int], None], ticket: int | None) -> list[Any]:
+              on_step: Callable[[int, int], None], ticket: int | None,
+              watch: Watch | None = None) -> list[Any]:
         """The pipeline call itself, timed into ``usage`` (on the compute thread). A call
         queued behind one that ran is not started once the batcher is closed (its tasks
         go back) or when every task in it is cancelled."""
@@ -491,6 +591,8 @@ class Batcher:
                 raise Interrupted()
             began = CallTime.clocks()
             self.usage.begin(began[0])
+            if watch is not None:
+                watch.start()
             timing = None
             # A call in this process (not apart, nor trivial) can take the process with it.
             ledger = None if pipeline.concurrent or pipeline.trivial else self.ledger

@@ -5,7 +5,8 @@ generator per image makes results independent of batch composition) and returns 
 image per item (``images``: the pipeline call alone); ``encode`` makes its PNG apart, so
 the worker encodes beside the next call instead of on the compute thread.
 ``on_step(step, total)`` is called after each denoising step, from the thread the
-pipeline runs in; it raises ``Interrupted`` to stop the call between steps.
+pipeline runs in; it raises ``Interrupted`` to stop the call between steps. A call whose
+steps stop coming is given up on as ``CallStalled`` (``batcher``, ``apart``).
 
 torch and diffusers are imported inside the builders: a worker that serves only the
 no-op (or fault) models starts without them. A ``run:<run_id>`` model is loaded here
@@ -40,6 +41,27 @@ StepHook = Callable[[int, int], None]
 
 class Interrupted(Exception):
     """Raised by a step hook: every task in the batch was cancelled or handed back."""
+
+
+class CallStalled(Exception):
+    """A pipeline call made no step for ``timeout`` seconds (``TANDEM_CALL_STALL_TIMEOUT``;
+    its first step counted from its start, its end from its last step): given up on, its
+    tasks handed back for another worker. ``step`` of ``total``: the last step it made (0:
+    none). ``ended``: what ran it was ended (its pipeline process, killed: the next call
+    starts a fresh one); otherwise it still runs in the worker's own process, where nothing
+    can stop it."""
+
+    def __init__(self, model: str, timeout: float, step: int, total: int,
+                 ended: bool) -> None:
+        self.model = model
+        self.timeout = timeout
+        self.step = step
+        self.total = total
+        self.ended = ended
+        where = ("its pipeline process was killed" if ended
+                 else "it still runs in the worker's own process")
+        super().__init__(f"the pipeline call of {model} made no step for {timeout:g} s "
+                         f"after step {step} of {total} (TANDEM_CALL_STALL_TIMEOUT): {where}")
 
 
 class ModelLoadError(TandemError):
@@ -144,8 +166,12 @@ class Pipeline:
         """One denoising step at the model's default size, for one image and for
         ``max_batch``: the one-time costs of a first call (kernel choice, allocations,
         lazy imports) are paid before the worker is ready, and a full batch that does not
-        fit on the device shows before a task needs it. Raises what the call raises."""
+        fit on the device shows before a task needs it. Raises what the call raises.
+        No-op and fault models are not warmed, wherever their calls run (a fault is for
+        tasks, not for the start)."""
         spec = self.spec
+        if not uses_torch(spec):
+            return
         params = Params(width=spec.default_width, height=spec.default_height, steps=1,
                         guidance=spec.default_guidance)
         for n in sorted({1, max_batch}):
@@ -162,29 +188,44 @@ class NoopPipeline(Pipeline):
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
         return []
 
-    def warm(self, max_batch: int) -> None:
-        pass  # nothing to warm
-
 
 class FaultPipeline(Pipeline):
     """Fault injection for tests: ``fault:kill`` SIGKILLs the worker at the first step,
     ``fault:raise`` raises. ``fault:kill@<seed>`` and ``fault:raise@<seed>`` do so only
     in a call holding an image of that seed (a poison task; its batch-mates with it),
-    and otherwise make blank images. Refused unless the worker enables fault injection."""
-
-    def warm(self, max_batch: int) -> None:
-        pass  # its faults are for tasks, not for the start
+    and otherwise make blank images. ``fault:gate@<fifo>`` steps only when a test lets
+    it (``gated``): a call that hangs, or one that is slow and goes on. Refused unless
+    the worker enables fault injection."""
 
     def images(self, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
+        fault, _, arg = self.spec.source_arg.partition("@")
+        if fault == "gate":
+            return self.gated(arg, items, params, on_step)
         on_step(1, params.steps)
-        fault, _, seed = self.spec.source_arg.partition("@")
-        if seed and all(str(it.seed) != seed for it in items):
-            from PIL import Image
-
-            return [png_bytes(Image.new("L", (params.width, params.height))) for _ in items]
+        if arg and all(str(it.seed) != arg for it in items):
+            return blank(items, params)
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault {self.spec.source_arg!r}")
+
+    @staticmethod
+    def gated(path: str, items: list[Item], params: Params, on_step: StepHook) -> list[Any]:
+        """Open the named pipe ``path`` to read (waiting for a writer), then make one step
+        per byte read from it; once its writer closes it, the call ends at once with blank
+        images. A gate nobody writes to is a call that never returns from its step."""
+        with open(path, "rb", buffering=0) as gate:
+            for step in range(1, params.steps + 1):
+                if not gate.read(1):
+                    break
+                on_step(step, params.steps)
+        return blank(items, params)
+
+
+def blank(items: list[Item], params: Params) -> list[bytes]:
+    """A black PNG per item, of the call's size."""
+    from PIL import Image
+
+    return [png_bytes(Image.new("L", (params.width, params.height))) for _ in items]
 
 
 def png(array: Any) -> bytes:

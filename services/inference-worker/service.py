@@ -11,7 +11,8 @@ batches compatible tasks, runs one pipeline call, and for each task, in this ord
 3. the task record moved to ``succeeded`` with the images by compare-and-set: the
    commit point and the task's result, written once (a cancelled task never becomes
    succeeded; a redelivery whose record already ended does not run again);
-4. only then the message is acked. In-progress acks keep it while it runs.
+4. only then the message is acked. In-progress acks keep it while it runs, unless its
+   call stalls (``call_stall_timeout``): then it is handed back for another worker.
 
 One ``bus.Poller`` pulls every lane (the bus's one consumer loop: priority, room, drain
 pause, hand-back on stop); each fetch is handled as a whole (``handle``: the steps run
@@ -75,6 +76,7 @@ from tandem.inference_worker.failover import Failover, FailoverSettings
 from tandem.inference_worker.hotswap import HotSwapper
 from tandem.inference_worker.loads import detached
 from tandem.inference_worker.pipelines import (
+    CallStalled,
     ModelLoadError,
     Pipeline,
     build,
@@ -139,6 +141,13 @@ class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistryS
     max_crashes: int = Field(2, ge=1, le=100, description="Deaths of the worker process in a "
                              "task's own pipeline call before the task is refused (failed "
                              "naming them, dead-lettered).")
+    call_stall_timeout: float = Field(300.0, ge=0, description="Seconds a pipeline call may "
+                                      "go without a denoising step (the first counted from "
+                                      "its start, its end from its last) before it is "
+                                      "declared stalled: its tasks are handed back, a "
+                                      "pipeline process running it is killed, and a worker "
+                                      "whose own process runs it turns unhealthy and pulls "
+                                      "nothing more. 0: never.")
     announce_interval: float = Field(2.0, gt=0, description="Seconds between ModelsLoaded.")
     checkpoint_poll: float = Field(30.0, ge=0, le=3600, description="Seconds between checks "
                                    "for a newer committed checkpoint of a run: model when no "
@@ -209,7 +218,8 @@ class InferenceWorker(Service):
         self.pipelines: dict[str, Pipeline] = {}
         self._loading: dict[str, asyncio.Lock] = {}
         self.batcher = Batcher(self.pipeline, max_batch=settings.max_batch,
-                               linger=settings.linger, on_step=self._on_step)
+                               linger=settings.linger, on_step=self._on_step,
+                               stall_timeout=settings.call_stall_timeout)
         self._progress: asyncio.Queue[tuple[list[Job], int, int]] = asyncio.Queue()
         self._s3: Any = None
         self._bucket_ready = False
@@ -243,8 +253,10 @@ class InferenceWorker(Service):
 
     def ready(self) -> bool:
         """Not until the served models are loaded (with ``preload``) and pulling starts:
-        a worker that answered ready while loading would be sent traffic it cannot take."""
-        return self._pulling
+        a worker that answered ready while loading would be sent traffic it cannot take.
+        Never again once a call hangs in this process (``Batcher.stalled``): it can run
+        nothing more, and only a restart frees the accelerator."""
+        return self._pulling and self.batcher.stalled is None
 
     def health(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
@@ -257,6 +269,7 @@ class InferenceWorker(Service):
                              "cpus": sorted(self.pipeline_cpus) or None,
                              "worker_cpus": sorted(self.own_cpus) if self.own_cpus else None},
                 "steps_run": self.steps_run, "running": self.batcher.task_ids(),
+                "stalled": str(self.batcher.stalled) if self.batcher.stalled else None,
                 "checkpoints": self.hotswap.status(), "drained": self._drained(),
                 "failover": self.failover.describe() if self.failover else None}
 
@@ -280,7 +293,8 @@ class InferenceWorker(Service):
                     pipe = await asyncio.to_thread(apart.ProcessPipeline, spec, self.s.device,
                                                    self.s.dtype, self.s.torch_threads,
                                                    cpus=self.pipeline_cpus,
-                                                   fault_injection=self.s.fault_injection)
+                                                   fault_injection=self.s.fault_injection,
+                                                   stall_timeout=self.s.call_stall_timeout)
                 else:  # a thread the process does not wait for if it stops meanwhile
                     pipe = await detached(build, spec, self.s.device, self.s.dtype,
                                           self.s.fault_injection, line)
@@ -375,13 +389,13 @@ class InferenceWorker(Service):
         # A failing fetch waits from 10 ms up to idle_poll, so a reconnect costs little.
         limit = self.s.max_batch + (self.s.prefetch or 2 * self.s.max_batch)
         self.poller = Poller(consumers, batch=limit, concurrency=limit,
-                             idle_poll=self.s.idle_poll, paused=self._drained,
+                             idle_poll=self.s.idle_poll, paused=self._paused,
                              backoff=Backoff(0.01, max_delay=self.s.idle_poll),
                              on_stop=self._finish)
         self.drain = Drain(bus, self.s.cluster, self.s.node, on_undrain=self.batcher.usage.resume)
         await self.drain.start()
         self.failover = Failover.for_worker(bus, self.s, consumers, consumer,
-                                            drained=self._drained)
+                                            drained=self._paused)
         self._pulling = True
         _log.info("worker.started", worker=self.worker_id, serve=self.served,
                   clusters=self.s.clusters, max_batch=self.s.max_batch)
@@ -429,6 +443,10 @@ class InferenceWorker(Service):
 
     def _drained(self) -> bool:
         return self.drain is not None and self.drain.drained
+
+    def _paused(self) -> bool:
+        """Pull nothing: the node is drained, or a call hangs in this process."""
+        return self._drained() or self.batcher.stalled is not None
 
     async def _announce(self, ctx: Context) -> None:
         """Tell the node's agent which models this worker has loaded (core NATS); without
@@ -551,7 +569,7 @@ class InferenceWorker(Service):
         # (dead-lettered, never run); None: cancelled, never run.
         return self.records.claim_now(d, self._cluster_of(d))
 
-    async def _hand_back(self, d: Delivery[GenerationTask], exc: NotServed) -> None:
+    async def _hand_back(self, d: Delivery[GenerationTask], exc: Retry) -> None:
         """Note on the task's record that this worker handed it back, and why
         (``tasks.to_handed_back``); best effort: the hand-back itself is the nak."""
         assert self.tasks is not None
@@ -591,6 +609,7 @@ class InferenceWorker(Service):
         assert self.records is not None
         out: list[Outcome[GenerationTask]] = []
         made: list[Running] = []
+        stalled: list[tuple[Delivery[GenerationTask], Stalled]] = []
         for run in call:
             self.held.pop(run.held.task.task_id, None)
             try:
@@ -599,10 +618,18 @@ class InferenceWorker(Service):
                 CANCELLED.inc()
                 out.append((run.d, None))
                 continue
+            except Stalled as exc:
+                stalled.append((run.d, exc))
+                out.append((run.d, exc))
+                continue
             except Exception as exc:
                 out.append((run.d, exc))
                 continue
             made.append(run)
+        if stalled:
+            # Noted before the nak, so a task that stalls every worker it meets fails
+            # saying so when its deliveries run out (``explain``).
+            await asyncio.gather(*(self._hand_back(d, exc) for d, exc in stalled))
         if not made:
             return out
         # PNG encoding and upload here, beside the next call: never on the compute thread.
@@ -660,6 +687,11 @@ class InferenceWorker(Service):
         run.gen_s = round(time.monotonic() - run.job.arrived, 6)
         try:
             return run.job.future.result()
+        except CallStalled as exc:
+            # Not the task's fault as far as anyone can tell (a hung device, a driver
+            # deadlock): handed back at once for another worker, never blamed.
+            raise Stalled(f"its pipeline call stalled on {self.worker_id}: made no step "
+                          f"for {exc.timeout:g} s (TANDEM_CALL_STALL_TIMEOUT)") from None
         except HandedBack:
             raise Retry("worker stopping; task handed back", delay=0.0) from None
         except apart.PipelineProcessDied as exc:
@@ -842,6 +874,14 @@ class NotServed(Retry):
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason, delay=1.0)
+
+
+class Stalled(Retry):
+    """A task whose pipeline call stalled (``CallStalled``): handed back at once (nak),
+    noted on its record first, like ``NotServed``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, delay=0.0)
 
 
 class ImageUploadError(Exception):
