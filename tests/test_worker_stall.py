@@ -135,6 +135,11 @@ async def test_a_call_hung_in_the_worker_process_is_finished_elsewhere_and_its_w
     await progress.stop()
     body = await _health(hung, lambda status, h: status == 503)
     assert body["ready"] is False and "made no step for 1 s" in body["stalled"], body
+    # Not alive either: only a restart frees a call hung in the process (its liveness
+    # probe's path; a worker loading models is not ready, yet alive).
+    live = await asyncio.to_thread(http.get, f"http://127.0.0.1:{hung.metrics()}/livez")
+    assert live is not None and live.status_code == 503, live
+    assert "stalled" in live.json()["why"]
     assert body["running"] == [] and body["inflight"] == 0  # nothing held any more
     # Handed back noted (a task that stalls every worker fails saying so), never blamed.
     notes = [r.reason for r in writes.by_task[task.task_id]]

@@ -66,6 +66,11 @@ class Service(ABC):
         """False while the service is still starting (``/healthz`` answers 503 then)."""
         return True
 
+    def live(self) -> str | None:
+        """Why only a restart helps this process now (``/livez`` answers 503 naming it),
+        or None. Not readiness: a service loading models is not ready and still alive."""
+        return None
+
     @abstractmethod
     async def run(self, ctx: Context) -> None:
         """Run until ``ctx.stopping`` is set, then finish or hand back in-flight work."""
@@ -75,7 +80,10 @@ class Service(ABC):
 
 
 class HttpEndpoint:
-    """A tiny HTTP/1.1 server for /healthz and /metrics (no web framework needed)."""
+    """A tiny HTTP/1.1 server for /healthz, /livez and /metrics (no web framework).
+
+    ``/healthz`` is readiness (in the Service's endpoints or not); ``/livez`` liveness,
+    for an orchestrator's restart: 200 unless ``Service.live`` names why not."""
 
     def __init__(self, service: Service, bus: Bus, stopping: asyncio.Event) -> None:
         self.service = service
@@ -98,6 +106,12 @@ class HttpEndpoint:
             if path.startswith("/metrics"):
                 body, ctype = metrics.exposition()
                 status = "200 OK"
+            elif path.startswith("/livez"):
+                why = self.service.live()
+                body = json.dumps({"status": "ok" if why is None else "dead",
+                                   "service": self.service.name, "why": why}).encode()
+                ctype = "application/json"
+                status = "200 OK" if why is None else "503 Service Unavailable"
             elif path.startswith("/healthz"):
                 ready = self.service.ready()
                 ok = self.bus.nc.is_connected and not self.stopping.is_set() and ready

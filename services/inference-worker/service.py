@@ -258,6 +258,11 @@ class InferenceWorker(Service):
         nothing more, and only a restart frees the accelerator."""
         return self._pulling and self.batcher.stalled is None
 
+    def live(self) -> str | None:
+        """A call hung in this process (``Batcher.stalled``): only a restart frees it."""
+        stalled = self.batcher.stalled
+        return f"a pipeline call stalled in this process: {stalled}" if stalled else None
+
     def health(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "models_loaded": sorted(self.pipelines),
                 "loading": sorted(m for m, lock in self._loading.items() if lock.locked()),
