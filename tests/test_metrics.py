@@ -54,3 +54,13 @@ def test_a_nan_is_in_no_bucket_and_the_others_of_its_call_are_kept() -> None:
     assert 't_nan_seconds_sum{phase="upload"} 0.002' in text
     assert 't_nan_seconds_bucket{le="0.001",phase="upload"} 0.0' in text
     assert 't_nan_seconds_bucket{le="0.005",phase="upload"} 1.0' in text
+
+
+def test_every_worker_task_outcome_is_exported_from_zero() -> None:
+    """A series born at 1 has no rate() until it grows again: the dashboard's failed
+    tasks line stayed flat after a task failed (observability red team)."""
+    import tandem.inference_worker.service  # noqa: F401  (defines the worker's metrics)
+
+    body = metrics.exposition()[0].decode()
+    for outcome in ("succeeded", "cancelled", "failed"):
+        assert f'tandem_worker_tasks_total{{outcome="{outcome}"}}' in body, outcome

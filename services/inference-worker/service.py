@@ -89,7 +89,10 @@ _log = log.get("tandem.inference_worker")
 UPLOAD_BACKOFF = Backoff(0.2, max_delay=5.0)  # between image uploads while S3 is down
 
 TASKS_DONE = metrics.Counter("tandem_worker_tasks", "Tasks finished by outcome", ["outcome"])
-SUCCEEDED, CANCELLED = TASKS_DONE.labels("succeeded"), TASKS_DONE.labels("cancelled")
+# Each outcome's series from the start, at 0: a series born at 1 has no rate() until
+# its second increase, so the dashboard showed no failed task (observability red team).
+SUCCEEDED, CANCELLED, FAILED = (TASKS_DONE.labels(o) for o in ("succeeded", "cancelled",
+                                                               "failed"))
 
 
 class WorkerSettings(FailoverSettings, JobLimitSettings, SealSettings, RegistrySettings):
@@ -813,7 +816,7 @@ class InferenceWorker(Service):
             _log.warning("worker.dead_undecodable", task_id=task_id, reason=reason)
             return
         await self.records.failed(body, reason)
-        TASKS_DONE.labels("failed").inc()
+        FAILED.inc()
 
     # -------------------------------------------------------------- progress and cancel
 
