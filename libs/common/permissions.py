@@ -92,11 +92,11 @@ class _Grants:
     description: str
     pub: set[str] = field(default_factory=set)
     sub: set[str] = field(default_factory=set)
+    provisions: set[str] = field(default_factory=set)
+    responds: bool = False
 
     def __post_init__(self) -> None:
         self.sub.add(replies(self.name))
-    provisions: set[str] = field(default_factory=set)
-    responds: bool = False
 
     def stream(self, name: str, pattern: str | None = None) -> _Grants:
         self.provisions.add(pattern or name)
