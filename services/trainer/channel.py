@@ -7,6 +7,8 @@ on the wire (``{"kind": "step", ...}``). The rank sends them in this order::
     resumed                                 rank 0, when the nodes fetched a checkpoint
     step / checkpoint / checkpoint_failed   rank 0, while training
     anomaly                                 rank 0, instead of the step that ended in it
+    preempted                               every rank, once the ranks agreed to stop
+                                            (SIGTERM); its checkpoint and step follow
     invalid                                 any rank whose config cannot build or train
     done                                    rank 0, after the last step
     bye                                     every rank, just before it closes
@@ -118,6 +120,20 @@ class Anomaly(_Message, tag="anomaly"):
     evidence: dict[str, Any] = {}  # what the loss health check saw (z-score, median, ...)
 
 
+class Preempted(_Message, tag="preempted"):
+    """Every rank, as soon as the ranks agreed to stop at ``step`` because one of them was
+    told to (SIGTERM: its node agent or torchrun stopping; ``rank.StopRequest``). Each
+    then checkpoints ``step`` as a periodic checkpoint is (its ``checkpoint`` follows, or
+    ``checkpoint_failed``), waits until every node's writes ended, says goodbye and exits
+    ``rank.PREEMPTED``. The coordinator restarts the run from that checkpoint, and the
+    restart is not the run's failure (not counted against ``max_restarts``)."""
+
+    rank: int
+    node: str  # the node the rank runs on
+    step: int  # the step every rank checkpoints and stops after
+    signalled: bool  # this rank itself got the SIGTERM: its node is the one stopping
+
+
 class Invalid(_Message, tag="invalid"):
     """A rank whose run cannot be built or trained as configured: building its data or
     model, loading the resume checkpoint or its attempt's first step raised (a data set
@@ -144,7 +160,7 @@ class Bye(_Message, tag="bye"):
 
 
 RankMessage = (Hello | Resumed | StepReport | CheckpointWritten | CheckpointWriteFailed
-               | Anomaly | Invalid | Done | Bye)
+               | Anomaly | Preempted | Invalid | Done | Bye)
 
 _decoder = msgspec.json.Decoder(RankMessage)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import math
 import os
 import random
 import signal
@@ -109,22 +110,34 @@ class LaunchFailed(Exception):
 class Launcher(Protocol):
     """Where an attempt's torchrun agents run. ``start`` returns once every node's agent
     is started (or raises ``LaunchFailed``); ``poll`` waits for the next agent to end
-    and returns each one once; ``stop`` kills what is left and returns the exit codes
-    by node (None: unknown)."""
+    and returns each one once; ``interrupt`` asks every agent's ranks to checkpoint and
+    stop (False where this launcher cannot ask: the caller stops them outright); ``stop``
+    kills what is left and returns the exit codes by node (None: unknown)."""
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
                     attempt_dir: Path) -> Attempt: ...
 
     async def poll(self, attempt: Attempt) -> AgentEnded: ...
 
+    def interrupt(self, attempt: Attempt) -> bool: ...
+
     async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
                    timeout: float = 10.0) -> dict[str, int | None]: ...
 
 
-def rank_env(env: dict[str, str] | None, node: str) -> dict[str, str]:
+STOP_CHECKPOINT_S = 15.0  # with no settings: the default drain (20 s) less the report's 5 s
+
+
+def rank_env(env: dict[str, str] | None, node: str,
+             stop_checkpoint_s: float = STOP_CHECKPOINT_S) -> dict[str, str]:
+    """The environment of ``node``'s torchrun and its ranks. torchrun, told to stop
+    (SIGTERM), passes it on to its ranks and SIGKILLs those still there after
+    ``stop_checkpoint_s`` (its shutdown timeout; an environment variable rather than
+    ``--shutdown-timeout``, so the command line stays the node's and the launcher's)."""
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
     base["PYTHONUNBUFFERED"] = "1"
+    base["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, math.ceil(stop_checkpoint_s)))
     return {**base, "TANDEM_NODE": node}
 
 
@@ -172,11 +185,13 @@ class LocalLauncher:
     """Every node's torchrun as a child process of this host (see the module docstring)."""
 
     def __init__(self, python: str = sys.executable, master_addr: str = "127.0.0.1",
-                 monitor_interval: float = 0.5, rendezvous_ports: range | None = None) -> None:
+                 monitor_interval: float = 0.5, rendezvous_ports: range | None = None,
+                 stop_checkpoint_s: float = STOP_CHECKPOINT_S) -> None:
         self.python = python
         self.master_addr = master_addr
         self.monitor_interval = monitor_interval
         self.rendezvous_ports = rendezvous_ports  # None: below the ephemeral range
+        self.stop_checkpoint_s = stop_checkpoint_s  # ranks told to stop have this long
 
     def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
                 rdzv_id: str = "tandem", local_addr: str | None = None,
@@ -209,7 +224,8 @@ class LocalLauncher:
             command = self.command(placement, i, port, spec_path,
                                    rendezvous_id(spec.run_id, spec.attempt))
             # Dies with this process (a coordinator killed -9 leaves no ranks training).
-            proc = await spawn(command, log_path, rank_env(env, node), with_parent=True)
+            proc = await spawn(command, log_path,
+                               rank_env(env, node, self.stop_checkpoint_s), with_parent=True)
             attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path, pid=proc.pid))
         return attempt
 
@@ -229,6 +245,14 @@ class LocalLauncher:
         ended.add(agent.node)
         assert agent.proc is not None
         return AgentEnded(agent.node, agent.proc.returncode)
+
+    def interrupt(self, attempt: Attempt) -> bool:
+        """SIGTERM every node's torchrun, which passes it on to its ranks: they
+        checkpoint at their next step boundary and exit (``rank.StopRequest``)."""
+        for a in attempt.agents:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(a.pid, signal.SIGTERM)
+        return True
 
     async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
                    timeout: float = 10.0) -> dict[str, int | None]:

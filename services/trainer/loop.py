@@ -56,6 +56,7 @@ class StepResult:
     wall_s: float  # this step's wall time on this rank
     rank_times: list[float]  # every rank's local compute time (data + forward + loss)
     anomaly: LossAnomaly | None = None
+    stop: bool = False  # some rank was asked to stop (``stop_asked``): every rank sees it
 
 
 def model_config(cfg: RunConfig) -> dict[str, Any]:
@@ -140,6 +141,9 @@ class TrainLoop:
         slow = cfg.faults.slow_rank == rank
         self._slow_s = cfg.faults.slow_s if slow else 0.0
         self._slow_factor = cfg.faults.slow_factor if slow else 1.0
+        # Set (from a signal handler: ``rank.StopRequest``) when this rank is asked to stop;
+        # each step tells every rank, in ``StepResult.stop``.
+        self.stop_asked = False
 
     # ------------------------------------------------------------------------ the step
 
@@ -158,7 +162,8 @@ class TrainLoop:
         """One optimizer step over this rank's share of the next global batch.
 
         On a loss anomaly (judged identically on every rank from all-reduced values) the
-        update is not applied and ``anomaly`` is set.
+        update is not applied and ``anomaly`` is set. ``stop`` is set on every rank when
+        any rank's ``stop_asked`` was set as it reached the step's all_gather.
         """
         t0 = time.perf_counter()
         pos = data_mod.next_position(self.data_pos, self.skipped)
@@ -188,9 +193,12 @@ class TrainLoop:
             loss.backward()
         grad_norm = sharding.full_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.grad_clip))
-        stats = torch.tensor([loss.detach().float().item(), local], dtype=torch.float64)
+        # NOTE: the stop flag rides on the all_gather every step already makes: all ranks
+        # learn at the same step that one was asked to stop, for no collective of its own.
+        stats = torch.tensor([loss.detach().float().item(), local, float(self.stop_asked)],
+                             dtype=torch.float64)
         if self.distributed:
-            gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
+            gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(self.world)]
             dist.all_gather(gathered, stats.to(self.device) if self.device.type == "cuda"
                             else stats)
             rows = [g.cpu() for g in gathered]
@@ -198,6 +206,7 @@ class TrainLoop:
             rows = [stats]
         mean_loss = float(sum(r[0] for r in rows) / len(rows))
         rank_times = [float(r[1]) for r in rows]
+        stop = any(float(r[2]) > 0 for r in rows)
         lr = self.optimizer.param_groups[0]["lr"]
         if self.scaler is not None and not math.isfinite(grad_norm):
             grad_norm = 0.0  # fp16 overflow: the scaler skips this step, not an anomaly
@@ -205,7 +214,7 @@ class TrainLoop:
         if anomaly is not None:
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(self.step, pos, mean_loss, grad_norm, lr,
-                              time.perf_counter() - t0, rank_times, anomaly)
+                              time.perf_counter() - t0, rank_times, anomaly, stop)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -217,7 +226,7 @@ class TrainLoop:
         self.step += 1
         self.data_pos = pos + 1
         return StepResult(self.step, pos, mean_loss, grad_norm, lr,
-                          time.perf_counter() - t0, rank_times)
+                          time.perf_counter() - t0, rank_times, stop=stop)
 
     @torch.no_grad()
     def _update_ema(self) -> None:

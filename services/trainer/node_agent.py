@@ -20,9 +20,13 @@ Invariants it keeps:
   coordinator's disk is read.
 - Its ranks never outlive their supervision: torchrun is SIGKILLed with its ranks on a
   stop, when the coordinator's reply to a report says the attempt is no longer wanted,
-  when no reply came for ``orphan_after_s``, and when this agent stops. If the agent
-  itself is killed -9, torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and
-  stops its ranks.
+  and when no reply came for ``orphan_after_s``. If the agent itself is killed -9,
+  torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and stops its ranks.
+- This agent stopping (SIGTERM: a rolling upgrade, a spot node reclaimed) is the ranks'
+  cue to save, not to die: its torchruns get SIGTERM, which they pass on to their ranks
+  (they checkpoint at the next step boundary and exit, ``rank.StopRequest``); each is
+  given ``STOP_CHECKPOINT_S`` to end, then SIGKILLed, and its exit reported to the
+  coordinator at once (not found by its silence), within the drain.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +65,9 @@ from tandem.trainer.service import TrainerSettings
 from tandem.trainer.spec import LaunchSpec
 
 EXIT_REPORT_BACKOFF = Backoff(0.1, max_delay=1.0)
+# Past STOP_CHECKPOINT_S, torchrun SIGKILLs its ranks and exits: the agent waits this
+# much longer before it kills torchrun itself.
+STOP_SLACK_S = 2.0
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Held:
     proc: asyncio.subprocess.Process
     reply: NodeReply
     stopped: str = ""  # why this agent killed it; empty while it runs on its own
+    interrupted: bool = False  # told to stop as this agent stops: its exit is reported
 
 
 def node_command(settings: TrainerSettings, order: NodeLaunch, master_addr: str, port: int,
@@ -124,8 +134,31 @@ class NodeAgent(Service):
             await ctx.stopping.wait()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            for held in list(self.held.values()):
-                self._kill(held, "node agent stopping")
+            await self._stop_all()
+        # The TaskGroup waited for each report task: every exit is reported.
+
+    async def _stop_all(self) -> None:
+        """This agent stopping: SIGTERM each torchrun it runs (passed on to the ranks,
+        which checkpoint and exit), up to ``stop_bound`` + ``STOP_SLACK_S`` for them to
+        end, then SIGKILL what is left. Each exit is reported as it happens
+        (``_report``)."""
+        held = [h for h in self.held.values() if h.proc.returncode is None]
+        bound = self.s.stop_bound()
+        for h in held:
+            h.interrupted = True
+            self.ctx.log.warning("node_agent.stopping_ranks", run_id=h.order.run_id,
+                                 attempt=h.order.attempt, within_s=bound)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(h.proc.pid, signal.SIGTERM)
+        if not held:
+            return
+        waits = [asyncio.ensure_future(h.proc.wait()) for h in held]
+        _, pending = await asyncio.wait(waits, timeout=bound + STOP_SLACK_S)
+        for w in pending:
+            w.cancel()
+        for h in held:
+            if h.proc.returncode is None:
+                self._kill(h, f"node agent stopping: its ranks did not stop within {bound:g}s")
 
     # --------------------------------------------------------------------------- orders
 
@@ -183,7 +216,8 @@ class NodeAgent(Service):
             port = rendezvous_port(addr, allowed=self.s.rendezvous_port_range())
         command = node_command(self.s, order, addr, port, spec_path)
         log_path = Path(spec.attempt_dir) / f"agent-{order.node_rank}-{self.s.node}.log"
-        proc = await spawn(command, log_path, rank_env(None, self.s.node), with_parent=True)
+        proc = await spawn(command, log_path, rank_env(None, self.s.node, self.s.stop_bound()),
+                           with_parent=True)
         reply = NodeReply(node=self.s.node, master_addr=addr, master_port=port, pid=proc.pid,
                           log_path=str(log_path))
         held = Held(order=order, cluster=spec.cluster or self.s.cluster, proc=proc, reply=reply)
@@ -238,7 +272,7 @@ class NodeAgent(Service):
                 answered = time.monotonic()
                 if not reply.keep:
                     self._kill(held, "the coordinator no longer runs this attempt")
-            if held.stopped:
+            if held.stopped and not held.interrupted:
                 return  # killed by order or by us: the coordinator is not waiting to hear
             report = self._report_of(held)
             with contextlib.suppress(Exception):

@@ -164,6 +164,12 @@ class NodeLauncher:
                     return AgentEnded(quiet, None, f"node agent silent for {silent:.1f}s "
                                       f"(lost after {self.lost_after_s:g}s)")
 
+    def interrupt(self, attempt: Attempt) -> bool:
+        """Not from here: ``NodeStop`` has no way to say "let the ranks checkpoint first"
+        (its agent kills them), so a stopping coordinator stops them outright. A node
+        agent that stops itself does let them (``node_agent``)."""
+        return False
+
     async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
                    timeout: float = 10.0) -> dict[str, int | None]:
         """Stop every node's torchrun; the exit codes the agents answer with, by node.

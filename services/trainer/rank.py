@@ -6,9 +6,17 @@ trains, checkpoints asynchronously every ``checkpoint_every`` steps (and at the 
 and reports to the coordinator. SIGUSR1 dumps every thread's stack to
 ``<attempt_dir>/stacks-rank<r>.txt`` (the watchdog asks for it on a hang).
 
+SIGTERM (torchrun passes on its own: its node agent stopping, a spot node reclaimed, a
+rolling upgrade) asks the ranks to stop, not to die (``StopRequest``): at the next step
+boundary every rank learns it (the flag rides on the step's all_gather, so a signal to
+one node's ranks stops all of them at the same step), tells the coordinator
+(``channel.Preempted``), checkpoints that step through the periodic path, waits until
+the checkpoint is written on every node and exits ``PREEMPTED``.
+
 Exit codes: 0 done, 1 crashed, ``ANOMALY`` (3) stopped on a loss anomaly before applying
 the bad update, ``INVALID`` (4) the run cannot be built or trained as configured (told
-to the coordinator first: ``channel.Invalid``), ``channel.ORPHANED`` (17) coordinator gone.
+to the coordinator first: ``channel.Invalid``), ``PREEMPTED`` (5) told to stop and
+checkpointed, ``channel.ORPHANED`` (17) coordinator gone.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from tandem.trainer.channel import (
     EventChannel,
     Hello,
     Invalid,
+    Preempted,
     Resumed,
     StepReport,
 )
@@ -45,6 +54,31 @@ from tandem.trainer.spec import LaunchSpec
 
 ANOMALY = 3
 INVALID = 4
+PREEMPTED = 5
+
+
+class StopRequest:
+    """SIGTERM as a request to checkpoint and stop at the next step boundary.
+
+    The handler only sets flags (``asked``, and the loop's ``stop_asked`` once there is
+    a loop): whatever the main thread is in (a collective, a checkpoint's copy) goes on,
+    and the loop's next step tells every rank. A rank stuck before its first step stays
+    until torchrun's shutdown timeout (``STOP_CHECKPOINT_S``) ends in SIGKILL."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.loop: Any = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.asked = True
+        if self.loop is not None:
+            self.loop.stop_asked = True
+
+    def attach(self, loop: Any) -> None:
+        """From now on a SIGTERM sets ``loop.stop_asked``; one already received, too."""
+        self.loop = loop  # first: a signal between the two lines is then not lost
+        loop.stop_asked = loop.stop_asked or self.asked
 
 
 def pick_device(cfg: RunConfig, local_rank: int):  # type: ignore[no-untyped-def]
@@ -78,6 +112,7 @@ def threads(asked: int) -> int:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    stop = StopRequest()  # first: a SIGTERM while importing or loading is not lost
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=LaunchSpec)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -115,6 +150,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     loop = configured(channel, rank, lambda: TrainLoop(
         cfg, rank=rank, world=world, device=device, distributed=distributed,
         skipped=spec.skipped, data_root=spec.data_root))
+    stop.attach(loop)
     if spec.resume_path:
         configured(channel, rank, loop.load, Path(spec.resume_path))
     elif spec.resume_steps:  # nodes with disks of their own: each fetches it from S3
@@ -152,9 +188,19 @@ def main(argv: list[str] | None = None) -> NoReturn:
                                      evidence=r.anomaly.evidence))
             code = ANOMALY
             break
+        if r.stop and loop.step < cfg.steps:
+            # Every rank saw the same flags (``TrainLoop.train_step``): all stop here.
+            channel.send(Preempted(rank=rank, node=node, step=r.step, signalled=stop.asked))
+            after_step(loop, r, channel, writer, samples, rank_nodes, checkpoint=True)
+            code = PREEMPTED
+            break
         after_step(loop, r, channel, writer, samples, rank_nodes)
     if writer is not None:
-        writer.close(timeout=None)
+        writer.close(timeout=None)  # the last checkpoint is written (or its failure told)
+    if code == PREEMPTED and distributed:
+        # NOTE: no rank leaves before every node's writes ended: torchrun stops a
+        # node's remaining ranks once one of them has exited non-zero.
+        dist.barrier()
     if code == 0 and rank == 0:
         channel.send(Done(step=loop.step))
     channel.send(Bye(rank=rank, code=code))
@@ -277,15 +323,16 @@ def fault_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
 
 
 def after_step(loop: Any, r: Any, channel: EventChannel, writer: Any, samples: int,
-               rank_nodes: list[str]) -> float:
+               rank_nodes: list[str], checkpoint: bool = False) -> float:
     """What Tandem adds to a step: a checkpoint every ``checkpoint_every`` steps (and at the
-    last one; a collective, so every rank calls this) and, on rank 0, the step report.
+    last one, and with ``checkpoint``: the step the ranks stop at; a collective, so every
+    rank calls this) and, on rank 0, the step report.
     Returns the seconds this rank was blocked by the checkpoint (0 without one): the whole
     call, the gathering of every rank's RNG states and the state's own collection
     included, not only the writer's copy."""
     cfg = loop.cfg
     blocked = 0.0
-    if r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
+    if checkpoint or r.step % cfg.checkpoint_every == 0 or r.step == cfg.steps:
         t0 = time.perf_counter()
         loop.checkpoint(writer)
         blocked = time.perf_counter() - t0

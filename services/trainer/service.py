@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.common import checkpoints, events, ports, storage, subjects
 from tandem.common.bus import Bus, Delivery, MapWatch, describe
@@ -71,6 +71,10 @@ from tandem.trainer import run_metrics
 from tandem.trainer.launcher import Launcher, LocalLauncher
 from tandem.trainer.nodes import NodeLauncher
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
+
+# What a drain keeps past STOP_CHECKPOINT_S: a node agent's report of its torchrun's exit
+# (a coordinator's: the run's record).
+STOP_REPORT_S = 5.0
 
 
 class TrainerSettings(Settings):
@@ -141,6 +145,27 @@ class TrainerSettings(Settings):
         30.0, gt=0, le=3600, description="Coordinator, launcher=nodes: how long a launch "
         "order is retried while a node has no agent (a pod restarting) before the attempt "
         "fails.")
+    stop_checkpoint_s: float = Field(
+        0.0, ge=0, le=590, description="How long ranks told to stop (SIGTERM to a node "
+        "agent, or to torchrun) have to checkpoint their step and exit before torchrun "
+        "SIGKILLs them; a node agent stopping waits this long for its torchrun. "
+        "Coordinator: the same for its own stop (launcher=local), and, launcher=nodes with "
+        "S3, how long it waits for a preempted attempt's checkpoint to be committed. 0: "
+        "DRAIN_TIMEOUT less 5 s (at least 1 s); set, at least 5 s under DRAIN_TIMEOUT (the "
+        "exit is reported within the drain).")
+
+    @model_validator(mode="after")
+    def _stop_within_drain(self) -> TrainerSettings:
+        if self.stop_checkpoint_s and self.stop_checkpoint_s + STOP_REPORT_S > self.drain_timeout:
+            raise ValueError(
+                f"TANDEM_STOP_CHECKPOINT_S ({self.stop_checkpoint_s:g}) must be at least "
+                f"{STOP_REPORT_S:g}s under TANDEM_DRAIN_TIMEOUT ({self.drain_timeout:g}): "
+                "the ranks' exit is reported within the drain")
+        return self
+
+    def stop_bound(self) -> float:
+        """``stop_checkpoint_s``, or with 0 the drain timeout less ``STOP_REPORT_S``."""
+        return self.stop_checkpoint_s or max(1.0, self.drain_timeout - STOP_REPORT_S)
 
     @field_validator("rendezvous_ports")
     @classmethod
@@ -166,7 +191,8 @@ class Trainer(Service):
         self.me = subjects.node_key(settings.cluster, settings.node)
         self.supervisors: dict[str, RunSupervisor] = {}
         self.launcher: Launcher = LocalLauncher(
-            python=settings.python, rendezvous_ports=settings.rendezvous_port_range())
+            python=settings.python, rendezvous_ports=settings.rendezvous_port_range(),
+            stop_checkpoint_s=settings.stop_bound())
         self._slots = asyncio.Semaphore(settings.max_runs)
         # Pending runs of this cluster nobody claimed yet: run id -> when to claim it
         # (loop time, unclaimed_after_s after this coordinator first saw it pending).
@@ -186,7 +212,7 @@ class Trainer(Service):
             work_root=Path(self.s.work_root).resolve(), cluster=self.s.cluster,
             node=self.s.node, relay_host=self.s.relay_host,
             threads_per_rank=self.s.threads_per_rank, status_every_s=self.s.status_every_s,
-            data_root=self.s.data_root,
+            data_root=self.s.data_root, stop_checkpoint_s=self.s.stop_bound(),
             # NOTE: S3 is AWS's own when no endpoint is set (the Kubernetes default), so
             # whether to restore is this setting alone, not whether an endpoint is named.
             restore=self._restore if self.s.restore_from_s3 else None,

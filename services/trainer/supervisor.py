@@ -98,6 +98,10 @@ class SupervisorConfig:
     # newest that all of them verify (``fetch.py``).
     s3_steps: Any = None
     data_root: str = ""  # TANDEM_DATA_ROOT: the ranks' image folders stay under it
+    # TANDEM_STOP_CHECKPOINT_S: how long ranks told to stop have to checkpoint (this
+    # coordinator's own stop, launcher local), and, with ``s3_steps``, how long a
+    # preempted attempt's checkpoint may take to be committed before the next attempt.
+    stop_checkpoint_s: float = 15.0
 
 
 class RestoreFailed(Exception):
@@ -360,8 +364,9 @@ class RunSupervisor(AttemptWatch):
             await self._status(RunState.succeeded, f"trained {self.latest_step} steps")
             return RunState.succeeded
         if outcome.kind == "stopping":
-            await self._status(RunState.restarting, "coordinator stopping; resumes when "
-                               "a coordinator adopts the run")
+            saved = f" ({outcome.detail['reason']})" if outcome.detail.get("reason") else ""
+            await self._status(RunState.restarting, f"coordinator stopping{saved}; resumes "
+                               "when a coordinator adopts the run")
             return RunState.restarting
         if outcome.kind == "cancelled":
             self.goodput.finished()
@@ -383,6 +388,8 @@ class RunSupervisor(AttemptWatch):
             skip = self.config.loss_health.skip_batches
             self.line = self.line.fork(int(outcome.detail["at_step"]) - skip)
             fork = {"lineage": self.line.current, "forked_at": self.line.forks[-1]}
+        if outcome.kind == "preempted" and outcome.detail.get("checkpoint_step"):
+            await self._await_commit(int(outcome.detail["checkpoint_step"]))
         # The ranks are gone: the newest whole checkpoint of the run's history is where
         # the next attempt resumes (unless it fails verification, reported then).
         on_disk = ck.complete_steps(self.cfg.checkpoint_root, self.run_id, self.line) \
@@ -406,6 +413,11 @@ class RunSupervisor(AttemptWatch):
             incident["skip_window"] = window
         self.incidents.append(incident)
         self.cause = incident
+        if outcome.kind == "preempted":
+            # NOTE: a node taken away (a spot reclaim, an upgrade) is not the run's
+            # failure: not counted against ``max_restarts``, as an adoption is not.
+            await self._status(RunState.restarting, incident["reason"], incident)
+            return None
         self.restarts += 1
         if self.restarts > wd.max_restarts:
             await self._status(RunState.failed, f"gave up after {wd.max_restarts} restarts; "
@@ -413,6 +425,25 @@ class RunSupervisor(AttemptWatch):
             return RunState.failed
         await self._status(RunState.restarting, _summary(incident), incident)
         return None
+
+    async def _await_commit(self, step: int) -> None:
+        """With nodes that resume from S3's committed list alone (``s3_steps``), wait up
+        to ``stop_checkpoint_s`` for ``step`` (the checkpoint preempted ranks wrote, which
+        their node's checkpointer mirrors) to be committed there, so the next attempt
+        resumes from it rather than from the one before; past that it goes on without."""
+        if self.cfg.s3_steps is None:
+            return
+        deadline = time.monotonic() + self.cfg.stop_checkpoint_s
+        while not self.cancelled.is_set():
+            with contextlib.suppress(Exception):  # S3 away: as if not committed yet
+                if step in await self.cfg.s3_steps(self.run_id, self.line):
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.warning("run.preempted_checkpoint_uncommitted", step=step,
+                                 waited_s=self.cfg.stop_checkpoint_s)
+                return
+            await _wait_any((self.cancelled,), min(1.0, left))  # S3's list, each second
 
     def _cycle_attributes(self) -> dict[str, Any]:
         attrs: dict[str, Any] = {"tandem.run_id": self.run_id, "tandem.restarts": self.restarts}

@@ -21,6 +21,14 @@ What it does:
   its type and returns the attempt's ``Outcome``.
 - ``relay``: a ``StepReport`` or ``CheckpointWritten`` becomes bus events, KV ``runs``
   updates, goodput, stragglers and metrics.
+- Ranks told to stop (``channel.Preempted``; or this coordinator's own stop, asked of
+  them through ``Launcher.interrupt``): the attempt ends once every agent exited and
+  every connection is read to its end, whatever the exit codes (``Halt``, ``_halted``).
+
+One module past 450 lines: ``_watch`` is one state machine over one queue (rank
+messages, agent exits, health, stop), whose deadline depends on every kind of item, and
+the relay handlers it dispatches to write the state (steps, checkpoints) that it reads;
+split, each half would declare and reach into the other's.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from tandem.trainer.channel import (
     Done,
     Hello,
     Invalid,
+    Preempted,
     RankMessage,
     Resumed,
     StepReport,
@@ -68,12 +77,29 @@ if TYPE_CHECKING:
     from tandem.trainer.supervisor import SupervisorConfig
 
 
+# How long an agent's non-zero exit waits for its node's ranks' connections to be read
+# to their end (they are gone: their ends come at once) before it is decided a failure.
+EXIT_SETTLE_S = 2.0
+
+
 @dataclass
 class Outcome:
     kind: str  # succeeded, rank_exit, hang, startup_timeout, node_lost, loss_anomaly,
     #            final_checkpoint_unwritten, no_healthy_nodes, launch_failed,
-    #            restore_failed, invalid_config, stopping, cancelled
+    #            restore_failed, invalid_config, preempted, stopping, cancelled
     detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Halt:
+    """An attempt's ranks told to stop (SIGTERM; ``channel.Preempted``): since when, the
+    step they agreed to stop at, the nodes whose ranks got the signal, and whether this
+    coordinator asked (its own stop) rather than a node."""
+
+    since: float
+    step: int | None = None
+    nodes: set[str] = field(default_factory=set)
+    by_coordinator: bool = False
 
 
 class AttemptWatch:
@@ -158,24 +184,43 @@ class AttemptWatch:
         started, last_step_at, done = time.monotonic(), None, False
         finished_at: float | None = None  # when the last step was done and all said goodbye
         anomaly: Outcome | None = None  # ranks stop by themselves: let them flush and exit
-        exits: dict[str, int] = {}
+        halt: Halt | None = None  # ranks told to stop (SIGTERM): they checkpoint and exit
+        early: Outcome | None = None  # an agent's failed exit, its ranks' lines not all read
+        settle_by = 0.0
+        exits: dict[str, int | None] = {}
         closed: set[int] = set()  # ranks whose connection ended: all they sent is read
         try:
             while True:
                 now = time.monotonic()
-                finishing = done or anomaly is not None or self.latest_step >= self.config.steps
+                if early is not None:
+                    if halt is not None:
+                        early = None  # that exit was the ranks stopping as told
+                    elif now >= settle_by or not self._open_on(early.detail["node"], closed):
+                        return early
+                finishing = (done or anomaly is not None or halt is not None
+                             or self.latest_step >= self.config.steps)
                 # Before the first step and after the last one, ranks import, load, write
                 # the final checkpoint and tear down: judged by the startup timeout.
                 limit = (wd.startup_timeout_s if last_step_at is None or finishing
                          else hang.limit())
                 since = started if last_step_at is None else last_step_at
+                if halt is not None:  # from when they were told; this coordinator's own
+                    since = halt.since  # stop must end within its drain
+                    limit = self.cfg.stop_checkpoint_s if halt.by_coordinator else limit
                 if finished_at is not None:  # only exiting is left: judged by its own grace
                     limit, since = wd.teardown_grace_s, finished_at
+                wait = since + limit - now
+                if early is not None:
+                    wait = min(wait, settle_by - now)
                 try:
-                    item = await asyncio.wait_for(self.q.get(), max(0.0, since + limit - now))
+                    item = await asyncio.wait_for(self.q.get(), max(0.0, wait))
                 except TimeoutError:
+                    if early is not None:
+                        continue  # settled: decided above
                     if anomaly is not None:
                         return anomaly
+                    if halt is not None:  # what is left is stopped now; as far as it got
+                        return self._halted(halt, exits)
                     if finished_at is not None:
                         # Every step is trained and its checkpoint written (rank 0 says
                         # done only then): a rank stuck on its way out is stopped, and
@@ -197,7 +242,14 @@ class AttemptWatch:
                         "stacks": stacks})
                 tag = item[0]
                 if tag == "stop":
-                    return Outcome("stopping")
+                    # The ranks are asked to checkpoint and stop, as on a preemption, where
+                    # the launcher can ask (``Launcher.interrupt``); else ended at once.
+                    if halt is None and self.launcher.interrupt(attempt):
+                        halt = Halt(since=time.monotonic())
+                    if halt is None:
+                        return Outcome("stopping")
+                    halt.by_coordinator = True
+                    continue
                 if tag == "cancel":  # a client cancelled the run: stop its ranks
                     return Outcome("cancelled", {"reason": getattr(self, "cancel_reason", "")})
                 if item[1] != self.attempt_no:
@@ -209,12 +261,23 @@ class AttemptWatch:
                         if len(exits) == len(attempt.agents):
                             return anomaly
                         continue
+                    if halt is not None:  # stopping as told: whatever the exit codes
+                        if self._all_gone(attempt, exits, closed):
+                            return self._halted(halt, exits)
+                        continue
                     if code is None:  # its node agent went silent: the node is gone
                         return Outcome("node_lost", {"node": node, "detector": detector})
                     if code != 0:
-                        return Outcome("rank_exit", {
+                        failed = Outcome("rank_exit", {
                             "node": node, "exit_code": code,
                             "detector": "torchrun agent exited non-zero"})
+                        if not self._open_on(node, closed):
+                            return failed
+                        # NOTE: its ranks' lines are not all read yet (an exit and a
+                        # connection's lines race to this queue): a ``preempted`` may be
+                        # among them. Its ranks are gone, so their ends come at once.
+                        early, settle_by = failed, time.monotonic() + EXIT_SETTLE_S
+                        continue
                     if len(exits) == len(attempt.agents):
                         if done:
                             # Each node's last checkpoint write is told on its own rank's
@@ -226,6 +289,8 @@ class AttemptWatch:
                         return Outcome("rank_exit", {"detector": "ranks exited before the "
                                                      "last step", "exit_code": 0})
                 elif tag == "health":
+                    if halt is not None:
+                        continue  # the attempt is ending: the node is left out next time
                     _, _, node, current, reason = item
                     return Outcome("node_lost", {"node": node, "health": current,
                                                  "reason": reason,
@@ -237,6 +302,10 @@ class AttemptWatch:
                     if (done and len(exits) == len(attempt.agents)
                             and len(closed) >= self.config.ranks):
                         return self._ended()  # the last connection read after the exits
+                    if halt is not None:
+                        if self._all_gone(attempt, exits, closed):
+                            return self._halted(halt, exits)
+                        continue
                     if rank >= 0 and rank not in self._byes and anomaly is None:
                         pid = self.pids.get(rank, 0)
                         return Outcome("rank_exit", {
@@ -269,6 +338,14 @@ class AttemptWatch:
                             await self._on_checkpoint(message)
                         case CheckpointWriteFailed():
                             await self._on_checkpoint_failed(item[2], message)
+                        case Preempted():
+                            if halt is None:
+                                halt = Halt(since=time.monotonic())
+                                self.log.info("run.ranks_stopping", step=message.step,
+                                              rank=message.rank, node=message.node)
+                            halt.step = message.step  # the same on every rank
+                            if message.signalled:
+                                halt.nodes.add(message.node)
                         case Invalid():
                             # The run cannot be built or trained as configured: every
                             # attempt would end alike, so the run ends (``_conclude``).
@@ -290,6 +367,47 @@ class AttemptWatch:
             for w in waiters:
                 w.cancel()
             await asyncio.gather(stop_task, *waiters, return_exceptions=True)
+
+    def _open_on(self, node: str, closed: set[int]) -> bool:
+        """Whether a rank of ``node`` (as its hello said) still has its connection open:
+        not all it sent is read yet."""
+        return any(n == node and r not in closed for r, n in self.rank_node.items())
+
+    def _all_gone(self, attempt: Attempt, exits: dict[str, int | None],
+                  closed: set[int]) -> bool:
+        """Every agent ended and every rank's connection is read to its end."""
+        return len(exits) == len(attempt.agents) and set(self.pids) <= closed
+
+    def _halted(self, halt: Halt, exits: dict[str, int | None]) -> Outcome:
+        """How an attempt whose ranks were told to stop ended: ``stopping`` (this
+        coordinator's own stop), ``node_lost`` (an agent gone unheard, as one killed
+        outright is: the kernel's SIGTERM to its torchrun is what stopped the ranks),
+        else ``preempted``; each with the step the ranks stopped at and the checkpoint
+        written of it (None: not written; the restart resumes from an older one)."""
+        nodes = sorted(halt.nodes)
+        step = halt.step
+        failed = step is not None and any(
+            (ln, st) == (self.line.owner(step), step) for ln, st, _ in self._ckpt_failed)
+        written = step if step is not None and self.last_ckpt_step >= step and not failed \
+            else None
+        where = ", ".join(nodes) or "?"
+        saved = (f"checkpointed at step {written}" if written is not None else
+                 f"the checkpoint of step {step} was not written" if step is not None else
+                 "stopped before a step")
+        detail: dict[str, Any] = {
+            "node": nodes[0] if nodes else "", "nodes": nodes, "at_step": step,
+            "checkpoint_step": written, "exit_codes": dict(exits)}
+        lost = sorted(n for n, code in exits.items() if code is None)
+        if halt.by_coordinator:
+            return Outcome("stopping", {**detail, "reason": f"ranks {saved}"})
+        if lost:
+            return Outcome("node_lost", {**detail, "node": lost[0], "reason": saved,
+                                         "detector": "node agent lost (its ranks stopped "
+                                         "on torchrun's SIGTERM)"})
+        return Outcome("preempted", {
+            **detail, "reason": f"preempted: node {where} stopping; {saved}",
+            "detector": f"SIGTERM to the ranks on {where} (node agent or torchrun "
+            "stopping)"})
 
     def _ended(self) -> Outcome:
         """Every step trained: succeeded, unless the last step's checkpoint (the run's
