@@ -4,14 +4,22 @@
 SDK's exporter sends it): point a service's ``TANDEM_OTLP_ENDPOINT`` at ``receiver.url``
 and every exported span lands in ``receiver.spans``, stored before the export is
 answered. ``scrape(url)`` reads a ``/metrics`` page into ``{(name, labels): value}``.
+``tandem_metrics()`` and ``metric_names(expr)``: the metrics the code defines, and those a
+PromQL expression (a Grafana panel, an alert) names.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+# OTLP's enums as they come on the wire: a span's kind, its status code.
+SERVER, CONSUMER = 2, 5
+UNSET, ERROR = 0, 2
 
 
 class Receiver:
@@ -57,6 +65,8 @@ class Receiver:
                             "trace": span.trace_id.hex(), "span": span.span_id.hex(),
                             "parent": span.parent_span_id.hex(),
                             "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
+                            "kind": span.kind, "status": (span.status.code,
+                                                          span.status.message),
                             "attrs": {a.key: a.value for a in span.attributes},
                             "events": [(e.name, {a.key: a.value for a in e.attributes})
                                        for e in span.events]})
@@ -85,3 +95,19 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         text = resp.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def tandem_metrics() -> set[str]:
+    """Every metric name the code defines: each quoted ``tandem_...`` string under libs/
+    and services/ (a metric's name is given once, where it is made)."""
+    root = Path(__file__).resolve().parent.parent
+    source = "\n".join(p.read_text() for folder in ("libs", "services")
+                       for p in (root / folder).rglob("*.py"))
+    return set(re.findall(r'"(tandem_[a-z_]+)"', source))
+
+
+def metric_names(expr: str) -> set[str]:
+    """The Tandem metrics a PromQL expression reads, by the name they are defined under
+    (a sample's ``_bucket``, ``_count``, ``_sum`` or ``_total`` taken off)."""
+    return {re.sub(r"_(bucket|count|sum|total)$", "", name)
+            for name in re.findall(r"tandem_[a-z_]+", expr)}

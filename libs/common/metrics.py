@@ -1,7 +1,7 @@
 """Prometheus metrics shared by every service; each service adds its own beside these.
 
 Served on ``/metrics`` by the service runner. Names follow Prometheus conventions
-(``tandem_<thing>_<unit>``); labels are bounded sets (stream, outcome, service).
+(``tandem_<thing>_<unit>``); labels are bounded sets (stream, outcome, tandem_service).
 
 The GPU and training series are defined here because two services set them: the
 cluster-agent (its node's GPUs) and the trainer (its runs) where the figures are made,
@@ -79,15 +79,20 @@ class Phases:
         return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label])]
 
 
-PUBLISHED = Counter("tandem_bus_published", "JetStream publishes acknowledged", ["service"])
+# The process's own service name is the label ``tandem_service``, not ``service``: the
+# scrape adds a target label ``service`` (prometheus.yml's static labels, the
+# ServiceMonitor's Service name), and a metric's own label of that name would be renamed
+# ``exported_service`` on ingestion, under a name no query expects.
+PUBLISHED = Counter("tandem_bus_published", "JetStream publishes acknowledged",
+                    ["tandem_service"])
 CONSUMED = Counter(
     "tandem_bus_consumed", "Messages settled by consumers", ["stream", "outcome"]
 )
 DEAD_LETTERS = Counter(
     "tandem_bus_dead_letters", "Messages copied to the DLQ", ["stream", "reason"]
 )
-UP = Gauge("tandem_service_up", "1 while the service runs", ["service"])
-INFLIGHT = Gauge("tandem_service_inflight", "Work items being processed", ["service"])
+UP = Gauge("tandem_service_up", "1 while the service runs (0 while it drains)",
+           ["tandem_service"])
 # One generation's time by phase: admission (gateway), queue_wait, batching, model_load,
 # denoising, upload (worker). Each service observes the phases it sees.
 PHASE_SECONDS = Phases(
@@ -127,7 +132,7 @@ GPU_SERIES = (GPU_UTIL, GPU_TEMP, GPU_POWER, GPU_MEM)
 
 __all__ = [
     "CKPT_BLOCKED", "CKPT_WRITE_FAILURES", "CONSUMED", "CONTENT_TYPE_LATEST", "DEAD_LETTERS",
-    "GOODPUT", "GPU_MEM", "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL", "INFLIGHT",
+    "GOODPUT", "GPU_MEM", "GPU_POWER", "GPU_SERIES", "GPU_TEMP", "GPU_UTIL",
     "PHASE_SECONDS", "PUBLISHED", "RESTARTS", "RUN_SERIES", "TRAIN_LOSS", "TRAIN_SAMPLES",
     "TRAIN_STEP", "TRAIN_STEP_SECONDS", "UP", "Counter", "Gauge", "Histogram", "Phases",
     "exposition", "forget_gpus", "forget_run", "set_gpus", "train_step",

@@ -7,13 +7,14 @@ Spans are exported over OTLP/HTTP only when an endpoint is configured.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
@@ -115,3 +116,34 @@ def new_trace(name: str, attributes: dict[str, Any] | None = None) -> Any:
     one trace per unit of work that has no caller, such as a training restart cycle."""
     return tracer().start_as_current_span(name, context=otel_context.Context(),
                                           attributes=attributes or {})
+
+
+@contextlib.contextmanager
+def server_span(name: str, headers: Mapping[str, str] | None,
+                attributes: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A SERVER span around one request served (current within the block), joining the
+    caller's trace from its ``traceparent`` header when it sent one: what the request
+    publishes then descends from it. Yields None, and builds nothing, unless spans are
+    exported."""
+    if not recording():
+        yield None
+        return
+    with tracer().start_as_current_span(name, context=extract(headers),
+                                        kind=trace.SpanKind.SERVER,
+                                        attributes=attributes or {}) as span:
+        yield span
+
+
+def fail(span: Any, error: BaseException | str) -> None:
+    """Mark ``span`` (None: no span, nothing to mark) as failed: status ERROR with a
+    description, and the exception as an event when ``error`` is one. For an outcome
+    caught and settled rather than raised through the span, which OpenTelemetry would
+    otherwise leave UNSET."""
+    if span is None or not span.is_recording():
+        return
+    if isinstance(error, BaseException):
+        span.record_exception(error)
+        description = f"{type(error).__name__}: {error}"
+    else:
+        description = error
+    span.set_status(Status(StatusCode.ERROR, description[:500]))

@@ -216,7 +216,7 @@ class Checkpointer(Service):
                                      "not known here (handed back by another checkpointer)")
         await self._failed(ev, f"dead-lettered (dlq.{MIRROR}): {reason}; last: {last}",
                            self.settings.attempts * (self.settings.max_deliver - 1), "dead",
-                           self.ctx.log.bind(run=ev.run_id, step=ev.step))
+                           self.ctx.log.bind(run_id=ev.run_id, step=ev.step))
 
     async def _failed(self, ev: CheckpointWritten, reason: str, attempts: int, delivery: str,
                       lg: Any) -> None:
@@ -244,7 +244,8 @@ class Checkpointer(Service):
     async def _handle(self, d: Delivery[CheckpointWritten], directory: Path) -> None:
         ev = d.event
         lineage = ev.manifest.lineage
-        lg = self.ctx.log.bind(run=ev.run_id, step=ev.step, lineage=lineage, node=ev.node)
+        lg = self.ctx.log.bind(run_id=ev.run_id, step=ev.step, lineage=lineage,
+                               ckpt_node=ev.node)
         line = await self._lineage(ev.run_id)
         if line.abandoned(ev.step, lineage):
             # A rollback left it behind while it waited: nothing will ever load it.

@@ -19,6 +19,7 @@ from tandem.gateway.auth import Limits
 from tandem.gateway.generations import Gateway
 from tandem.gateway.limits import BodyLimit
 from tandem.gateway.schemas import Accepted, GenerationView, json_safe, refused
+from tandem.gateway.traces import Answers
 from tandem.gateway.training import add_fleet_routes, add_training_routes
 
 # A token, as every task id: "a.b" is a 422 naming it, not a 404 for a task that cannot exist.
@@ -161,4 +162,5 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
 
     add_training_routes(app, gw.bus, caller, limits, train_clusters)
     add_fleet_routes(app, gw.bus)
-    return BodyLimit(app, max_body_bytes), app
+    # Counted outside the body limit, so its 413s (answered before the app) count too.
+    return Answers(BodyLimit(app, max_body_bytes)), app

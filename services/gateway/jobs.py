@@ -48,7 +48,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service, ServiceConfig
 from pydantic import ValidationError
 
-from tandem.common import log, subjects
+from tandem.common import log, subjects, tracing
 from tandem.common.bus import describe
 from tandem.common.errors import InvalidToken
 from tandem.common.jobs import (
@@ -68,6 +68,7 @@ from tandem.gateway.training import cancel_training, run_view, submit_training, 
 _log = log.get("tandem.gateway.jobs")
 
 NAME = "tandem-jobs"
+STATUS_ATTRIBUTE = "tandem.jobs.status"  # on a request's span: its answer's HTTP status
 VERSION = "1.0.0"
 PREFIX = subjects.JOBS.template.rsplit(".", 1)[0]  # tandem.jobs
 Auth = Callable[[str], Awaitable[Caller]]  # the needed scope -> the caller, or raises Denied
@@ -133,39 +134,50 @@ class JobService:
                 await self.limits.admit(caller)  # the key's one rate, shared with HTTP
                 return caller
 
-            try:
-                if len(req.data or b"") > self.max_body:
-                    raise JobRefused(413, f"the request body is {len(req.data)} bytes, over "
-                                     f"the {self.max_body} this service takes "
-                                     "(TANDEM_MAX_BODY_BYTES)")
+            # The request's server span (as the HTTP door's): what it publishes (a
+            # generation's task) descends from it, under the caller's trace if it sent one.
+            with tracing.server_span(f"{NAME}/{name}", headers, attributes={
+                    "rpc.system": "nats", "rpc.service": NAME, "rpc.method": name,
+                    "messaging.destination.name": subjects.jobs(name)}) as span:
                 try:
-                    body = json.loads(req.data) if req.data else {}
-                except ValueError as exc:
-                    raise JobRefused(400, f"the request body is not JSON: {exc}") from None
-                except RecursionError:
-                    raise JobRefused(400, "the request body nests arrays or objects too "
-                                          "deeply to be read") from None
-                reply = await handler(body, headers, auth)
-            except Denied as exc:
-                await self._refuse(req, name, JobRefused(exc.status, exc.message,
-                                                         retry_after=exc.retry_after))
-            except JobRefused as exc:
-                await self._refuse(req, name, exc)
-            except NatsError as exc:  # past the retry window: the HTTP door's 503 too
-                await self._refuse(req, name, JobRefused(
-                    503, f"the message bus (NATS) failed to serve {name}: {describe(exc)}; "
-                         "try again", retry_after=1))
-            except Exception:  # a bug: the documented body, not nats.micro's bare repr
-                ref = uuid.uuid4().hex[:12]
-                _log.exception("jobs.failed", endpoint=name, ref=ref)
-                await self._refuse(req, name, JobRefused(
-                    500, f"the gateway failed to serve {name} (logged as {ref})"))
-            else:
-                await req.respond(msgspec.json.encode(reply))
+                    if len(req.data or b"") > self.max_body:
+                        raise JobRefused(413, f"the request body is {len(req.data)} bytes, "
+                                         f"over the {self.max_body} this service takes "
+                                         "(TANDEM_MAX_BODY_BYTES)")
+                    try:
+                        body = json.loads(req.data) if req.data else {}
+                    except ValueError as exc:
+                        raise JobRefused(400, f"the request body is not JSON: {exc}") from None
+                    except RecursionError:
+                        raise JobRefused(400, "the request body nests arrays or objects too "
+                                              "deeply to be read") from None
+                    reply = await handler(body, headers, auth)
+                except Denied as exc:
+                    await self._refuse(req, name, JobRefused(exc.status, exc.message,
+                                                             retry_after=exc.retry_after), span)
+                except JobRefused as exc:
+                    await self._refuse(req, name, exc, span)
+                except NatsError as exc:  # past the retry window: the HTTP door's 503 too
+                    await self._refuse(req, name, JobRefused(
+                        503, f"the message bus (NATS) failed to serve {name}: "
+                             f"{describe(exc)}; try again", retry_after=1), span)
+                except Exception:  # a bug: the documented body, not nats.micro's bare repr
+                    ref = uuid.uuid4().hex[:12]
+                    _log.exception("jobs.failed", endpoint=name, ref=ref)
+                    await self._refuse(req, name, JobRefused(
+                        500, f"the gateway failed to serve {name} (logged as {ref})"), span)
+                else:
+                    if span is not None:
+                        span.set_attribute(STATUS_ATTRIBUTE, 200)
+                    await req.respond(msgspec.json.encode(reply))
 
         return serve
 
-    async def _refuse(self, req: Request, name: str, exc: JobRefused) -> None:
+    async def _refuse(self, req: Request, name: str, exc: JobRefused, span: Any = None) -> None:
+        if span is not None:  # an error on the gateway's side (5xx) fails its span
+            span.set_attribute(STATUS_ATTRIBUTE, exc.status)
+            if exc.status >= 500:
+                tracing.fail(span, f"{exc.status} {HTTPStatus(exc.status).phrase}")
         extra = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after else None
         # json_safe: a 422 echoes what was sent, which may hold a lone surrogate.
         await req.respond_error(str(exc.status), json_safe(str(exc)),

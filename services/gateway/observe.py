@@ -14,6 +14,23 @@ for Kubernetes).
 Nothing here is authoritative: it is a view, rebuilt from the bus after a restart
 (the loss history of a run is refilled from the ``TRAIN`` stream the first time the run
 is seen).
+
+What the gauges say of things that leave the view:
+
+- a configured cluster (``TANDEM_CLUSTERS``) always has ``tandem_cluster_healthy``, 0
+  while no heartbeat of it is in KV ``nodes`` (every agent gone, or never started);
+- a node that leaves the view (its heartbeat key expired, no drain keeps it) reads 0 in
+  ``tandem_node_up`` and ``tandem_node_serving`` for ``GONE_GRACE`` seconds, then its
+  series go, as do an unconfigured cluster's: an alert on ``== 0`` sees the node down
+  rather than a series that vanished, and a gateway that runs for months does not keep
+  every node it ever saw. Its GPU series go at once (their last figures would lie);
+- ``tandem_observer_last_refresh_timestamp_seconds`` is when the view was last read
+  whole: while the bus cannot be read every gauge keeps its last value, and only this
+  one says how old they are.
+
+Every gateway exports the whole view, so with N gateways each of these series is there N
+times (one per scrape target): dashboards and rules aggregate them (``max by (cluster,
+lane)``, ``min by (cluster)``), never ``sum``.
 """
 
 from __future__ import annotations
@@ -33,6 +50,7 @@ from tandem.common.events import (
     CheckpointWritten,
     GenerationTask,
     RunRecord,
+    RunState,
     TaskRecord,
     TaskState,
     TrainEvent,
@@ -54,11 +72,19 @@ NODE_UP = metrics.Gauge("tandem_node_up", "1 while a node's heartbeat is fresh",
                         ["cluster", "node"])
 NODE_SERVING = metrics.Gauge("tandem_node_serving", "1 while a node is up, healthy enough "
                              "and not drained", ["cluster", "node"])
+RUN_STATE = metrics.Gauge("tandem_train_run_state", "1 for a training run's state now, 0 for "
+                          "the others (the runs the view keeps)", ["run", "state"])
+REFRESHED = metrics.Gauge("tandem_observer_last_refresh_timestamp_seconds", "When this "
+                          "gateway last read the whole system view (Unix time): the age of "
+                          "every fleet, queue and run gauge it exports")
 # The GPU and training series (tandem_gpu_*, tandem_train_*, checkpoint blocked time) are
 # libs/common/metrics.py's: the agents and the trainer set the same ones on their own
 # /metrics, from the figures they publish.
 
 MAX_POINTS = 600  # loss points kept per run (thinned evenly beyond this)
+# Seconds a node gone from the view reads 0 before its series go: longer than any alert's
+# ``for`` on it, so the alert fires and stays rather than resolving with a vanished series.
+GONE_GRACE = 900.0
 MAX_RUNS = 12
 MAX_GENERATIONS = 24
 
@@ -91,11 +117,45 @@ class RunView:
             self.checkpoints = sorted([*self.checkpoints, step])[-MAX_POINTS:]
 
 
+class Vanishing:
+    """The series of one gauge group (label tuples) for things in the view; one that
+    leaves it reads 0 for ``grace`` seconds, then goes (back in the view: shown again)."""
+
+    def __init__(self, gauges: tuple[Any, ...], grace: float) -> None:
+        self.gauges = gauges
+        self.grace = grace
+        self.shown: set[tuple[str, ...]] = set()
+        self.gone: dict[tuple[str, ...], float] = {}  # label tuple -> left the view at
+
+    def update(self, shown: set[tuple[str, ...]], now: float) -> set[tuple[str, ...]]:
+        """``shown``: what the view holds now (its values already set). Returns what left
+        the view since the last update."""
+        left = self.shown - shown
+        for key in left:
+            self.gone.setdefault(key, now)
+        for key in shown:
+            self.gone.pop(key, None)
+        self.shown = shown
+        for key, since in list(self.gone.items()):
+            if now - since > self.grace:
+                del self.gone[key]
+                for gauge in self.gauges:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*key)
+            else:
+                for gauge in self.gauges:
+                    gauge.labels(*key).set(0)
+        return left
+
+
 class Observer:
-    """The live picture; ``run(stop)`` keeps it fresh until ``stop`` is set."""
+    """The live picture; ``run(stop)`` keeps it fresh until ``stop`` is set.
+
+    ``clock``: monotonic seconds, for how long a node has been gone (``GONE_GRACE``)."""
 
     def __init__(self, bus: Any, clusters: list[str], *, s3: Any = None, bucket: str = "",
-                 url_ttl: float = 3600.0, interval: float = 1.0) -> None:
+                 url_ttl: float = 3600.0, interval: float = 1.0,
+                 clock: Any = time.monotonic) -> None:
         self.bus = bus
         self.clusters = clusters
         self.s3 = s3
@@ -110,7 +170,9 @@ class Observer:
         self.ready = asyncio.Event()
         self._subs: list[Any] = []
         self._urls: dict[str, tuple[str, float]] = {}  # key -> (presigned URL, made at)
-        self._nodes: set[tuple[str, str]] = set()  # (cluster, node) with series now
+        self.clock = clock
+        self._clusters = Vanishing((CLUSTER_HEALTHY,), GONE_GRACE)
+        self._nodes = Vanishing((NODE_UP, NODE_SERVING), GONE_GRACE)
         self._heard: list[str] = []  # tasks whose success was heard, not yet shown
 
     # ------------------------------------------------------------------------- life
@@ -146,15 +208,17 @@ class Observer:
         await self._runs()
         await self._generations()
         self.refreshed_at = time.time()
+        REFRESHED.set(self.refreshed_at)
 
     # ---------------------------------------------------------------------- readers
 
     def _fleet_gauges(self, view: Any) -> None:
-        """Each node's series while it is in the fleet; its GPUs only while it is up. A
-        node whose heartbeat key expired loses its series, so a gateway that runs for
-        months does not keep every node it ever saw."""
-        nodes = set()
+        """Each node's series while it is in the fleet, its GPUs only while it is up;
+        what left the view as the module docstring says."""
+        clusters: set[tuple[str, ...]] = set()
+        nodes: set[tuple[str, ...]] = set()
         for c in view.clusters:
+            clusters.add((c.name,))
             CLUSTER_HEALTHY.labels(c.name).set(1 if c.healthy else 0)
             for n in c.nodes:
                 nodes.add((c.name, n.node))
@@ -164,12 +228,14 @@ class Observer:
                     metrics.set_gpus(c.name, n.node, n.gpus)
                 else:
                     metrics.forget_gpus(c.name, n.node)
-        for cluster, node in self._nodes - nodes:
-            for gauge in (NODE_UP, NODE_SERVING):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(cluster, node)
+        for name in self.clusters:
+            if (name,) not in clusters:  # no heartbeat of it at all: down, not unknown
+                clusters.add((name,))
+                CLUSTER_HEALTHY.labels(name).set(0)
+        now = self.clock()
+        self._clusters.update(clusters, now)
+        for cluster, node in self._nodes.update(nodes, now):
             metrics.forget_gpus(cluster, node)
-        self._nodes = nodes
 
     async def _queues(self, cluster: str) -> list[dict[str, Any]]:
         stream = subjects.gen_stream_name(cluster)
@@ -209,12 +275,15 @@ class Observer:
                 view.backfilled = True
                 await self._backfill(view)
             metrics.RESTARTS.labels(rec.run_id).set(rec.restarts)
+            for state in RunState:
+                RUN_STATE.labels(rec.run_id, state.value).set(1 if rec.state == state else 0)
             if rec.goodput.get("goodput") is not None:
                 metrics.GOODPUT.labels(rec.run_id).set(rec.goodput["goodput"])
         keep = {r.run_id for r in newest}
         for run_id in [r for r in self.runs if r not in keep]:
             del self.runs[run_id]
             metrics.forget_run(run_id)  # out of the view: its series go too
+            RUN_STATE.remove_by_labels({"run": run_id})
 
     async def _backfill(self, view: RunView) -> None:
         """A run's earlier steps from the TRAIN stream (this gateway may be newer)."""

@@ -26,6 +26,7 @@ from nats.js.kv import KeyValue
 from tandem.common import log, metrics, subjects
 from tandem.common.bus.acks import LetterTooLarge
 from tandem.common.bus.consumer import Consumer, Delivery
+from tandem.common.bus.headers import MSG_ID
 from tandem.common.bus.kv import TypedKV
 from tandem.common.bus.publish import Publishing
 from tandem.common.events import DeadLetter, decode, encode, struct_replace
@@ -182,8 +183,10 @@ class Bus(Publishing):
         made: list[Bus] = []
 
         async def on_reconnect() -> None:
-            url = nc.connected_url.netloc if nc.connected_url else ""
-            lg.info("nats.reconnected", url=str(url))
+            # Host and port only: the URL's netloc holds user:password when the
+            # credentials are written into TANDEM_NATS_URL.
+            url = nc.connected_url
+            lg.info("nats.reconnected", url=f"{url.hostname}:{url.port}" if url else "")
             if made:
                 made[0]._reconnected_now()
 
@@ -272,8 +275,11 @@ class Bus(Publishing):
         await self.publish(subjects.dlq(stream), letter,
                            msg_id=f"dlq-{stream}-{md.sequence.stream}", retry_for=10.0)
         metrics.DEAD_LETTERS.labels(stream, reason.split(":")[0][:40]).inc()
+        # msg_id: what the publisher named the message by (a generation's task id), the
+        # one handle an operator has to find what became of it.
         _log.warning("bus.dead_letter", stream=stream, subject=msg.subject,
-                     seq=md.sequence.stream, reason=reason)
+                     seq=md.sequence.stream, msg_id=(msg.headers or {}).get(MSG_ID, ""),
+                     reason=reason)
 
     async def synced(self) -> None:
         """``synced`` on this bus's connection."""

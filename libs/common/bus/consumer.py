@@ -11,6 +11,11 @@ a whole fetch: it yields each delivery back with its outcome as it finishes, and
 consumer settles each as it comes. The second is for handlers whose messages are worked
 on together anyway (the inference worker batches them into pipeline calls): a message
 then costs no task, no context switch and no wait of its own.
+
+While spans are exported, each delivery's consumer span ends with the delivery's
+outcome: status ERROR (and the exception as an event) when the handler failed it or the
+bus dead-lettered it on arrival (exhausted, undecodable); a ``Retry`` (a deliberate "not
+now") and a cancel (handed back) are no failure and leave it UNSET.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from tandem.common.bus.acks import AckPolicy, DeadHook, ExplainHook, hand_back
 from tandem.common.bus.headers import MSG_ID, TRACEPARENT, attach_remote
 from tandem.common.bus.pull import Pull
 from tandem.common.bus.retry import describe
-from tandem.common.errors import EventDecodeError
+from tandem.common.errors import EventDecodeError, Retry
 from tandem.common.events import decode
 from tandem.common.streams import ConsumerSpec
 
@@ -242,17 +247,21 @@ class Consumer(Generic[E]):
     async def _delivery(self, msg: Msg) -> Delivery[E] | None:
         """``msg`` decoded, or None when it was dead-lettered instead (delivered too
         many times, or undecodable)."""
-        policy = self.policy
-        reason = policy.exhausted(msg)
-        if reason is not None:
-            await policy.dead(msg, reason)
+        reason = self.policy.exhausted(msg)
+        if reason is None:
+            try:
+                return Delivery(decode(msg.data, self.event_type), msg, self)
+            except EventDecodeError as exc:
+                reason = f"undecodable: {exc.reason}"
+        if not self._recording:
+            await self.policy.dead(msg, reason)
             return None
-        try:
-            event = decode(msg.data, self.event_type)
-        except EventDecodeError as exc:
-            await policy.dead(msg, f"undecodable: {exc.reason}")
-            return None
-        return Delivery(event, msg, self)
+        # No handler saw it, but it was delivered and ended: its span says so.
+        span = self._span(msg)
+        tracing.fail(span, reason)
+        with trace.use_span(span, end_on_exit=True):
+            await self.policy.dead(msg, reason)
+        return None
 
     def _span(self, msg: Msg) -> Any:
         return tracing.tracer().start_span(
@@ -306,6 +315,8 @@ class Consumer(Generic[E]):
             if outcome is None:
                 await self.policy.ack(d.msg)
             else:
+                if failure(outcome):
+                    tracing.fail(d.span, outcome)
                 with d.context():  # its DLQ copy and log lines stay in its trace
                     await self.policy.failed(d.msg, outcome)
         finally:
@@ -343,13 +354,22 @@ class Consumer(Generic[E]):
                 otel_context.detach(token)
 
     async def _settle(self, d: Delivery[E]) -> None:
+        """Handle and settle ``d`` inside its consumer span (the current one)."""
         assert self.handler is not None
         try:
             await self.handler(d)
         except BaseException as exc:
+            if failure(exc):
+                tracing.fail(trace.get_current_span(), exc)
             await self.policy.failed(d.msg, exc)
         else:
             await self.policy.ack(d.msg)
+
+
+def failure(outcome: BaseException) -> bool:
+    """Whether a handler's outcome failed its delivery (a span's status ERROR): any
+    exception but a ``Retry``; a cancel (a ``BaseException``) hands the message back."""
+    return isinstance(outcome, Exception) and not isinstance(outcome, Retry)
 
 
 class Poller:
