@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -76,6 +77,16 @@ def test_prometheus_loads_the_rules_and_every_overlay_ships_the_same_prometheusr
     # rule_files are relative to the config's folder, as Prometheus reads them.
     loaded = {p for pattern in prom["rule_files"] for p in PROMETHEUS.glob(pattern)}
     assert loaded == {RULES}
+    # compose mounts the rules beside the config, or its Prometheus would load none.
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    volumes = compose["services"]["prometheus"]["volumes"]
+    config = next(v.split(":")[1] for v in volumes if v.endswith("prometheus.yml:ro"))
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in volumes}
+    folder = str(PurePosixPath(config).parent)
+    for pattern in prom["rule_files"]:
+        where = str(PurePosixPath(folder, pattern).parent)
+        assert mounted.get(where) == "./deploy/prometheus/" + str(
+            PurePosixPath(pattern).parent), (where, volumes)
     groups = yaml.safe_load(RULES.read_text())["groups"]
     for overlay in OVERLAYS:
         (rule,) = objects(overlay, "PrometheusRule").values()
