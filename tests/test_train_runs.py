@@ -50,7 +50,7 @@ from tandem.common.settings import Settings, load
 from tandem.common.streams import KV_RUNS
 from tandem.trainer.launcher import proc_state
 from tests.conftest import PYTHON, service_env
-from tests.observability_support import Receiver, scrape
+from tests.observability_support import ERROR, UNSET, Receiver, scrape
 from tests.serving_stack import stream_messages
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
@@ -699,6 +699,9 @@ async def test_each_restart_cycle_is_one_trace_that_names_the_incident_it_restar
     assert [s["attrs"]["tandem.attempt"].int_value for s in attempts] == [1, 2, 3]
     assert [s["attrs"]["tandem.outcome"].string_value for s in attempts] == [
         "rank_exit", "rank_exit", "succeeded"]
+    # A failed attempt's span says so (it was UNSET like a good one).
+    assert [s["status"][0] for s in attempts] == [ERROR, ERROR, UNSET]
+    assert attempts[0]["status"][1].startswith("rank_exit")
     assert "tandem.restart.reason" not in attempts[0]["attrs"] and not attempts[0]["events"]
     deaths = [i for i in rec.incidents if i["kind"] == "rank_exit"]
     for span, inc, (_, victim) in zip(attempts[1:], deaths, kills, strict=True):

@@ -224,7 +224,10 @@ class RunSupervisor(AttemptWatch):
         await self._publish(subjects.train(self.run_id, "status"), TrainStatus(
             run_id=self.run_id, state=state, reason=reason, restarts=self.restarts,
             incident=incident), f"{self.run_id}-status-{uuid.uuid4().hex[:12]}")
-        self.log.info("run.status", state=state.value, reason=reason, restarts=self.restarts)
+        # An on-call search by level finds a run that restarts or fails (it was all info).
+        level = {RunState.restarting: "warning", RunState.failed: "error"}.get(state, "info")
+        getattr(self.log, level)("run.status", state=state.value, reason=reason,
+                                 restarts=self.restarts)
 
     async def _record_cut(self, state: RunState, reason: str) -> None:
         """The run's end, when its record does not fit max_payload even bounded: the state
@@ -346,6 +349,8 @@ class RunSupervisor(AttemptWatch):
                 span.set_attributes({"tandem.attempt": self.attempt_no,
                                      "tandem.outcome": outcome.kind,
                                      "tandem.step": self.latest_step})
+                if outcome.kind not in ("succeeded", "preempted", "stopping", "cancelled"):
+                    tracing.fail(span, f"{outcome.kind}: {outcome.detail.get('detector', '')}")
                 ended = await self._conclude(outcome)
             if ended is not None:
                 return ended
