@@ -6,6 +6,9 @@ record (KV ``tasks``) is its one source of truth: status, SSE and the job servic
 (checking its owner). Each write of it is a message on ``$KV.tasks.<task>`` (services
 only: it is the whole record, every tenant's) and, once stored, a headers-only one on
 ``tasks.written.<task>`` that programs outside Tandem follow.
+
+One module past 450 lines: submit, look up, cancel and follow are one task's life, and
+both doors (HTTP, the job service) call them through ``Gateway``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ torch and diffusers are imported inside the builders: a worker that serves only 
 no-op (or fault) models starts without them. A ``run:<run_id>`` model is loaded here
 from the run's committed checkpoint (``load_run_pipeline``); ``hotswap`` keeps it on the
 newest one and imports this module, never the other way round.
+
+One module past 450 lines: every kind of model (built-in, folder, run, no-op, fault) is
+built behind the one ``Pipeline`` interface here, so the worker and a pipeline process
+build them alike.
 """
 
 from __future__ import annotations

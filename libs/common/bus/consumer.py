@@ -16,6 +16,10 @@ While spans are exported, each delivery's consumer span ends with the delivery's
 outcome: status ERROR (and the exception as an event) when the handler failed it or the
 bus dead-lettered it on arrival (exhausted, undecodable); a ``Retry`` (a deliberate "not
 now") and a cancel (handed back) are no failure and leave it UNSET.
+
+One module past 450 lines: ``Consumer`` and ``Poller`` share the room, the hand-back and
+the settle path, and every service's pulling goes through both; apart, each would import
+the other's internals.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
   (nats-py's can come early); ``snapshot``: every key's value, read by one.
 - ``KeyWatch``: follows one key pattern (current values, then changes) and watches again
   when the server lost the watch; ``MapWatch`` feeds every key of a bucket to a callback.
+
+One module past 450 lines: each of these stands on ``Watch``'s count of what the server
+sent, the one subtle part (its docstring), which they share.
 """
 
 from __future__ import annotations
