@@ -211,3 +211,27 @@ async def test_a_slow_call_that_keeps_stepping_is_never_declared_stalled(
     assert progress.steps == list(range(1, len(progress.steps) + 1))
     body = await _health(w, lambda status, h: status == 200)
     assert body["stalled"] is None
+
+
+async def test_a_pipeline_process_hung_in_a_call_dies_with_its_worker(
+        stack: ServingStack, bus: Bus, gate: Gate) -> None:
+    """A child hears its worker is gone on its socket, read between steps only: one hung
+    in a call outlived a worker killed -9 for good, holding its device (one was found 37
+    minutes after its test). Now it leaves once it is orphaned, whatever its call does."""
+    cluster = f"orphan{uuid.uuid4().hex[:8]}"
+    w = _start(stack, "w-orphan", cluster, f"fault:gate@{gate.path}",
+               call_stall_timeout="0", pipeline_process="1")  # never declared stalled
+    task = await _publish(bus, cluster)
+    progress = await Progress().start(bus, task.task_id)
+    gate.step()
+    await progress.wait(1)  # the call now waits on the gate for good
+    await progress.stop()
+    child = os.pidfd_open((await _health(w))["pipeline"]["processes"]["gated"])
+    try:
+        gone = asyncio.Event()  # a pidfd turns readable when its process exits
+        asyncio.get_running_loop().add_reader(child, gone.set)
+        w.kill()
+        await asyncio.wait_for(gone.wait(), DEADLINE)
+    finally:
+        asyncio.get_running_loop().remove_reader(child)
+        os.close(child)

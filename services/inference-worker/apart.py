@@ -17,7 +17,8 @@ beside the next call.
   the child's next step.
 - A child that dies (killed, out of memory) fails the call it was running with an error
   naming its exit status; the next call starts a fresh child. A child whose worker dies
-  sees its socket close and exits.
+  sees its socket close and exits, and one whose call hangs exits once it is orphaned
+  (``_exit_with_worker``).
 - A call the child started that then reports nothing (no step, no end) for
   ``stall_timeout`` seconds (``TANDEM_CALL_STALL_TIMEOUT``: a hung CUDA call, a driver
   deadlock) is stalled: the child is killed, that call raises ``CallStalled`` (its tasks
@@ -47,6 +48,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import Any
@@ -451,7 +453,19 @@ def _serve(conn: Connection) -> None:
         current = -1
 
 
+def _exit_with_worker(worker: int, every: float = 1.0) -> None:
+    """Exit once the worker that started this process is gone (this one is reparented),
+    whatever the main thread is in. The socket tells it only between steps: a call hung
+    on its device (or a fault model's pipe) kept a child of a worker killed -9 alive for
+    good, its accelerator held (found behind the stall tests, 37 minutes on)."""
+    while os.getppid() == worker:
+        time.sleep(every)  # polling the parent: no event says it died
+    os._exit(1)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=_exit_with_worker, args=(os.getppid(),), daemon=True,
+                     name="exit-with-worker").start()
     try:
         _serve(Connection(int(sys.argv[1])))
     except (EOFError, OSError, KeyboardInterrupt):
