@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -381,13 +382,14 @@ class Poller:
 
     Each round fetches as many messages as there is room for (``concurrency`` less the
     handlers running; a whole ``batch`` for sequential handlers, ``concurrency`` 1) from
-    the first consumer that has any: each is asked in order for what it holds now
-    (``busy_poll``), and only when none holds anything is the first long-polled
-    (``idle_poll``), so a message on it is taken the moment it arrives. A lower consumer
-    is thus never starved by a steady trickle on the first: it waited for a long poll of
-    the first to come back empty, which light interactive traffic (one task every 0.5 s)
-    never let happen, while the worker sat idle and the batch queue grew for minutes. A
-    single consumer is only long-polled.
+    the first consumer that has any. The first is long-polled (``idle_poll``), so a
+    message on it is taken the moment it arrives (a pull left open, as the hot path
+    wants), and the others are asked (``busy_poll``) for what they hold now; each is
+    asked that way in order, the first too, when a lower one had work last round or
+    has not been asked for ``idle_poll`` seconds. So a lower consumer is never starved by
+    a trickle on the first: it used to be asked only once a long poll of the first came
+    back empty, which light interactive traffic (one task every 0.5 s) never let happen,
+    while the worker sat idle and the batch queue grew for minutes.
 
     - ``consumers`` is read every round: its owner may edit it in place (failover).
     - A failed fetch (a reconnect, a leader election) is retried after ``backoff``,
@@ -418,6 +420,8 @@ class Poller:
 
     async def run(self, stop: asyncio.Event) -> None:
         retries = self.backoff.retries(stop=stop)
+        loop = asyncio.get_running_loop()
+        lower_busy, lower_asked = False, -math.inf
         async with asyncio.TaskGroup() as tg:
             while not stop.is_set():
                 if self.paused is not None and self.paused():
@@ -431,8 +435,12 @@ class Poller:
                     continue
                 owner, msgs = None, []
                 consumers = list(self.consumers)
-                asks = [(c, self.busy_poll) for c in consumers] if len(consumers) > 1 else []
-                for c, wait in [*asks, *[(c, self.idle_poll) for c in consumers[:1]]]:
+                lower_due = len(consumers) > 1 and loop.time() - lower_asked >= self.idle_poll
+                for i, c in enumerate(consumers):
+                    first_waits = i == 0 and not (lower_busy or lower_due)
+                    wait = self.idle_poll if first_waits else self.busy_poll
+                    if i == 1:
+                        lower_asked = loop.time()
                     try:
                         msgs = await c.fetch(room, wait)
                     except Exception as exc:
@@ -443,8 +451,10 @@ class Poller:
                         continue
                     retries.reset()
                     if msgs:
-                        owner = c
+                        owner, lower_busy = c, i > 0
                         break
+                else:
+                    lower_busy = False
                 if owner is None:
                     continue
                 if self.paused is not None and self.paused():  # while the fetch waited
