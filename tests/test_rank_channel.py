@@ -31,6 +31,7 @@ ONE_OF_EACH = [
     channel.Anomaly(step=10, data_pos=9, anomaly="nonfinite", loss="nan", grad_norm=2.0,
             evidence={"loss_finite": False, "grad_norm_finite": True}),
     channel.Invalid(rank=1, error="ValueError: data.path '/data/x' is not a directory"),
+    channel.Preempted(rank=1, node="n1", step=12, signalled=True),
     channel.Done(step=10),
     channel.Bye(rank=0, code=0),
     channel.Resumed(step=40, skipped={60: "n1: shards/__2_0.distcp: sha256 0f..."}),

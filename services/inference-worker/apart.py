@@ -402,6 +402,9 @@ def _serve(conn: Connection) -> None:
         if cpus:  # before torch starts a thread: each takes this one's CPUs
             os.sched_setaffinity(0, cpus)
             threads = threads or len(cpus)
+        # After the pinning, so it runs on the child's CPUs as every other thread does.
+        threading.Thread(target=_exit_with_worker, args=(os.getppid(),), daemon=True,
+                         name="exit-with-worker").start()
         if not eligible(spec, fault_injection):
             raise ModelLoadError(spec.name, "not a pipeline a child process can build")
         leave_out(spec.optional)  # one model per child: before its build imports diffusers
@@ -464,8 +467,6 @@ def _exit_with_worker(worker: int, every: float = 1.0) -> None:
 
 
 if __name__ == "__main__":
-    threading.Thread(target=_exit_with_worker, args=(os.getppid(),), daemon=True,
-                     name="exit-with-worker").start()
     try:
         _serve(Connection(int(sys.argv[1])))
     except (EOFError, OSError, KeyboardInterrupt):
