@@ -75,6 +75,26 @@ async def test_service_serves_healthz_and_metrics_then_exits_zero_on_sigterm(
         await _reap(proc)
 
 
+@pytest.mark.parametrize("hang", ["executor", "default"])
+async def test_sigterm_exits_even_with_a_thread_that_never_ends(
+        settings: Settings, uid: str, hang: str, tmp_path: Path) -> None:
+    """A thread stuck for good (a pipeline call in a hung driver) cannot be stopped, and
+    Python joins it at exit: the runner ends the process anyway once it is done, naming
+    the thread, instead of leaving a stopped service alive until someone SIGKILLs it."""
+    env = service_env(nats_url=settings.nats_url, echo_name=uid, echo_hang=hang,
+                      drain_timeout="1")
+    log = tmp_path / "echo.log"
+    proc, port = await _start_echo(env, log)
+    try:
+        await _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+        assert await _sigterm(proc) == 0
+        forced = [json.loads(line) for line in log.read_text().splitlines()
+                  if '"runner.exit_forced"' in line]
+        assert len(forced) == 1 and forced[0]["threads"], forced
+    finally:
+        await _reap(proc)
+
+
 async def test_stream_conflict_at_start_exits_2_naming_stream_and_field(
         bus: Bus, settings: Settings, uid: str) -> None:
     await bus.provision([streams.StreamSpec(f"ECHO_{uid}", (f"echo.{uid}", "other.x"))])

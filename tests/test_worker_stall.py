@@ -123,7 +123,7 @@ async def test_a_call_hung_in_the_worker_process_is_finished_elsewhere_and_its_w
     answers 503 naming the stall and pulls nothing more."""
     cluster = f"hang{uuid.uuid4().hex[:8]}"
     hung = _start(stack, "w-hang", cluster, f"fault:gate@{gate.path}",
-                  call_stall_timeout=STALL)
+                  call_stall_timeout=STALL, drain_timeout="2")
     writes = await Writes().start(bus)  # every write of its record (ended with the bus)
     task = await _publish(bus, cluster)
     progress = await Progress().start(bus, task.task_id)
@@ -146,9 +146,15 @@ async def test_a_call_hung_in_the_worker_process_is_finished_elsewhere_and_its_w
     assert any(n.startswith("handed back 1 times: its pipeline call stalled on w-hang")
                for n in notes), notes
     assert all(r.crashes == 0 for r in writes.by_task[task.task_id])
-    # The orchestrator's restart: the hung worker killed, what the next worker on its
+    # The orchestrator's restart: told to stop, the hung worker exits, though its call's
+    # thread never ends (the runner cuts it off, naming it); what the next worker on its
     # host reads in the ledger names no call of its, so no crash is counted on the task.
-    hung.kill()
+    assert hung.proc is not None
+    hung.proc.terminate()
+    assert await asyncio.to_thread(hung.proc.wait, DEADLINE) == 0
+    forced = [json.loads(line) for line in hung.tail(100_000).splitlines()
+              if '"runner.exit_forced"' in line]
+    assert len(forced) == 1 and any(t.startswith("pipeline") for t in forced[0]["threads"])
     found = CallLedger.open(stack.root / "calls")
     try:
         assert found.dead() == []

@@ -3,7 +3,9 @@
 connect (retrying) → provision → serve /healthz and /metrics → run the service's loops
 → on SIGTERM/SIGINT: set ``ctx.stopping`` (loops stop pulling and finish or hand back
 in-flight work) → wait up to ``drain_timeout`` → cancel what is left → drain the
-connection → exit 0. Stopping is idempotent: a second signal only logs.
+connection → exit 0. Stopping is idempotent: a second signal only logs. Whatever still
+holds the process ``EXIT_GRACE_S`` after that (a thread stuck in a pipeline call or a
+driver, which Python cannot stop and joins at exit) is cut off: the process exits anyway.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import signal
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
@@ -251,6 +255,9 @@ async def serve(service: Service) -> int:
     return code
 
 
+EXIT_GRACE_S = 5.0  # from the runner's end to the process's, at most
+
+
 def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
     """Entry point of ``python -m tandem.<service>``: validate settings, run, exit."""
     try:
@@ -260,7 +267,35 @@ def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
         print(f"tandem {service_cls.name}: {exc}", file=sys.stderr)
         sys.exit(2)
     tune_gc(settings.gc_threshold)
-    sys.exit(run(serve(service_cls(settings))))
+
+    async def served() -> int:
+        code = await serve(service_cls(settings))
+        exit_anyway(code, EXIT_GRACE_S)
+        return code
+
+    sys.exit(run(served()))
+
+
+def exit_anyway(code: int, after: float) -> None:
+    """End this process with ``code`` in ``after`` seconds if it has not ended by then.
+
+    The runner is done; what may still hold the process is a thread that never ends (a
+    pipeline call stuck in a hung driver, which Python cannot stop): the event loop's
+    close and the interpreter's exit join such threads, for good. Its name is logged."""
+    def cut_off() -> None:
+        main = threading.main_thread()
+        stuck = [t.name for t in threading.enumerate()
+                 if t.is_alive() and not t.daemon and t is not main]
+        log.get("tandem.runner").warning("runner.exit_forced", code=code, after_s=after,
+                                         threads=stuck)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    timer = threading.Timer(after, cut_off)
+    timer.daemon = True
+    timer.start()
 
 
 def tune_gc(threshold: int) -> None:

@@ -7,7 +7,9 @@ Each handled message is published to ``echo.done.<name>`` *after* a configurable
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import Field
 
@@ -25,6 +27,9 @@ class Echo(Event, kw_only=True):
 class EchoSettings(Settings):
     echo_name: str = Field("echo", description="Stream and subject suffix.")
     echo_delay: float = Field(0.0, description="Seconds each message takes.")
+    echo_hang: str = Field("", description="A thread that never ends, started with the "
+                           "run: 'executor' (a ThreadPoolExecutor's, as a pipeline call's) "
+                           "or 'default' (asyncio.to_thread's); '' none.")
 
 
 class EchoService(Service):
@@ -43,6 +48,13 @@ class EchoService(Service):
 
     async def run(self, ctx: Context) -> None:
         s: EchoSettings = self.settings  # type: ignore[assignment]
+        if s.echo_hang == "executor":  # as a pipeline call stuck in a driver
+            ThreadPoolExecutor(1, thread_name_prefix="hung").submit(threading.Event().wait)
+        elif s.echo_hang == "default":
+            hung = asyncio.ensure_future(asyncio.to_thread(threading.Event().wait))
+            hung.add_done_callback(lambda _: None)
+        if s.echo_hang:
+            ctx.log.info("echo.hung", kind=s.echo_hang)
 
         async def handle(d: Delivery[Echo]) -> None:
             ctx.log.info("echo.start", n=d.event.n)
