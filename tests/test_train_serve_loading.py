@@ -224,7 +224,7 @@ async def test_each_checkpoint_is_warmed_before_it_is_served_and_a_failed_warm_u
     warmed: list[tuple[int | None, bool]] = []  # (its step, served already?)
     fail = False
 
-    def warm(pipe: Pipeline) -> None:
+    async def warm(pipe: Pipeline) -> None:
         warmed.append((pipe.checkpoint_step, pipelines.get("trained") is pipe))
         if fail:
             raise RuntimeError("out of memory at a full batch")

@@ -18,7 +18,14 @@ from tandem.common.models import Registry
 from tandem.common.streams import core_streams
 from tandem.inference_worker.batcher import Batcher, HandedBack, Job, JobCancelled, Turns, Usage
 from tandem.inference_worker.drain import Drain
-from tandem.inference_worker.pipelines import Item, ModelLoadError, Params, Pipeline, build
+from tandem.inference_worker.pipelines import (
+    CallStalled,
+    Item,
+    ModelLoadError,
+    Params,
+    Pipeline,
+    build,
+)
 from tests.conftest import PYTHON, service_env
 
 
@@ -470,6 +477,59 @@ async def test_between_calls_waits_for_the_running_call_and_no_call_runs_beside_
     batcher.close()
     await loop
     assert seen == [0] and pipe.most_at_once == 1
+
+
+class WarmHangs(Pipeline):
+    """Its warm-up makes one step (its one-image call), then hangs in its full batch's
+    until ``go`` opens (a hot-swapped checkpoint's warm-up meeting a hung device); its
+    calls return at once."""
+
+    def __init__(self) -> None:
+        spec = Registry.parse("").get("digits")
+        assert spec is not None
+        super().__init__(spec)
+        self.go, self.hung = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def warm(self, max_batch: int, on_step=None) -> None:  # type: ignore[no-untyped-def]
+        assert on_step is not None  # watched, as a call is
+        on_step(1, 1)
+        self.hung.set()
+        self.go.wait()  # the test opens it as it ends, whatever happened
+
+    def images(self, items: list[Item], params: Params, on_step) -> list[bytes]:  # type: ignore[no-untyped-def]
+        self.calls += 1
+        on_step(1, 1)
+        return [b"x" for _ in items]
+
+
+async def test_a_warm_up_that_hangs_stalls_the_batcher_and_hands_back_what_waits_on_it(
+        ) -> None:
+    """A warm-up holds the accelerator as a call does: one that makes no step for the
+    stall timeout is given up on as a hung call is (the batcher stalls: the worker turns
+    unhealthy and hands back its tasks), not left holding the calls behind it for ever."""
+    pipe = WarmHangs()
+
+    async def get_pipeline(model: str) -> Pipeline:
+        return pipe
+
+    batcher = Batcher(get_pipeline, max_batch=2, linger=0, stall_timeout=0.5)
+    loop = asyncio.create_task(batcher.run())
+    warming = asyncio.create_task(batcher.warm(pipe, 2))
+    try:
+        assert await asyncio.to_thread(pipe.hung.wait, 60)
+        queued = batcher.enqueue(_task(1))  # a call that would wait behind it for good
+        with pytest.raises(CallStalled, match="pipeline call of digits made no step"):
+            await asyncio.wait_for(warming, 60)
+        assert batcher.stalled is not None
+        with pytest.raises(HandedBack):
+            await asyncio.wait_for(queued.future, 60)
+        await asyncio.wait_for(loop, 60)  # nothing left waiting: the loop ends
+        assert pipe.calls == 0
+    finally:
+        pipe.go.set()
+        batcher.close()
+        loop.cancel()
 
 
 def test_images_are_the_call_alone_and_encode_gives_generates_pngs() -> None:

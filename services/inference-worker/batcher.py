@@ -35,7 +35,10 @@ never blames them (not split, not counted in the ledger). A call apart is watche
 it runs (``apart``: its child is killed, and the next call starts a fresh one); a call
 in this process is watched here, from its start (the first step may be slow, never
 absent) and then step by step, and since nothing can end it, the batcher is done: every
-task it holds goes back, and ``stalled`` says why (the worker turns unhealthy).
+task it holds goes back, and ``stalled`` says why (the worker turns unhealthy). A
+pipeline's warm-up (``warm``: a first load's, a hot-swapped checkpoint's) holds the
+accelerator as a call does, and is watched the same way: one that hangs stalls the
+batcher too, instead of holding the calls queued behind it for ever.
 
 Cancelling a task that waits removes it; cancelling one that is queued or runs resolves
 it at once (the caller sees it stop within one step) and the call stops at the next step
@@ -351,10 +354,36 @@ class Batcher:
 
     def between_calls(self, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)`` with no pipeline call running beside it (blocking: call it from a
-        thread): it waits for the running call to end, and the next call waits for it. A
-        pipeline's warm-up goes here, so it never shares the accelerator with a call."""
+        thread): it waits for the running call to end, and the next call waits for it."""
         with self._turns.turn():
             return fn(*args)
+
+    async def warm(self, pipeline: Pipeline, max_batch: int) -> None:
+        """``pipeline``'s warm-up (``Pipeline.warm``) between two calls, so it never
+        shares the accelerator with one; raises what it raises. In this process it is
+        watched as a call is: one that makes no step for ``stall_timeout`` seconds once
+        its turn came raises ``CallStalled`` and stalls the batcher (``_stalled``)."""
+        name = pipeline.spec.name
+        watch = Watch(0) if self.stall_timeout and not pipeline.concurrent else None
+
+        def warm_up() -> None:  # its turn came
+            if watch is not None:
+                watch.start()
+            pipeline.warm(max_batch, None if watch is None
+                          else lambda step, total: watch.stepped(step))
+
+        work = asyncio.ensure_future(asyncio.to_thread(self.between_calls, warm_up))
+        limit = self.stall_timeout
+        while watch is not None and not work.done():
+            # Queued behind a call (itself watched): looked at again within one limit.
+            left = limit if watch.began is None else watch.last + limit - time.monotonic()
+            if left <= 0:
+                work.add_done_callback(_retrieved)  # if it ever ends, nobody waits
+                exc = CallStalled(name, limit, watch.step, watch.total, ended=False)
+                self._stalled(exc, [], what="warm-up")
+                raise exc
+            await asyncio.wait({work}, timeout=left)
+        await work
 
     # ----------------------------------------------------------------------- the loop
 
@@ -535,6 +564,11 @@ class Batcher:
         limit = self.stall_timeout
         try:
             while not work.done():
+                if watch.began is None and self.stalled is not None:
+                    # What it queued behind hangs: it can never start (its tasks went
+                    # back with ``_stalled``'s).
+                    work.cancel()
+                    raise Interrupted()
                 # Queued behind another call: looked at again within one limit of its start.
                 left = limit if watch.began is None else watch.last + limit - time.monotonic()
                 if left <= 0:
@@ -547,14 +581,14 @@ class Batcher:
             raise
         return await done
 
-    def _stalled(self, exc: CallStalled, group: list[Job]) -> None:
+    def _stalled(self, exc: CallStalled, group: list[Job], what: str = "call") -> None:
         """A call stalled: its tasks go back (they are not blamed: a hung device is not
         their input). One in this process still holds the accelerator and the call's
         ledger slot: the slot is cleared (a death from now on is the stall's, not theirs),
         and every other task goes back too, for nothing more can run here."""
         STALLS.inc()
         _log.error("worker.call_stalled", model=exc.model, step=exc.step, total=exc.total,
-                   stall_timeout=exc.timeout, in_worker_process=not exc.ended,
+                   stall_timeout=exc.timeout, in_worker_process=not exc.ended, what=what,
                    tasks=[job.task.task_id for job in group])
         for job in group:
             job.resolve(exc)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +134,7 @@ class HotSwapper:
     def __init__(self, specs: Iterable[ModelSpec], pipelines: dict[str, Pipeline],
                  locks: dict[str, asyncio.Lock], *, device: str, dtype: str, s3: Any,
                  bucket: str, poll: float, load_missing: bool = True,
-                 warm: Callable[[Pipeline], None] | None = None) -> None:
+                 warm: Callable[[Pipeline], Awaitable[None]] | None = None) -> None:
         self.watched = {s.name: _Watched(s) for s in specs if s.source_kind == "run"}
         self.pipelines = pipelines
         self.locks = locks
@@ -378,7 +378,7 @@ class HotSwapper:
         warmed = self.warm is not None
         if self.warm is not None:
             try:
-                await asyncio.to_thread(self.warm, pipe)
+                await self.warm(pipe)
             except Exception as exc:
                 # Logged, not a verdict: the checkpoint loaded and verified; a full batch
                 # may fit once the weights it replaces are freed (as on a first load).

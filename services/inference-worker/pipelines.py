@@ -166,11 +166,12 @@ class Pipeline:
     def close(self) -> None:
         """Free what the pipeline holds outside this process (nothing, here)."""
 
-    def warm(self, max_batch: int) -> None:
+    def warm(self, max_batch: int, on_step: StepHook | None = None) -> None:
         """One denoising step at the model's default size, for one image and for
         ``max_batch``: the one-time costs of a first call (kernel choice, allocations,
         lazy imports) are paid before the worker is ready, and a full batch that does not
-        fit on the device shows before a task needs it. Raises what the call raises.
+        fit on the device shows before a task needs it (``on_step`` hears each of those
+        steps: its watch's signs of life). Raises what the call raises.
         No-op and fault models are not warmed, wherever their calls run (a fault is for
         tasks, not for the start)."""
         spec = self.spec
@@ -181,7 +182,7 @@ class Pipeline:
         for n in sorted({1, max_batch}):
             items = [Item(seed=i, prompt="", class_label=0 if spec.num_classes else None)
                      for i in range(n)]
-            self.images(items, params, lambda step, total: None)
+            self.images(items, params, on_step or (lambda step, total: None))
 
 
 class NoopPipeline(Pipeline):

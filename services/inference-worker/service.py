@@ -307,7 +307,7 @@ class InferenceWorker(Service):
                     pipe = await detached(build, spec, self.s.device, self.s.dtype,
                                           self.s.fault_injection, line)
                 try:
-                    await asyncio.to_thread(self._warm, pipe)
+                    await self._warm(pipe)
                 except Exception as exc:
                     # Logged, not fatal: the registry's default size may be one tasks never
                     # use, and a task's own call reports its own error.
@@ -327,10 +327,11 @@ class InferenceWorker(Service):
                           seconds=round(time.monotonic() - t0, 3))
         return self.pipelines[model]
 
-    def _warm(self, pipe: Pipeline) -> None:
-        """A new pipeline's first-call costs, paid between two calls of the running ones
-        (blocking: from a thread), so a warm-up never shares the accelerator with a call."""
-        self.batcher.between_calls(pipe.warm, self.s.max_batch)
+    async def _warm(self, pipe: Pipeline) -> None:
+        """A new pipeline's first-call costs, paid between two calls of the running ones,
+        so a warm-up never shares the accelerator with a call (``Batcher.warm``: one that
+        hangs stalls the worker, as a hung call does)."""
+        await self.batcher.warm(pipe, self.s.max_batch)
 
     # ---------------------------------------------------------------------------- life
 
