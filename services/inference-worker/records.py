@@ -43,12 +43,15 @@ from tandem.common.bus import (
     retry_transient,
 )
 from tandem.common.events import CancelNotice, GenerationTask, TaskRecord, decode
-from tandem.common.streams import DAY, KV_CANCELS
+from tandem.common.streams import KV_CANCELS
 
 _log = log.get("tandem.inference_worker.records")
 # A commit JetStream has no room for waits in place: room comes when something is purged.
 NO_ROOM_BACKOFF = Backoff(0.5, max_delay=5.0)
 CRASH_WRITE_FOR = 30.0  # seconds a starting worker retries counting a dead call
+# Seconds a cancel notice is kept after it was heard (``Cancels``): as long as a seal
+# sealed before it could still be trusted, with both clocks' skew.
+NOTICE_KEEP = moves.SEAL_WINDOW + 2 * moves.SEAL_CLOCK_SKEW
 COMMITS_WAITING = metrics.Gauge(
     "tandem_worker_commits_waiting", "Made tasks whose commit waits for room in JetStream")
 
@@ -85,15 +88,24 @@ class Cancels:
     ``start`` returns once the current notices are loaded, so a worker that starts after
     a cancel knows of it before it pulls. Each new notice is passed to ``on_cancel`` (the
     batcher stops the task if it waits or runs here). A lost watch is watched again and
-    its current notices replace what was known (``MapWatch``). Notices older than the
-    bucket's TTL are forgotten here as the server forgets them.
+    its current notices replace what was known (``MapWatch``).
+
+    A notice is kept only while a delivery of its task could skip the record's read:
+    ``NOTICE_KEEP`` after it was heard, then forgotten. Only a sealed first delivery
+    skips it, and only while its seal is younger than ``SEAL_WINDOW`` (the gateway's
+    clock, within ``SEAL_CLOCK_SKEW`` of ours); the task was sealed before it was
+    cancelled, so once its notice is that old, any delivery of it is read, and its record
+    says cancelled. So a worker holds the notices of the last few minutes, not of the
+    bucket's day (about 185 bytes each: 10 cancels a second held 160 MB).
     """
 
-    def __init__(self, bus: Bus, on_cancel: Callable[[str], object]) -> None:
-        self.ids: dict[str, float] = {}  # task id -> when its notice was heard (monotonic)
+    def __init__(self, bus: Bus, on_cancel: Callable[[str], object],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # task id -> when its notice was heard (``clock``), the oldest first
+        self.ids: dict[str, float] = {}
         self.on_cancel = on_cancel
+        self.clock = clock
         self.watch = MapWatch(bus, KV_CANCELS, self._apply)
-        self._pruned_at = time.monotonic()
 
     async def start(self) -> None:
         await self.watch.start()
@@ -113,13 +125,18 @@ class Cancels:
         except Exception as exc:
             _log.warning("worker.cancel_notice_unreadable", key=key, error=repr(exc))
             return
-        now = time.monotonic()
+        now = self.clock()
+        self.ids.pop(notice.task_id, None)  # heard again: now the newest
         self.ids[notice.task_id] = now
         if not initial:
             self.on_cancel(notice.task_id)
-        if now - self._pruned_at > 3600:
-            self._pruned_at = now
-            self.ids = {k: at for k, at in self.ids.items() if now - at < DAY}
+        stale = []
+        for task_id, at in self.ids.items():  # the oldest first
+            if now - at < NOTICE_KEEP:
+                break
+            stale.append(task_id)
+        for task_id in stale:
+            del self.ids[task_id]
 
 
 class Records:
