@@ -70,6 +70,25 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+async def adopted_and_finished(e: Env, run: str,
+                               **settings: str) -> tuple[list[str], dict[int, int]]:
+    """A new coordinator (``settings``) adopts ``run``, which must succeed with no
+    restart counted; the reasons of its ``restarting`` statuses and the first step each
+    attempt trained. Any launcher's (the nodes one's test uses it too)."""
+    e.coordinator(**settings)
+    rec = await until(e.bus, run, lambda r: r.state.terminal, timeout=DEADLINE)
+    assert rec.state == RunState.succeeded and rec.restarts == 0, rec
+    assert [i["kind"] for i in rec.incidents] == ["coordinator_restart"], rec.incidents
+    evs = await events_of(e.bus, run)
+    reasons = [ev.reason for ev in evs if isinstance(ev, TrainStatus)
+               and ev.state == RunState.restarting]
+    first: dict[int, int] = {}
+    for ev in evs:
+        if isinstance(ev, TrainStep):
+            first.setdefault(ev.attempt, ev.step)
+    return reasons, first
+
+
 async def preempted_and_resumed(e: Env, run_id: str, seen: int) -> dict[str, Any]:
     """The run's end, its preemption incident and the first step each attempt trained;
     checks what every preemption must show."""
@@ -154,18 +173,8 @@ async def test_a_local_coordinator_stopped_lets_its_ranks_save_for_the_one_that_
     assert len(written) == 1, f"checkpoints written before the coordinator went: {written}"
     saved = written[0]
     assert saved >= rec.latest_step
-    env.coordinator()
-    rec = await until(env.bus, run, lambda r: r.state.terminal, timeout=DEADLINE)
-    assert rec.state == RunState.succeeded and rec.restarts == 0, rec
-    assert [i["kind"] for i in rec.incidents] == ["coordinator_restart"], rec.incidents
-    evs = await events_of(env.bus, run)
-    reasons = [e.reason for e in evs if isinstance(e, TrainStatus)
-               and e.state == RunState.restarting]
+    reasons, first_steps = await adopted_and_finished(env, run)
     assert f"coordinator stopping (ranks checkpointed at step {saved})" in reasons[0], reasons
-    first_steps: dict[int, int] = {}
-    for e in evs:
-        if isinstance(e, TrainStep):
-            first_steps.setdefault(e.attempt, e.step)
     assert first_steps == {1: 1, 2: saved + 1}, (first_steps, stopped.latest_step)
 
 

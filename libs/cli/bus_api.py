@@ -114,8 +114,8 @@ ROUTES: list[Route] = [
           "a checkpoint (or a node's part of one) on that node's disk: the order to that "
           "node's checkpointer"),
     Route(subjects.TRAINER_NODE, "NodeLaunch", "trainer_node(cluster, node)", "",
-          "the coordinator's orders to one node's trainer agent (`NodeLaunch` or "
-          "`NodeStop`); reply `NodeReply`"),
+          "the coordinator's orders to one node's trainer agent (`NodeLaunch`, "
+          "`NodeStop` or `NodeInterrupt`); reply `NodeReply`"),
     Route(subjects.TRAINER_REPORT, "NodeReport", "trainer_report(cluster, run)", "",
           "node agents' liveness and exit reports of a run's attempt; reply "
           "`NodeReportReply`"),

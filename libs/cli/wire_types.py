@@ -79,6 +79,8 @@ WIRE_TYPES: list[WireType] = [
              "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
     WireType("NodeStop", events.NodeStop,
              "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
+    WireType("NodeInterrupt", events.NodeInterrupt,
+             "`trainer.node.<cluster>.<node>` request (core NATS), tagged by `kind`"),
     WireType("NodeReply", events.NodeReply, "reply to `trainer.node.<cluster>.<node>`"),
     WireType("NodeReport", events.NodeReport, "`trainer.report.<cluster>.<run>` request "
              "(core NATS)"),

@@ -574,7 +574,24 @@ class NodeStop(Event, kw_only=True, tag="stop", tag_field="kind"):
     reason: str = ""
 
 
-NodeOrder = NodeLaunch | NodeStop
+class NodeInterrupt(Event, kw_only=True, tag="interrupt", tag_field="kind"):
+    """Coordinator → a node's agent: let this attempt's ranks checkpoint and stop, as the
+    agent's own stop does (SIGTERM to torchrun, passed on to the ranks; SIGKILL past its
+    ``stop_bound``). Answered at once; torchrun's exit is reported (``NodeReport``) when
+    it comes.
+
+    A tag of its own rather than a field on ``NodeStop``: an agent older than this order
+    would ignore an unknown field and kill the ranks while answering ``ok``, whereas an
+    unknown ``kind`` it refuses (``ok`` False, "bad order"), and the coordinator, told so,
+    stops the ranks outright (``NodeStop``).
+    """
+
+    run_id: str
+    attempt: int
+    reason: str = ""
+
+
+NodeOrder = NodeLaunch | NodeStop | NodeInterrupt
 
 
 class NodeReply(Event, kw_only=True):

@@ -3,8 +3,9 @@
 ``python -m tandem.trainer`` with ``TANDEM_TRAINER_ROLE=node`` (the same image and
 settings as the coordinator, so a node runs exactly the code that ranks need and the
 launcher's command line cannot drift between the two). It answers orders on
-``trainer.node.<cluster>.<node>`` (``NodeLaunch``, ``NodeStop``; ``nodes.py`` is the
-coordinator's side and says the protocol) and reports each torchrun it runs.
+``trainer.node.<cluster>.<node>`` (``NodeLaunch``, ``NodeStop``, ``NodeInterrupt``;
+``nodes.py`` is the coordinator's side and says the protocol) and reports each torchrun
+it runs.
 
 Invariants it keeps:
 
@@ -26,7 +27,8 @@ Invariants it keeps:
   cue to save, not to die: its torchruns get SIGTERM, which they pass on to their ranks
   (they checkpoint at the next step boundary and exit, ``rank.StopRequest``); each is
   given ``STOP_CHECKPOINT_S`` to end, then SIGKILLed, and its exit reported to the
-  coordinator at once (not found by its silence), within the drain.
+  coordinator at once (not found by its silence), within the drain. A ``NodeInterrupt``
+  (its coordinator stopping) does the same to that attempt's torchrun alone.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from tandem.common import events, subjects
 from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import transient
 from tandem.common.errors import EventDecodeError, InvalidToken
-from tandem.common.events import NodeLaunch, NodeReply, NodeStop
+from tandem.common.events import NodeInterrupt, NodeLaunch, NodeReply, NodeStop
 from tandem.common.runner import Context, Service
 from tandem.common.settings import Settings
 from tandem.common.streams import Spec
@@ -79,7 +81,7 @@ class Held:
     proc: asyncio.subprocess.Process
     reply: NodeReply
     stopped: str = ""  # why this agent killed it; empty while it runs on its own
-    interrupted: bool = False  # told to stop as this agent stops: its exit is reported
+    interrupted: bool = False  # told to save and stop (SIGTERM): its exit is reported
 
 
 def node_command(settings: TrainerSettings, order: NodeLaunch, master_addr: str, port: int,
@@ -134,20 +136,22 @@ class NodeAgent(Service):
             await ctx.stopping.wait()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            await self._stop_all()
+            # A torchrun already interrupted by order is waited for by that order's task.
+            await self._let_stop([h for h in self.held.values() if not h.interrupted],
+                                 "node agent stopping")
         # The TaskGroup waited for each report task: every exit is reported.
 
-    async def _stop_all(self) -> None:
-        """This agent stopping: SIGTERM each torchrun it runs (passed on to the ranks,
-        which checkpoint and exit), up to ``stop_bound`` + ``STOP_SLACK_S`` for them to
-        end, then SIGKILL what is left. Each exit is reported as it happens
-        (``_report``)."""
-        held = [h for h in self.held.values() if h.proc.returncode is None]
+    async def _let_stop(self, held: list[Held], why: str) -> None:
+        """Let ``held``'s ranks save and stop (this agent stopping; a ``NodeInterrupt``):
+        SIGTERM each torchrun still running (passed on to the ranks, which checkpoint and
+        exit), up to ``stop_bound`` + ``STOP_SLACK_S`` for them to end, then SIGKILL what
+        is left. Each exit is reported as it happens (``_report``: ``interrupted``)."""
+        held = [h for h in held if h.proc.returncode is None]
         bound = self.s.stop_bound()
         for h in held:
             h.interrupted = True
             self.ctx.log.warning("node_agent.stopping_ranks", run_id=h.order.run_id,
-                                 attempt=h.order.attempt, within_s=bound)
+                                 attempt=h.order.attempt, within_s=bound, reason=why)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(h.proc.pid, signal.SIGTERM)
         if not held:
@@ -158,7 +162,7 @@ class NodeAgent(Service):
             w.cancel()
         for h in held:
             if h.proc.returncode is None:
-                self._kill(h, f"node agent stopping: its ranks did not stop within {bound:g}s")
+                self._kill(h, f"{why}: its ranks did not stop within {bound:g}s")
 
     # --------------------------------------------------------------------------- orders
 
@@ -174,6 +178,8 @@ class NodeAgent(Service):
                         reply = await self._launch(order)
                     case NodeStop():
                         reply = await self._stop(order)
+                    case NodeInterrupt():
+                        reply = self._interrupt(order)
             except Exception as exc:  # refuse the order, keep serving
                 self.ctx.log.error("node_agent.order_failed", error=repr(exc), exc_info=exc)
                 reply = NodeReply(node=self.s.node, ok=False, error=repr(exc))
@@ -237,6 +243,20 @@ class NodeAgent(Service):
         except TimeoutError:
             code = None
         return NodeReply(node=self.s.node, pid=held.proc.pid, exit_code=code)
+
+    def _interrupt(self, order: NodeInterrupt) -> NodeReply:
+        """Let the attempt's ranks save and stop (``_let_stop``, in the background: they
+        take up to ``stop_bound``); answered at once. A repeated order starts nothing
+        twice."""
+        held = self.held.get(order.run_id)
+        if held is None or held.order.attempt != order.attempt \
+                or held.proc.returncode is not None:
+            return NodeReply(node=self.s.node)  # nothing of that attempt runs here
+        if not held.interrupted:
+            held.interrupted = True  # before the task runs: a retried order finds it set
+            self.tg.create_task(self._let_stop([held], order.reason or "interrupt order"),
+                                name=f"interrupt-{order.run_id}")
+        return NodeReply(node=self.s.node, pid=held.proc.pid)
 
     def _kill(self, held: Held, why: str) -> None:
         if held.proc.returncode is None and not held.stopped:

@@ -18,7 +18,14 @@ Instead of forking torchrun, the coordinator orders each placed node's agent
    once it has been silent for ``lost_after_s``: the supervisor treats both as it
    treats a dead local agent (the attempt ends, the run restarts from the newest valid
    checkpoint).
-4. ``stop`` sends ``NodeStop`` to every node; an agent that does not answer is already
+4. ``interrupt`` (this coordinator stopping) sends ``NodeInterrupt`` to every node, from
+   a task it owns: each agent SIGTERMs its torchrun, as its own stop does; the ranks
+   checkpoint the step they agree on and exit, and the agents report the exits (3.).
+   Where no agent took the order (agents older than it refuse it, "bad order"; or none
+   answered), no rank was told: every node is sent ``NodeStop`` at once and its exit
+   is that reply's. Where some took it, the others' ranks learn it from the step's
+   all_gather (``rank.py``) and stop at the same step: they are left to.
+5. ``stop`` sends ``NodeStop`` to every node; an agent that does not answer is already
    gone, or will find itself orphaned (no reply to its reports) and kill its ranks.
 
 Why core NATS, not a stream: an order must reach the agent that is up now or fail now;
@@ -42,6 +49,7 @@ from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import Bus, transient
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import (
+    NodeInterrupt,
     NodeLaunch,
     NodeOrder,
     NodeReply,
@@ -64,6 +72,7 @@ class _Reports:
     ended: set[str] = field(default_factory=set)
     q: asyncio.Queue[AgentEnded] = field(default_factory=asyncio.Queue)
     sub: Any = None
+    interrupting: asyncio.Task[None] | None = None  # ``interrupt``'s orders, until ``stop``
 
 
 class NodeLauncher:
@@ -165,10 +174,44 @@ class NodeLauncher:
                                       f"(lost after {self.lost_after_s:g}s)")
 
     def interrupt(self, attempt: Attempt) -> bool:
-        """Not from here: ``NodeStop`` has no way to say "let the ranks checkpoint first"
-        (its agent kills them), so a stopping coordinator stops them outright. A node
-        agent that stops itself does let them (``node_agent``)."""
-        return False
+        """Ask every node's agent to let its ranks checkpoint and stop (``NodeInterrupt``,
+        sent by a task that ``stop`` ends); their exits come through ``poll``. Always
+        True: where no agent takes the order, the task stops them outright and ``poll``
+        returns those exits (``_interrupt``)."""
+        reports = attempt.state
+        assert isinstance(reports, _Reports)
+        if reports.interrupting is None:
+            reports.interrupting = asyncio.create_task(
+                self._interrupt(attempt, reports), name=f"interrupt-{attempt.run_id}")
+        return True
+
+    async def _interrupt(self, attempt: Attempt, reports: _Reports) -> None:
+        cluster = attempt.cluster or self.cluster
+        order = NodeInterrupt(run_id=attempt.run_id, attempt=attempt.number,
+                              reason="coordinator stopping")
+
+        async def one(node: str) -> bool:
+            try:
+                await self._order(cluster, node, order, within=self.order_timeout_s)
+            except LaunchFailed as exc:
+                if self.log is not None:
+                    self.log.warning("run.node_interrupt_refused", node=node,
+                                     reason=exc.reason)
+                return False
+            return True
+
+        nodes = [a.node for a in attempt.agents]
+        if any(await asyncio.gather(*(one(n) for n in nodes))):
+            return  # the ranks told stop all at one step: their exits are reported
+        # NOTE: no rank was told, so none will save: stopped outright, as before this
+        # order existed, and at once rather than when the watch gives up waiting.
+        codes = await self._stop_nodes(attempt, "coordinator stopping; no node agent "
+                                       "took the interrupt order")
+        for node, code in codes.items():
+            if node not in reports.ended:
+                reports.ended.add(node)
+                reports.q.put_nowait(AgentEnded(node, code, "stopped outright: no node "
+                                                "agent took the interrupt order"))
 
     async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
                    timeout: float = 10.0) -> dict[str, int | None]:
@@ -177,11 +220,25 @@ class NodeLauncher:
         agent finds its own ranks)."""
         reports = attempt.state
         assert isinstance(reports, _Reports)
+        if reports.interrupting is not None:
+            reports.interrupting.cancel()
+            await asyncio.gather(reports.interrupting, return_exceptions=True)
+        codes = await self._stop_nodes(attempt, "attempt ended", within=min(timeout, 2.0))
+        if reports.sub is not None:
+            with contextlib.suppress(Exception):
+                await reports.sub.unsubscribe()
+            reports.sub = None
+        return codes
+
+    async def _stop_nodes(self, attempt: Attempt, reason: str,
+                          within: float = 2.0) -> dict[str, int | None]:
+        """``NodeStop`` to every node at once: the exit codes answered, by node (None:
+        no answer, or nothing of the attempt held)."""
         async def one(node: str) -> int | None:
             try:
                 reply = await self._order(attempt.cluster or self.cluster, node, NodeStop(
-                    run_id=attempt.run_id, attempt=attempt.number, reason="attempt ended"),
-                    within=min(timeout, 2.0))
+                    run_id=attempt.run_id, attempt=attempt.number, reason=reason),
+                    within=within)
             except LaunchFailed as exc:
                 if self.log is not None:
                     self.log.info("run.node_stop_unanswered", node=node, reason=exc.reason)
@@ -190,8 +247,4 @@ class NodeLauncher:
 
         nodes = [a.node for a in attempt.agents]
         codes = await asyncio.gather(*(one(n) for n in nodes))
-        if reports.sub is not None:
-            with contextlib.suppress(Exception):
-                await reports.sub.unsubscribe()
-            reports.sub = None
         return dict(zip(nodes, codes, strict=True))
