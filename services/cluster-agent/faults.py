@@ -16,8 +16,11 @@ One fault per line (or per ``;``), ``#`` starts a comment::
     60       agent-die
 
 A JSON list of objects with the same fields (``[{"at": 10, "kind": "xid", "code": 79}]``)
-is accepted too. ``at`` is seconds since the agent started; ``duration`` defaults to
-forever. Any mistake raises ``FaultScriptError`` naming the line and the field.
+is accepted too. ``at`` is seconds since the agent started (finite, >= 0); ``duration``
+(> 0) defaults to forever; ``count`` is 1 to ``MAX_COUNT`` (1024, as many XIDs as the
+NVML backend reads in one sample); ``factor`` is in (0, 1]; ``temp`` is in ``TEMP_RANGE``
+(0 to 150 degrees C). Any mistake raises ``FaultScriptError`` naming the line (or the
+item of a JSON list), the fault as written and the field.
 """
 
 from __future__ import annotations
@@ -35,15 +38,22 @@ FaultKind = Literal[
     "xid", "ecc", "ecc-corrected", "thermal", "power-brake", "slow", "off-bus",
     "nvlink", "pcie-replay", "remap-failure", "agent-die",
 ]
+MAX_COUNT = 1024  # a count builds that many XIDs in one sample, or adds to a counter
+TEMP_RANGE = (0.0, 150.0)  # degrees C a thermal fault may settle at
 
 
 class FaultScriptError(TandemError, ValueError):
-    """A fault script line is wrong; ``line`` is 1-based (0 for the script as a whole)."""
+    """A fault of the script is wrong. ``line`` is its 1-based line, or its position in a
+    JSON list (``item``), 0 for the script as a whole; ``text`` is the fault as written."""
 
-    def __init__(self, line: int, reason: str) -> None:
+    def __init__(self, line: int, reason: str, *, item: bool = False, text: str = "") -> None:
         self.line = line
         self.reason = reason
-        super().__init__(f"fault script line {line}: {reason}" if line else
+        self.text = text
+        where = f"item {line} of the JSON list" if item else f"line {line}"
+        if text:
+            where += f" ({text!r})"
+        super().__init__(f"fault script {where}: {reason}" if line else
                          f"fault script: {reason}")
 
 
@@ -58,29 +68,35 @@ class Fault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     temp: float = 88.0  # thermal: temperature the GPU settles at
 
     def __post_init__(self) -> None:
-        if self.at < 0:
-            raise ValueError("at must be >= 0")
+        # NOTE: written so that NaN fails every check: a NaN ``at`` sorts first and would
+        # block every later one-shot fault, a NaN ``duration`` is never active.
+        if not (math.isfinite(self.at) and self.at >= 0):
+            raise ValueError(f"at must be a finite number of seconds >= 0, got {self.at!r}")
         if self.gpu < 0:
-            raise ValueError("gpu must be >= 0")
+            raise ValueError(f"gpu must be >= 0, got {self.gpu}")
         if self.kind == "xid" and self.code <= 0:
             raise ValueError("xid needs code=<XID number>")
-        if self.count < 1:
-            raise ValueError("count must be >= 1")
-        if self.duration <= 0:
-            raise ValueError("duration must be > 0")
+        if not 1 <= self.count <= MAX_COUNT:
+            raise ValueError(f"count must be in 1..{MAX_COUNT}, got {self.count}")
+        if not self.duration > 0:  # inf, the default, is forever
+            raise ValueError(f"duration must be > 0 seconds, got {self.duration!r}")
         if not 0 < self.factor <= 1:
-            raise ValueError("factor must be in (0, 1]")
+            raise ValueError(f"factor must be in (0, 1], got {self.factor!r}")
+        low, high = TEMP_RANGE
+        if not low <= self.temp <= high:
+            raise ValueError(f"temp must be in [{low:g}, {high:g}] degrees C, got {self.temp!r}")
 
     def active(self, t: float) -> bool:
         """True while a lasting fault (thermal, power-brake, slow) is in effect at ``t``."""
         return self.at <= t < self.at + self.duration
 
 
-def _convert(fields: dict[str, object], line: int) -> Fault:
+def _convert(fields: dict[str, object], line: int, *, item: bool = False,
+             text: str = "") -> Fault:
     try:
         return msgspec.convert(fields, Fault, strict=False)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise FaultScriptError(line, str(exc)) from None
+        raise FaultScriptError(line, str(exc), item=item, text=text) from None
 
 
 def _parse_line(text: str, line: int) -> Fault | None:
@@ -94,24 +110,28 @@ def _parse_line(text: str, line: int) -> Fault | None:
     for part in parts[2:]:
         key, eq, value = part.partition("=")
         if not eq or not key or not value:
-            raise FaultScriptError(line, f"expected key=value, got {part!r}")
+            raise FaultScriptError(line, f"expected key=value, got {part!r}", text=text)
         fields[key] = value
-    return _convert(fields, line)
+    return _convert(fields, line, text=text)
 
 
 def parse(text: str) -> list[Fault]:
     """Parse a script (lines, ``;``-separated, or a JSON list), sorted by time."""
     stripped = text.strip()
     faults: list[Fault] = []
-    if stripped.startswith("["):
+    if stripped.startswith(("[", "{")):
         try:
             items = json.loads(stripped)
         except json.JSONDecodeError as exc:
             raise FaultScriptError(0, f"invalid JSON: {exc}") from None
+        if not isinstance(items, list):
+            raise FaultScriptError(0, "a JSON script is a list of faults "
+                                      '([{"at": 10, "kind": "xid", "code": 79}, ...]), '
+                                      "got an object")
         for i, item in enumerate(items, 1):
             if not isinstance(item, dict):
-                raise FaultScriptError(i, f"expected an object, got {item!r}")
-            faults.append(_convert(item, i))
+                raise FaultScriptError(i, f"expected an object, got {item!r}", item=True)
+            faults.append(_convert(item, i, item=True))
     else:
         lines = stripped.replace(";", "\n").splitlines()
         for i, raw in enumerate(lines, 1):

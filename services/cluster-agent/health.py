@@ -4,6 +4,10 @@ It keeps, per (rule, GPU), a leaky count of samples the condition held and of cl
 samples since, and reports a ``Change`` whenever a rule fires or clears. The node's
 health is the worst severity among active rules; the agent turns changes of that into
 published transitions.
+
+An undrain (``clear_latched``) forgets latched faults, except a state fault
+(``Rule.state``) the GPU's latest sample still shows; each state fault it keeps is judged
+once more on the next sample, and cleared then if that sample no longer shows it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.cluster_agent.rules import RULES, SEVERITY, Evidence, GpuView, Limits, Rule
+from tandem.cluster_agent.rules import (
+    RULES,
+    SEVERITY,
+    Evidence,
+    GpuView,
+    Limits,
+    Rule,
+    is_busy,
+)
 from tandem.common.events import GpuSample, Health
 
 
@@ -53,8 +65,10 @@ class Tracker:
         self._by_name = {r.name: r for r in self.rules}
         self.samples = 0
         self._tracks: dict[tuple[str, int], _Track] = {}
-        self._prev: dict[int, GpuSample] = {}
+        self._last: dict[int, GpuView] = {}  # each GPU's view at the latest sample
         self._xids: dict[int, deque[tuple[int, int]]] = {}
+        # State faults an undrain kept, judged again by the next sample (clear_latched).
+        self._recheck: set[tuple[str, int]] = set()
 
     # ----------------------------------------------------------------------------- state
 
@@ -91,17 +105,18 @@ class Tracker:
         """Run every rule over one sample of the node; return what fired or cleared."""
         self.samples += 1
         lim = self.limits
-        reporting = [s for s in samples if not s.lost]
-        median_clock = _median(s.sm_clock for s in reporting)
-        median_util = _median(s.util for s in reporting)
+        busy = [s for s in samples if is_busy(s, lim)]
+        median_clock = _median(s.sm_clock for s in busy)
+        median_util = _median(s.util for s in busy)
         changes: list[Change] = []
         tracks = self._tracks
         for s in samples:
             counts: dict[int, int] = {}
             if s.xids:
                 counts = self._remember_xids(s)
-            view = GpuView(s, self._prev.get(s.index), median_clock, median_util,
-                           len(reporting), counts)
+            last = self._last.get(s.index)
+            view = GpuView(s, last.s if last is not None else None, median_clock, median_util,
+                           len(busy), counts)
             for rule in self.rules:
                 key = (rule.name, s.index)
                 tr = tracks.get(key)
@@ -122,11 +137,15 @@ class Tracker:
                             if tr.off >= rule.clear:
                                 del tracks[key]
                                 changes.append(Change(rule, s.index, False, tr.evidence, at))
+                        elif key in self._recheck:  # kept by an undrain, gone now
+                            del tracks[key]
+                            changes.append(Change(rule, s.index, False, tr.evidence, at))
                     else:
                         tr.on -= 1
                         if tr.on <= 0:
                             del tracks[key]
-            self._prev[s.index] = s
+            self._last[s.index] = view
+        self._recheck.clear()  # judged once: a state fault still shown is latched again
         return changes
 
     def _remember_xids(self, s: GpuSample) -> dict[int, int]:
@@ -154,12 +173,29 @@ class Tracker:
                                                     evidence={"restored": True}, since=at)
 
     def clear_latched(self, at: float) -> list[Change]:
-        """The operator returned the node to service: forget latched faults and XIDs."""
+        """The operator returned the node to service: forget latched faults and XIDs,
+        except the state faults the GPUs still show; return what cleared.
+
+        An XID is an event: the undrain is the only sign it was dealt with, so it clears. A
+        state fault (``Rule.state``: a lost GPU, uncorrectable ECC errors, a failed row
+        remap) is in every sample until a reset or a replacement: one the GPU's latest
+        sample still shows, or that no sample has judged yet (an undrain seen at start,
+        before the first sample), stays active, so the node never reads healthy while it
+        is visibly broken. The next sample judges each kept fault once more and clears it
+        if it no longer shows it (a reset just after the latest sample); one still shown
+        stays latched until the next undrain.
+        """
         changes = []
         for (name, gpu), tr in list(self._tracks.items()):
             rule = self._by_name[name]
-            if tr.active and rule.latched:
-                del self._tracks[(name, gpu)]
-                changes.append(Change(rule, gpu, False, tr.evidence, at))
+            if not (tr.active and rule.latched):
+                continue
+            if rule.state:
+                last = self._last.get(gpu)
+                if last is None or rule.fire(last, self.limits) is not None:
+                    self._recheck.add((name, gpu))
+                    continue
+            del self._tracks[(name, gpu)]
+            changes.append(Change(rule, gpu, False, tr.evidence, at))
         self._xids.clear()
         return changes

@@ -10,9 +10,24 @@ evidence (the values that matched) or None, and its hysteresis:
 - ``clear``: how many clean samples in a row before an active rule clears; ``0`` means
   latched: the fault stays until the operator undrains the node (after a reset or a
   replacement), because an XID or a lost GPU does not heal on its own.
+- ``state``: for a latched rule, its condition is a state the GPU shows in every sample
+  until a reset or a replacement (a lost GPU, a non-zero volatile uncorrectable-ECC
+  count, a failed row remap), not an event reported once (an XID). An undrain clears a
+  latched event rule, since the operator's word is the only sign it was dealt with, but
+  keeps a latched state rule the GPU still shows: a node visibly broken is not returned
+  to service, not even for one sample (``Tracker.clear_latched``).
 - ``hold``: the test that keeps an active rule active, looser than ``fire`` for
   thresholds (a temperature rule fires at the limit and clears only ``temp_band``
   below it), so a value hovering at the limit cannot flap.
+
+Stragglers (``straggler-clock``, ``straggler-util``) are judged only among *busy* GPUs
+(``is_busy``: utilisation at least ``busy_util``, 10 %), against the medians of the
+node's busy GPUs, and only while at least ``straggler_min_gpus`` (4) GPUs are busy at a
+median utilisation of at least ``straggler_busy`` (50 %). An idle GPU (a slot a
+partial-node job leaves unused, an inference worker waiting for requests) is not slow:
+it has nothing to do. So a node with fewer than 4 GPUs is never judged, a GPU so starved
+that it falls under 10 % reads as idle, and a whole node uniformly slow is no straggler
+(its own GPUs are the only peers).
 
 XIDs are classified in ``XIDS`` (NVIDIA's XID catalogue): application-level XIDs are
 recorded in telemetry but never mark a node; the rest fire their own rule.
@@ -51,8 +66,9 @@ class Limits:
     xid_window: int = 3600
     straggler_clock: float = 0.75  # SM clock below this fraction of the peers' median
     straggler_util: float = 0.6  # utilisation below this fraction of the peers' median
-    straggler_busy: float = 50.0  # only judge stragglers while the peers' median util is this
-    straggler_min_gpus: int = 4  # and at least this many GPUs report
+    busy_util: float = 10.0  # a GPU at this utilisation or more is busy: judged for stragglers
+    straggler_busy: float = 50.0  # only judge stragglers while the busy GPUs' median util is this
+    straggler_min_gpus: int = 4  # and at least this many GPUs are busy
 
 
 @dataclass(slots=True)
@@ -61,9 +77,9 @@ class GpuView:
 
     s: GpuSample
     prev: GpuSample | None
-    median_clock: float | None
-    median_util: float | None
-    reporting: int  # GPUs of the node that reported this sample (not lost)
+    median_clock: float | None  # over the node's busy GPUs (``is_busy``)
+    median_util: float | None  # over the node's busy GPUs
+    busy: int  # GPUs of the node busy in this sample
     xid_counts: dict[int, int]  # XIDs of this GPU within the window (only when s.xids)
 
 
@@ -80,6 +96,7 @@ class Rule:
     sustain: int = 1
     clear: int = 30
     hold: Test | None = None
+    state: bool = False
 
     @property
     def latched(self) -> bool:
@@ -204,20 +221,32 @@ def _temp(limit: str, band: float = 0.0) -> Test:
     return test
 
 
-def _peers_busy(v: GpuView, lim: Limits) -> bool:
-    return (v.reporting >= lim.straggler_min_gpus and v.median_util is not None
-            and v.median_util >= lim.straggler_busy)
+def is_busy(s: GpuSample, lim: Limits) -> bool:
+    """The GPU runs work in this sample: it reports a utilisation of ``busy_util`` or more.
+
+    Utilisation (the share of the sample period a kernel ran) rather than memory in use:
+    an inference worker waiting for requests keeps its model in memory while its clocks
+    drop to idle, and it is no straggler.
+    """
+    return not s.lost and s.util is not None and s.util >= lim.busy_util
+
+
+def _judged(v: GpuView, lim: Limits) -> bool:
+    """A straggler rule judges this GPU: it is busy, among enough busy peers that are
+    busy enough for their medians to mean something."""
+    return (v.busy >= lim.straggler_min_gpus and v.median_util is not None
+            and v.median_util >= lim.straggler_busy and is_busy(v.s, lim))
 
 
 def _straggler(metric: str, slack: float = 0.0) -> Test:
-    """``metric`` ("sm_clock" or "util") below its limit's fraction of the peers' median;
-    ``slack`` loosens the fraction for holding an active rule."""
+    """``metric`` ("sm_clock" or "util") below its limit's fraction of the busy GPUs'
+    median; ``slack`` loosens the fraction for holding an active rule."""
     median, limit = {"sm_clock": ("median_clock", "straggler_clock"),
                      "util": ("median_util", "straggler_util")}[metric]
 
     def test(v: GpuView, lim: Limits) -> Evidence | None:
         x, m = getattr(v.s, metric), getattr(v, median)
-        if x is None or not m or not _peers_busy(v, lim):
+        if x is None or not m or not _judged(v, lim):
             return None
         if x < (getattr(lim, limit) + slack) * m:
             return {metric: x, "peers_median": m, "ratio": round(x / m, 3)}
@@ -236,12 +265,13 @@ RULES: tuple[Rule, ...] = (
     Rule("xid-64-repeated", U, "replace", "XID 64 repeated: row remapping keeps failing",
          _xid64_repeated, clear=0),
     Rule("xid-unknown", D, "", "an XID outside the catalogue", _xid_unknown, clear=300),
-    Rule("gpu-lost", U, "replace", "GPU fell off the bus (NVML: GPU is lost)", _lost, clear=0),
+    Rule("gpu-lost", U, "replace", "GPU fell off the bus (NVML: GPU is lost)", _lost, clear=0,
+         state=True),
     Rule("ecc-uncorrected", U, "reset", "uncorrectable ECC errors since the last reset",
-         _ecc_uncorrected, clear=0),
+         _ecc_uncorrected, clear=0, state=True),
     Rule("ecc-corrected-burst", D, "", "a burst of corrected ECC errors", _ecc_corrected),
     Rule("remap-failure", U, "replace", "row remapping failed: no spare rows left",
-         _remap_failure, clear=0),
+         _remap_failure, clear=0, state=True),
     Rule("remap-pending", D, "reset", "remapped rows take effect at the next GPU reset",
          _remap_pending, clear=3),
     Rule("remap-rows-high", D, "replace", "many uncorrectable remapped rows", _remap_rows,
