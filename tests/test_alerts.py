@@ -30,8 +30,9 @@ PROMETHEUS = ROOT / "deploy" / "prometheus"
 RULES = PROMETHEUS / "rules" / "tandem.rules.yml"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 # What the rules must watch (docs/observability.md, "Alerts").
-ALERTS = {"TandemClusterDown", "TandemNodeDown", "TandemDeadLetters", "TandemQueueStalled",
-          "TandemTrainingRestarted", "TandemTrainingRunFailed", "TandemObserverStale"}
+ALERTS = {"TandemClusterDown", "TandemNodeDown", "TandemNodeOutOfService",
+          "TandemDeadLetters", "TandemQueueStalled", "TandemTrainingRestarted",
+          "TandemTrainingRunFailed", "TandemObserverStale"}
 
 
 def rules() -> list[dict[str, Any]]:
@@ -117,3 +118,19 @@ def test_panels_and_rules_aggregate_the_gateways_copies_of_the_system_view() -> 
     assert not unaggregated("sum(rate(tandem_bus_dead_letters_total[5m]))", view)
     bad = [(where, unaggregated(expr, view)) for where, expr in expressions()]
     assert [b for b in bad if b[1]] == []
+
+
+def test_a_dead_nodes_alert_outlives_the_gateways_grace_on_its_series() -> None:
+    """A gateway drops a gone node's series after ``GONE_GRACE`` (and one started since
+    never had them): ``TandemNodeDown`` must then read what Prometheus kept of the node,
+    for longer than the grace, rather than resolve as the series go."""
+    (rule,) = [r for r in rules() if r["alert"] == "TandemNodeDown"]
+    expr = " ".join(rule["expr"].split())
+    back = re.search(r"\bor \(max by \(cluster, node\) \(last_over_time\(tandem_node_up"
+                     r"\[(\d+)([mhd])\]\)\) unless on \(cluster, node\) max by "
+                     r"\(cluster, node\) \(tandem_node_up\)\)", expr)
+    assert back is not None, expr
+    lookback = int(back[1]) * {"m": 60, "h": 3600, "d": 86400}[back[2]]
+    assert lookback > observe.GONE_GRACE
+    # Only while some gateway exports the view: a scrape outage is not every node dead.
+    assert expr.endswith("and on () count(tandem_observer_last_refresh_timestamp_seconds) > 0")

@@ -9,7 +9,11 @@ builds every node's view as ``fleet.read_fleet`` does, is for an operator's scre
   sums (serving nodes, usable and free GPUs, models loaded);
 - a heartbeat's freshness expires ``ttl`` seconds after it was received (KV expiry is
   silent); a heap of expiry times retires stale contributions when the board is read,
-  amortised O(1) per heartbeat.
+  amortised O(1) per heartbeat. One loaded by a (re)watch (a board starting, or
+  watching again after a reconnect) was received when the server stored it (the entry's
+  timestamp): an agent's clock, however wrong, never dates it;
+- a heartbeat counts for the node of its key (``fleet.heartbeat_of``), never for the
+  cluster its body names.
 
 The rule is ``fleet``'s: a node serves while its heartbeat is fresh, it is not drained
 and not unhealthy; a cluster is healthy while at least one node serves. A cluster the
@@ -25,14 +29,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.common import log
 from tandem.common.bus import Bus, MapWatch
-from tandem.common.errors import EventDecodeError
-from tandem.common.events import DrainRecord, Health, NodeHeartbeat, decode
-from tandem.common.fleet import FleetView, summarize
+from tandem.common.events import DrainRecord, Health, NodeHeartbeat
+from tandem.common.fleet import FleetView, drain_of, heartbeat_of, summarize
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
 
-_log = log.get("tandem.clusters")
 _NOT_SERVING = (Health.unhealthy, Health.drained)
 
 
@@ -111,8 +112,8 @@ class ClusterBoard:
         self._nodes: dict[str, _Node] = {}
         self._sums: dict[str, _Sums] = {c: _Sums(unhealthy_since=self.started) for c in clusters}
         self._expiry: list[tuple[float, int, str]] = []
-        self._watches = [MapWatch(bus, KV_NODES, self._on_heartbeat),
-                         MapWatch(bus, KV_DRAINS, self._on_drain)]
+        self._beats = MapWatch(bus, KV_NODES, self._on_heartbeat)
+        self._watches = [self._beats, MapWatch(bus, KV_DRAINS, self._on_drain)]
 
     async def start(self) -> ClusterBoard:
         """Return once the current heartbeats and drains are loaded."""
@@ -254,17 +255,18 @@ class ClusterBoard:
             if node is not None and node.hb is not None:
                 self._set(key, node, now, hb=None)
             return
-        try:
-            hb = decode(value, NodeHeartbeat)
-        except EventDecodeError as exc:
-            _log.warning("clusters.bad_heartbeat", key=key, error=exc.reason)
+        hb = heartbeat_of(key, value)
+        if hb is None:  # unreadable, or another node's body: logged, the old one stands
             return
         node = self._node(key, hb.cluster)
         if rewatch:
             if node.hb == hb:
                 return  # the same heartbeat again: no fresher than when it came
-            # A value loaded by a (re)watch may be old: date it by the agent's clock.
-            seen = now - min(max(0.0, time.time() - hb.at), self.FORGET_AFTER * self.ttl)
+            # A value loaded by a (re)watch may be old: date it by when the server stored
+            # it, as fleet.read_fleet does (an agent's clock may be off by hours).
+            stored = self._beats.written(key)
+            age = 0.0 if stored is None else max(0.0, time.time() - stored)
+            seen = now - min(age, self.FORGET_AFTER * self.ttl)
         else:
             seen = now
         self._set(key, node, now, hb=hb, seen=seen, cluster=hb.cluster)
@@ -272,16 +274,12 @@ class ClusterBoard:
     def _on_drain(self, key: str, value: bytes | None, rewatch: bool) -> None:
         now = time.monotonic()
         self._expire(now)
-        cluster, _, name = key.partition(".")  # drains are keyed <cluster>.<node>
         if value is None:
             node = self._nodes.get(key)
             if node is not None and node.drain is not None:
                 self._set(key, node, now, drain=None)
             return
-        try:
-            drain = decode(value, DrainRecord)
-        except EventDecodeError as exc:  # an unreadable drain is still a drain
-            drain = DrainRecord(cluster=cluster, node=name, reason=f"unreadable: {exc.reason}")
-        node = self._node(key, cluster)
+        drain = drain_of(key, value)  # an unreadable drain is still a drain
+        node = self._node(key, drain.cluster)
         if drain != node.drain:
             self._set(key, node, now, drain=drain)

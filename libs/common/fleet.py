@@ -16,6 +16,12 @@ no agent's clock is trusted for it), and
 *serving* while up, not drained and not unhealthy. A cluster is healthy while at least
 one of its nodes is serving. A drained node whose agent is gone stays in the view (as
 down and drained) so an operator still sees it.
+
+A value's KV key (``<cluster>.<node>``) says whose it is, never its body: a role writes
+the nodes' keys it is allowed, and every reader looks a node up by key. A heartbeat
+whose body names another node is dropped (logged); a drain record that does, or does
+not decode, still drains the node of its key (stopping work is the safe side), as a
+worker's ``DrainWatch`` of that key has it.
 """
 
 from __future__ import annotations
@@ -39,14 +45,18 @@ from tandem.common.events import DrainRecord, GpuBrief, Health, ModelsLoaded, No
 from tandem.common.streams import HEARTBEAT_TTL, KV_DRAINS, KV_NODES
 
 _log = log.get("tandem.fleet")
-E = TypeVar("E")
+N = TypeVar("N", NodeHeartbeat, DrainRecord)
 _DELETED = ("DEL", "PURGE")
+
+
+# A node's status: its heartbeat's health, "drained", or "down" (no fresh heartbeat).
+NODE_STATES = (*(h.value for h in Health), "down")
 
 
 class NodeView(msgspec.Struct, kw_only=True):
     cluster: str
     node: str
-    status: str  # healthy, degraded, unhealthy, drained, or "down" (no fresh heartbeat)
+    status: str  # one of NODE_STATES
     health: Health | None  # from the last heartbeat; None when there is none
     up: bool
     serving: bool
@@ -161,42 +171,68 @@ def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
 # ------------------------------------------------------------------------------ snapshots
 
 
-def _decoded(raw: dict[str, bytes], event_type: type[Any]) -> dict[str, Any]:
-    """Each key's value decoded; one that does not decode is logged and left out."""
-    out = {}
-    for key, data in raw.items():
-        try:
-            out[key] = decode(data, event_type)
-        except EventDecodeError as exc:
-            _log.warning("fleet.bad_entry", key=key, error=exc.reason)
-    return out
+def keyed(key: str, data: bytes, event_type: type[N]) -> N:
+    """``data``, the value at ``key`` (``<cluster>.<node>``) of KV ``nodes`` or
+    ``drains``, decoded; raises ``EventDecodeError`` when it does not decode or when its
+    body names another cluster or node than its key (a stray or forged entry: a body
+    under ``ghost.n9`` saying ``cluster=east`` must not count for east)."""
+    event = decode(data, event_type)
+    cluster, _, node = key.partition(".")
+    if (event.cluster, event.node) != (cluster, node):
+        raise EventDecodeError(event_type.__name__, f"its body names {event.cluster}/"
+                               f"{event.node}, its key {key}", bytes(data[:1024]))
+    return event
 
 
-def _decode_all(raw: dict[str, bytes], event_type: type[Any]) -> list[Any]:
-    return list(_decoded(raw, event_type).values())
+def heartbeat_of(key: str, data: bytes) -> NodeHeartbeat | None:
+    """The heartbeat at ``key`` of KV ``nodes``, or None (logged) when it does not decode
+    or names another node than its key."""
+    try:
+        return keyed(key, data, NodeHeartbeat)
+    except EventDecodeError as exc:
+        _log.warning("fleet.bad_heartbeat", key=key, error=exc.reason)
+        return None
+
+
+def drain_of(key: str, data: bytes) -> DrainRecord:
+    """The drain at ``key`` of KV ``drains``; one that does not decode, or names another
+    node, is still a drain of ``key``'s node (logged): stopping work is the safe side."""
+    try:
+        return keyed(key, data, DrainRecord)
+    except EventDecodeError as exc:
+        _log.warning("fleet.bad_drain", key=key, error=exc.reason)
+        cluster, _, node = key.partition(".")
+        return DrainRecord(cluster=cluster, node=node,
+                           reason=f"unreadable drain record: {exc.reason}")
 
 
 async def read_drains(bus: Bus) -> list[DrainRecord]:
-    return _decode_all(await snapshot(await bus.kv(KV_DRAINS)), DrainRecord)
+    return [drain_of(k, v) for k, v in (await snapshot(await bus.kv(KV_DRAINS))).items()]
 
 
 async def read_heartbeats(bus: Bus) -> list[NodeHeartbeat]:
-    return _decode_all(await snapshot(await bus.kv(KV_NODES)), NodeHeartbeat)
+    raw = await snapshot(await bus.kv(KV_NODES))
+    return [hb for k, v in raw.items() if (hb := heartbeat_of(k, v)) is not None]
 
 
 async def read_fleet(bus: Bus, ttl: float = HEARTBEAT_TTL) -> FleetView:
     """One snapshot of the fleet.
 
-    A node is up while its heartbeat entry is in KV ``nodes`` (the bucket's TTL removes a
-    dead agent's), whatever the agent's clock says; ages count from the entry's server
-    timestamp.
+    A node is up while its heartbeat entry is in KV ``nodes`` (the bucket's TTL,
+    ``HEARTBEAT_TTL``, removes a dead agent's), whatever the agent's clock says; ages
+    count from the entry's server timestamp. A ``ttl`` shorter than the bucket's (a
+    gateway's ``TANDEM_HEARTBEAT_TTL``) also wants that age within it, as the same
+    gateway's ``ClusterBoard`` does: its ``/metrics`` and its routing agree.
     """
     raw, drains = await asyncio.gather(entries(await bus.kv(KV_NODES)), read_drains(bus))
     now = time.time()
-    beats = _decoded({k: e.value or b"" for k, e in raw.items()}, NodeHeartbeat)
-    heartbeats = [(hb, max(0.0, now - (c.timestamp() if (c := raw[k].created) else now)))
-                  for k, hb in beats.items()]
-    return summarize(heartbeats, drains, ttl=ttl, at=now, present=True)
+    heartbeats = []
+    for key, entry in raw.items():
+        hb = heartbeat_of(key, entry.value or b"")
+        if hb is not None:
+            stored = entry.created.timestamp() if entry.created else now
+            heartbeats.append((hb, max(0.0, now - stored)))
+    return summarize(heartbeats, drains, ttl=ttl, at=now, present=ttl >= HEARTBEAT_TTL)
 
 
 # --------------------------------------------------------------------------- drain records
@@ -244,24 +280,28 @@ async def undrain(bus: Bus, cluster: str, node: str) -> DrainRecord | None:
     return previous
 
 
-async def _node_entry(bus: Bus, bucket: str, cluster: str, node: str,
-                      event_type: type[E]) -> E | None:
+async def _node_entry(bus: Bus, bucket: str, key: str) -> bytes | None:
     kv = await bus.kv(bucket)
     try:
-        entry = await kv.get(subjects.node_key(cluster, node))
+        entry = await kv.get(key)
     except (KeyNotFoundError, KeyDeletedError):
         return None
-    return decode(entry.value, event_type) if entry.value else None
+    return entry.value or None
 
 
 async def drain_record(bus: Bus, cluster: str, node: str) -> DrainRecord | None:
     """The node's drain, or None when it is not drained."""
-    return await _node_entry(bus, KV_DRAINS, cluster, node, DrainRecord)
+    key = subjects.node_key(cluster, node)
+    value = await _node_entry(bus, KV_DRAINS, key)
+    return drain_of(key, value) if value is not None else None
 
 
 async def heartbeat(bus: Bus, cluster: str, node: str) -> NodeHeartbeat | None:
-    """The node's latest heartbeat, or None when it has none within the TTL."""
-    return await _node_entry(bus, KV_NODES, cluster, node, NodeHeartbeat)
+    """The node's latest heartbeat, or None when it has none within the TTL (or one
+    that is not the node's: ``heartbeat_of``)."""
+    key = subjects.node_key(cluster, node)
+    value = await _node_entry(bus, KV_NODES, key)
+    return heartbeat_of(key, value) if value is not None else None
 
 
 async def announce_models(bus: Bus, cluster: str, node: str, worker: str,
@@ -332,15 +372,7 @@ class DrainWatch(KeyWatch):
         return True
 
     def _parse(self, value: bytes | None) -> DrainRecord | None:
-        if not value:
-            return None
-        try:
-            return decode(value, DrainRecord)
-        except EventDecodeError as exc:
-            # An unreadable drain is still a drain: stopping work is the safe side.
-            _log.warning("fleet.bad_drain", key=self.pattern, error=exc.reason)
-            return DrainRecord(cluster=self.cluster, node=self.node,
-                               reason=f"unreadable drain record: {exc.reason}")
+        return drain_of(self.pattern, value) if value else None
 
     async def _set(self, record: DrainRecord | None, notify: bool) -> None:
         self.record = record

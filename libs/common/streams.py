@@ -133,6 +133,10 @@ KV_IDEMPOTENCY = "idempotency"
 KV_RATES = "rates"  # each API key's request rate, shared by the gateway replicas
 KV_SSE = "sse"  # each API key's open event streams, counted by the gateway replicas
 
+# KV nodes' TTL: how long a dead agent's heartbeat stays. The one truth for it: every
+# service provisions the bucket with it (``provision`` refuses a bucket that differs:
+# StreamConflict, so no service may declare another), and a reader's own freshness (a
+# gateway's TANDEM_HEARTBEAT_TTL) may be shorter, never longer: past it the entry is gone.
 HEARTBEAT_TTL = 6.0
 # A GEN_<C> stream stores one message per task id this long: it covers the gateway's
 # publish retries, and bounds how long a task's seal is trusted (``tasks.as_sealed``).
@@ -181,7 +185,7 @@ def gen_consumers(cluster: str, ack_wait: float = 30.0,
     return [gen_consumer(cluster, ack_wait, max_deliver, lane=ln) for ln in subjects.LANES]
 
 
-def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> list[Spec]:
+def core_streams(replicas: int = 1) -> list[Spec]:
     """Streams and buckets every deployment has, whatever its clusters."""
     return [
         StreamSpec(DLQ, (subjects.DLQ.wildcard,), max_age=14 * DAY, replicas=replicas),
@@ -194,7 +198,7 @@ def core_streams(replicas: int = 1, heartbeat_ttl: float = HEARTBEAT_TTL) -> lis
         # gone once mirrored); a week bounds what waits for a node that never returns.
         StreamSpec(MIRROR, (subjects.MIRROR.wildcard,), retention=RetentionPolicy.WORK_QUEUE,
                    max_age=7 * DAY, replicas=replicas),
-        KVSpec(KV_NODES, ttl=heartbeat_ttl, replicas=replicas),
+        KVSpec(KV_NODES, ttl=HEARTBEAT_TTL, replicas=replicas),
         # A task's one record: its state, moved forward by compare-and-set, its result.
         KVSpec(KV_TASKS, ttl=DAY, history=1, replicas=replicas,
                announce=subjects.TASKS_WRITTEN),

@@ -19,11 +19,19 @@ What the gauges say of things that leave the view:
 
 - a configured cluster (``TANDEM_CLUSTERS``) always has ``tandem_cluster_healthy``, 0
   while no heartbeat of it is in KV ``nodes`` (every agent gone, or never started);
+- a node's ``tandem_node_health{state}`` is 1 for its status in the fleet view
+  (``fleet.NODE_STATES``: healthy, degraded, unhealthy, drained, down; what the
+  dashboard shows) and 0 for the others, so a node up but drained or unhealthy is
+  visible to an alert (``tandem_node_serving`` alone cannot tell it from a dead one);
 - a node that leaves the view (its heartbeat key expired, no drain keeps it) reads 0 in
-  ``tandem_node_up`` and ``tandem_node_serving`` for ``GONE_GRACE`` seconds, then its
-  series go, as do an unconfigured cluster's: an alert on ``== 0`` sees the node down
-  rather than a series that vanished, and a gateway that runs for months does not keep
-  every node it ever saw. Its GPU series go at once (their last figures would lie);
+  ``tandem_node_up`` and ``tandem_node_serving``, and ``down`` in its health, for
+  ``GONE_GRACE`` seconds, then its series go, as do an unconfigured cluster's: an alert
+  on ``== 0`` sees the node down rather than a series that vanished, and a gateway that
+  runs for months does not keep every node it ever saw (past the grace, and for a
+  gateway started after the node died, the alert rules look back at what Prometheus
+  kept: docs/observability.md). Its GPU series go at once (their last figures would lie);
+- a node is up while its heartbeat is fresh by ``heartbeat_ttl`` (the gateway's
+  ``TANDEM_HEARTBEAT_TTL``, which its router uses too: ``fleet.read_fleet``);
 - ``tandem_observer_last_refresh_timestamp_seconds`` is when the view was last read
   whole: while the bus cannot be read every gauge keeps its last value, and only this
   one says how old they are.
@@ -57,7 +65,8 @@ from tandem.common.events import (
     TrainStep,
     decode,
 )
-from tandem.common.streams import KV_RUNS, KV_TASKS
+from tandem.common.fleet import NODE_STATES, read_fleet
+from tandem.common.streams import HEARTBEAT_TTL, KV_RUNS, KV_TASKS
 from tandem.common.tasks import succeeded
 
 _log = log.get("tandem.gateway.observe")
@@ -72,6 +81,9 @@ NODE_UP = metrics.Gauge("tandem_node_up", "1 while a node's heartbeat is fresh",
                         ["cluster", "node"])
 NODE_SERVING = metrics.Gauge("tandem_node_serving", "1 while a node is up, healthy enough "
                              "and not drained", ["cluster", "node"])
+NODE_HEALTH = metrics.Gauge("tandem_node_health", "1 for a node's status now (healthy, "
+                            "degraded, unhealthy, drained or down), 0 for the others",
+                            ["cluster", "node", "state"])
 RUN_STATE = metrics.Gauge("tandem_train_run_state", "1 for a training run's state now, 0 for "
                           "the others (the runs the view keeps)", ["run", "state"])
 REFRESHED = metrics.Gauge("tandem_observer_last_refresh_timestamp_seconds", "When this "
@@ -139,25 +151,56 @@ class Vanishing:
         for key, since in list(self.gone.items()):
             if now - since > self.grace:
                 del self.gone[key]
-                for gauge in self.gauges:
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(*key)
+                self.forget(key)
             else:
-                for gauge in self.gauges:
-                    gauge.labels(*key).set(0)
+                self.down(key)
         return left
+
+    def down(self, key: tuple[str, ...]) -> None:
+        """``key`` is out of the view, within the grace: its series read 0."""
+        for gauge in self.gauges:
+            gauge.labels(*key).set(0)
+
+    def forget(self, key: tuple[str, ...]) -> None:
+        """``key`` is past the grace: its series go."""
+        for gauge in self.gauges:
+            with contextlib.suppress(KeyError):
+                gauge.remove(*key)
+
+
+def node_health(cluster: str, node: str, status: str) -> None:
+    """``tandem_node_health``: 1 for ``status``, 0 for the other states."""
+    for state in NODE_STATES:
+        NODE_HEALTH.labels(cluster, node, state).set(1 if state == status else 0)
+
+
+class VanishingNodes(Vanishing):
+    """A node's series (up, serving, health by state): out of the view it reads down."""
+
+    def __init__(self, grace: float) -> None:
+        super().__init__((NODE_UP, NODE_SERVING), grace)
+
+    def down(self, key: tuple[str, ...]) -> None:
+        super().down(key)
+        node_health(*key, "down")
+
+    def forget(self, key: tuple[str, ...]) -> None:
+        super().forget(key)
+        NODE_HEALTH.remove_by_labels({"cluster": key[0], "node": key[1]})
 
 
 class Observer:
     """The live picture; ``run(stop)`` keeps it fresh until ``stop`` is set.
 
-    ``clock``: monotonic seconds, for how long a node has been gone (``GONE_GRACE``)."""
+    ``clock``: monotonic seconds, for how long a node has been gone (``GONE_GRACE``);
+    ``heartbeat_ttl``: how long a heartbeat counts as fresh (the router's)."""
 
     def __init__(self, bus: Any, clusters: list[str], *, s3: Any = None, bucket: str = "",
                  url_ttl: float = 3600.0, interval: float = 1.0,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, heartbeat_ttl: float = HEARTBEAT_TTL) -> None:
         self.bus = bus
         self.clusters = clusters
+        self.heartbeat_ttl = heartbeat_ttl
         self.s3 = s3
         self.bucket = bucket
         self.url_ttl = url_ttl
@@ -172,7 +215,7 @@ class Observer:
         self._urls: dict[str, tuple[str, float]] = {}  # key -> (presigned URL, made at)
         self.clock = clock
         self._clusters = Vanishing((CLUSTER_HEALTHY,), GONE_GRACE)
-        self._nodes = Vanishing((NODE_UP, NODE_SERVING), GONE_GRACE)
+        self._nodes = VanishingNodes(GONE_GRACE)
         self._heard: list[str] = []  # tasks whose success was heard, not yet shown
 
     # ------------------------------------------------------------------------- life
@@ -199,9 +242,7 @@ class Observer:
                     await sub.unsubscribe()
 
     async def refresh(self) -> None:
-        from tandem.common.fleet import read_fleet
-
-        view = await read_fleet(self.bus)
+        view = await read_fleet(self.bus, self.heartbeat_ttl)
         self.fleet = view.to_dict()
         self._fleet_gauges(view)
         self.queues = [q for c in self.clusters for q in await self._queues(c)]
@@ -224,6 +265,7 @@ class Observer:
                 nodes.add((c.name, n.node))
                 NODE_UP.labels(c.name, n.node).set(1 if n.up else 0)
                 NODE_SERVING.labels(c.name, n.node).set(1 if n.serving else 0)
+                node_health(c.name, n.node, n.status)
                 if n.up:
                     metrics.set_gpus(c.name, n.node, n.gpus)
                 else:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tandem.common import log, metrics, subjects
 from tandem.common.bus import Bus, describe
@@ -52,8 +52,9 @@ class RoutingSettings(Settings):
         "fleet", description="fleet: route by cluster health, capacity and backlog; "
         "static: pins as given, else the first configured cluster (no agents needed).")
     heartbeat_ttl: float = Field(
-        HEARTBEAT_TTL, gt=0, le=600, description="Seconds a node's heartbeat counts as "
-        "fresh; a cluster with no fresh undrained node gets no new tasks.")
+        HEARTBEAT_TTL, gt=0, description="Seconds a node's heartbeat counts as fresh, for "
+        "routing and /metrics alike; a cluster with no fresh undrained node gets no new "
+        f"tasks. At most {HEARTBEAT_TTL:g}, the TTL of KV nodes.")
     max_backlog: int = Field(
         10_000, ge=1, description="Tasks waiting or running in one cluster's queue above "
         "which it gets no new ones (429 when every healthy cluster is over).")
@@ -63,6 +64,27 @@ class RoutingSettings(Settings):
         5.0, gt=0, description="Retry-After of a 503 (no healthy cluster).")
     retry_after_busy: float = Field(
         2.0, gt=0, description="Retry-After of a 429 (every healthy cluster over its backlog).")
+
+    @field_validator("heartbeat_ttl")
+    @classmethod
+    def _within_the_bucket(cls, ttl: float) -> float:
+        return within_the_bucket(ttl)
+
+
+def within_the_bucket(ttl: float) -> float:
+    """``ttl`` if KV nodes can honour it as a heartbeat's freshness; else ``ValueError``.
+
+    The bucket drops a heartbeat ``HEARTBEAT_TTL`` after it was written, silently for a
+    watch: a longer freshness kept routing to a dead agent's cluster while /metrics, which
+    reads the bucket, already said down. The bucket's TTL is not a gateway's to change:
+    every service provisions it alike (streams.py), and a differing one is a conflict.
+    """
+    if ttl > HEARTBEAT_TTL:
+        raise ValueError(
+            f"a heartbeat TTL of {ttl:g} s is longer than KV nodes' ({HEARTBEAT_TTL:g} s): "
+            f"a heartbeat is gone from the bucket {HEARTBEAT_TTL:g} s after it was written, "
+            f"so no node could stay fresh that long; use at most {HEARTBEAT_TTL:g}")
+    return ttl
 
 
 @dataclass
@@ -101,7 +123,7 @@ class Router:
         self.backlog_refresh = backlog_refresh
         self.retry_after_unavailable = retry_after_unavailable
         self.retry_after_busy = retry_after_busy
-        self.board = ClusterBoard(bus, ttl, tuple(self.clusters))
+        self.board = ClusterBoard(bus, within_the_bucket(ttl), tuple(self.clusters))
         self.backlog = {c: _Backlog() for c in self.clusters}
         self._refresher: asyncio.Task[None] | None = None
 

@@ -205,7 +205,7 @@ class GatewayService(Service):
                                train_clusters=s.train_cluster_list)
         document(app)
         observer = Observer(ctx.bus, s.cluster_list, s3=gw.s3, bucket=s.s3_bucket,
-                            url_ttl=s.result_url_ttl)
+                            url_ttl=s.result_url_ttl, heartbeat_ttl=s.heartbeat_ttl)
         dashboard.install(app, observer)  # the live dashboard at /
         app.add_middleware(AdmissionTracing)  # a generation's trace starts here
         asgi = Guard.wrap(asgi, keys, limits)

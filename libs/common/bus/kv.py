@@ -398,9 +398,16 @@ class KeyWatch:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rewatches = 0
+        self._written: dict[str, float] = {}
 
     async def replace(self, values: dict[str, bytes], first: bool) -> None: ...
     async def update(self, key: str, value: bytes | None) -> None: ...
+
+    def written(self, key: str) -> float | None:
+        """When the server stored the value of ``key`` last handed to ``replace`` or
+        ``update`` (epoch seconds, by the server's clock: not the writer's), or None for
+        a key without one. How old a value loaded by a (re)watch is, whoever wrote it."""
+        return self._written.get(key)
 
     async def start(self) -> None:
         """Return once the current values are loaded; raise if the bucket cannot be read."""
@@ -439,6 +446,7 @@ class KeyWatch:
 
     async def _follow(self, watcher: Watch) -> None:
         initial: dict[str, bytes] = {}
+        written: dict[str, float] = {}
         live = False
         while not self._stop.is_set():
             try:
@@ -452,16 +460,28 @@ class KeyWatch:
                     live = True
                     first = not self.ready.is_set()
                     self.rewatches += not first
+                    self._written = written
                     await self.replace(initial, first)
                     self.ready.set()
                 continue
             value = None if entry.operation in _DELETED or not entry.value else entry.value
             if live:
+                self._stamp(self._written, entry.key, value, entry)
                 await self.update(entry.key, value)
-            elif value is None:
-                initial.pop(entry.key, None)
             else:
-                initial[entry.key] = value
+                self._stamp(written, entry.key, value, entry)
+                if value is None:
+                    initial.pop(entry.key, None)
+                else:
+                    initial[entry.key] = value
+
+    @staticmethod
+    def _stamp(written: dict[str, float], key: str, value: bytes | None,
+               entry: KeyValue.Entry) -> None:
+        if value is None or entry.created is None:
+            written.pop(key, None)
+        else:
+            written[key] = entry.created.timestamp()
 
 
 class MapWatch(KeyWatch):
