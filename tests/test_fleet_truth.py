@@ -131,6 +131,11 @@ def test_a_heartbeat_ttl_longer_than_the_buckets_is_refused_naming_the_setting()
     with pytest.raises(ValueError, match="longer than KV nodes'"):
         Router(None, ["c"], ttl=30)  # type: ignore[arg-type]
     assert load(GatewaySettings, heartbeat_ttl=HEARTBEAT_TTL / 2).heartbeat_ttl == 3
+    # A worker judges other clusters' health for failover by the same bucket.
+    from tandem.inference_worker.service import WorkerSettings
+    with pytest.raises(SettingsError) as err:
+        load(WorkerSettings, heartbeat_ttl=30)
+    assert "TANDEM_HEARTBEAT_TTL" in str(err.value) and "KV nodes' (6 s)" in str(err.value)
 
 
 async def test_metrics_say_a_node_down_when_routing_does_not_when_the_bucket_does(

@@ -16,7 +16,7 @@ from tandem.common import checkpoints as ck
 from tandem.common import subjects
 from tandem.common.bus import Bus
 from tandem.common.errors import InvalidRunConfig, RunExists
-from tandem.common.events import RunState, TrainStatus, decode
+from tandem.common.events import RunState, TrainStatus, decode, encode
 from tandem.common.runs import DataSpec, RunConfig, get_run, parse_run_config, submit_run
 from tandem.common.streams import core_streams
 from tandem.trainer.health import Goodput, LossHealth, StragglerDetector
@@ -301,6 +301,9 @@ async def test_drained_or_unhealthy_nodes_are_left_out_of_the_next_placement(
     await (await bus.typed(KV_NODES, NodeHeartbeat)).put(
         subjects.node_key(cluster, "nc"),
         NodeHeartbeat(cluster=cluster, node="nc", health=Health.unhealthy))
+    # A body that names another node under na's key is not na's heartbeat (fleet.keyed).
+    await (await bus.kv(KV_NODES)).put(subjects.node_key(cluster, "na"), encode(
+        NodeHeartbeat(cluster=cluster, node="elsewhere", health=Health.unhealthy)))
     healthy, why = await sup.healthy_nodes()
     assert healthy == ["na"] and set(why) == {"nb", "nc"}
     assert place(2, healthy).rank_nodes == ["na", "na"]  # type: ignore[union-attr]

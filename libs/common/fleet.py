@@ -171,6 +171,22 @@ def summarize(heartbeats: Iterable[tuple[NodeHeartbeat, float]],
 # ------------------------------------------------------------------------------ snapshots
 
 
+def within_the_bucket(ttl: float) -> float:
+    """``ttl`` if KV nodes can honour it as a heartbeat's freshness; else ``ValueError``.
+
+    The bucket drops a heartbeat ``HEARTBEAT_TTL`` after it was written, silently for a
+    watch: a longer freshness kept routing to a dead agent's cluster while /metrics, which
+    reads the bucket, already said down. The bucket's TTL is not a gateway's to change:
+    every service provisions it alike (streams.py), and a differing one is a conflict.
+    """
+    if ttl > HEARTBEAT_TTL:
+        raise ValueError(
+            f"a heartbeat TTL of {ttl:g} s is longer than KV nodes' ({HEARTBEAT_TTL:g} s): "
+            f"a heartbeat is gone from the bucket {HEARTBEAT_TTL:g} s after it was written, "
+            f"so no node could stay fresh that long; use at most {HEARTBEAT_TTL:g}")
+    return ttl
+
+
 def keyed(key: str, data: bytes, event_type: type[N]) -> N:
     """``data``, the value at ``key`` (``<cluster>.<node>``) of KV ``nodes`` or
     ``drains``, decoded; raises ``EventDecodeError`` when it does not decode or when its

@@ -36,6 +36,7 @@ from pydantic import Field, field_validator
 from tandem.common import log, metrics, subjects
 from tandem.common.bus import Bus, describe
 from tandem.common.clusters import ClusterBoard, ClusterSummary
+from tandem.common.fleet import within_the_bucket
 from tandem.common.settings import Settings
 from tandem.common.streams import HEARTBEAT_TTL
 
@@ -69,22 +70,6 @@ class RoutingSettings(Settings):
     @classmethod
     def _within_the_bucket(cls, ttl: float) -> float:
         return within_the_bucket(ttl)
-
-
-def within_the_bucket(ttl: float) -> float:
-    """``ttl`` if KV nodes can honour it as a heartbeat's freshness; else ``ValueError``.
-
-    The bucket drops a heartbeat ``HEARTBEAT_TTL`` after it was written, silently for a
-    watch: a longer freshness kept routing to a dead agent's cluster while /metrics, which
-    reads the bucket, already said down. The bucket's TTL is not a gateway's to change:
-    every service provisions it alike (streams.py), and a differing one is a conflict.
-    """
-    if ttl > HEARTBEAT_TTL:
-        raise ValueError(
-            f"a heartbeat TTL of {ttl:g} s is longer than KV nodes' ({HEARTBEAT_TTL:g} s): "
-            f"a heartbeat is gone from the bucket {HEARTBEAT_TTL:g} s after it was written, "
-            f"so no node could stay fresh that long; use at most {HEARTBEAT_TTL:g}")
-    return ttl
 
 
 @dataclass

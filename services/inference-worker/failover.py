@@ -44,6 +44,7 @@ from tandem.common import log, metrics, subjects
 from tandem.common.bus import Bus, Consumer, describe
 from tandem.common.clusters import ClusterBoard
 from tandem.common.errors import StreamConflict
+from tandem.common.fleet import within_the_bucket
 from tandem.common.settings import Settings
 from tandem.common.streams import HEARTBEAT_TTL, ConsumerSpec, gen_consumer
 
@@ -67,14 +68,20 @@ class FailoverSettings(Settings):
                                    "fail over for; empty: every cluster with a work queue.")
     failover_grace: float = Field(2.0, ge=0, le=3600, description="Seconds a cluster must "
                                   "have been unhealthy before this worker pulls its queue.")
-    heartbeat_ttl: float = Field(HEARTBEAT_TTL, gt=0, le=600, description="Seconds a node's "
-                                 "heartbeat counts as fresh.")
+    heartbeat_ttl: float = Field(HEARTBEAT_TTL, gt=0, description="Seconds a node's "
+                                 f"heartbeat counts as fresh; at most {HEARTBEAT_TTL:g}, the "
+                                 "TTL of KV nodes.")
 
     @field_validator("failover_clusters")
     @classmethod
     def _clusters(cls, v: str) -> str:
         subjects.token_list(v, "cluster")
         return v
+
+    @field_validator("heartbeat_ttl")
+    @classmethod
+    def _within_the_bucket(cls, ttl: float) -> float:
+        return within_the_bucket(ttl)
 
 
 def lane_of(spec: ConsumerSpec) -> str:

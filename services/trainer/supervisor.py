@@ -45,20 +45,19 @@ from typing import Any
 import msgspec
 
 from tandem.common import checkpoints as ck
-from tandem.common import subjects, tracing
+from tandem.common import fleet, subjects, tracing
 from tandem.common.backoff import Backoff, retry
 from tandem.common.bus import Bus, TypedKV, describe
 from tandem.common.bus.acks import too_large
 from tandem.common.events import (
     Health,
-    NodeHeartbeat,
     RunRecord,
     RunState,
     TrainStatus,
     struct_replace,
 )
 from tandem.common.runs import RunConfig
-from tandem.common.streams import KV_DRAINS, KV_NODES, KV_RUNS
+from tandem.common.streams import KV_DRAINS, KV_RUNS
 from tandem.trainer.health import Goodput, StragglerDetector
 from tandem.trainer.launcher import Launcher, LaunchFailed, Placement, place
 from tandem.trainer.run_metrics import RunMetrics
@@ -270,7 +269,6 @@ class RunSupervisor(AttemptWatch):
         candidates = list(self.config.nodes) or [self.cfg.node]
         why = {n: r for n, r in self.excluded.items() if n in candidates}
         drains = await self.bus.kv(KV_DRAINS)
-        nodes_kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
         for n in candidates:
             key = subjects.node_key(self.cluster, n)
             with contextlib.suppress(Exception):
@@ -278,17 +276,17 @@ class RunSupervisor(AttemptWatch):
                 if entry.value:
                     why[n] = "drained"
             with contextlib.suppress(Exception):
-                hb = await nodes_kv.get(key)
-                if hb is not None and (hb[0].drained or hb[0].health in BAD_HEALTH):
-                    why[n] = f"heartbeat says {hb[0].health.value}"
+                # The node's own heartbeat (one whose body names another is not: fleet)
+                hb = await fleet.heartbeat(self.bus, self.cluster, n)
+                if hb is not None and (hb.drained or hb.health in BAD_HEALTH):
+                    why[n] = f"heartbeat says {hb.health.value}"
         return [n for n in candidates if n not in why], why
 
     async def _telemetry(self, node: str) -> dict[str, Any]:
         with contextlib.suppress(Exception):
-            nodes_kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
-            hb = await nodes_kv.get(subjects.node_key(self.cluster, node))
+            hb = await fleet.heartbeat(self.bus, self.cluster, node)
             if hb is not None:
-                return msgspec.to_builtins(hb[0])
+                return msgspec.to_builtins(hb)
         return {}
 
     # ------------------------------------------------------------------------- the life
