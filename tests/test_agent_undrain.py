@@ -29,4 +29,8 @@ async def test_an_undrain_of_a_node_whose_gpu_is_still_lost_never_reports_it_hea
     assert Health.healthy not in [t.current for t in trs]  # a trainer would take it back
     assert agent.tracker.active() == ["gpu-lost@1"]
     assert agent.heartbeat_value().gpus_usable == 3
+    # ... and drained again at once: no worker pulls onto it, no run is placed on it.
+    await until(lambda: agent.state == Health.drained, what="drained again")
+    rec = await fleet.drain_record(bus, cluster, "n1")
+    assert rec is not None and rec.by == "agent" and rec.reason.startswith("gpu-lost on GPU 1")
     await agent.close()

@@ -321,6 +321,9 @@ class NodeHeartbeat(Event, kw_only=True):
     backend: str = ""  # "nvml" or "sim"
     interval: float = 0.0  # telemetry interval, seconds
     seq: int = 0  # heartbeat number since the agent started
+    # The writing agent's instance id (host-pid-random); one instance per node: another
+    # one's fresh heartbeat stops an agent from starting. "" from an older agent.
+    instance: str = ""
 
 
 class GpuBrief(msgspec.Struct, kw_only=True, omit_defaults=True):

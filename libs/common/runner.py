@@ -75,6 +75,13 @@ class Service(ABC):
         or None. Not readiness: a service loading models is not ready and still alive."""
         return None
 
+    def preflight(self) -> None:
+        """Check what the settings ask of this host before connecting (a device, a
+        driver); raise ``SettingsError`` naming the setting: the process exits 2, as for
+        a bad value. Not part of loading settings, which reads values only (a tool may
+        load a pod's settings anywhere)."""
+        return None
+
     @abstractmethod
     async def run(self, ctx: Context) -> None:
         """Run until ``ctx.stopping`` is set, then finish or hand back in-flight work."""
@@ -263,13 +270,15 @@ def main(service_cls: type[Service], argv: list[str] | None = None) -> None:
     try:
         settings = load(service_cls.settings_class, service_cls.name)
         run = loop_runner(settings.event_loop)
+        service = service_cls(settings)
+        service.preflight()
     except SettingsError as exc:
         print(f"tandem {service_cls.name}: {exc}", file=sys.stderr)
         sys.exit(2)
     tune_gc(settings.gc_threshold)
 
     async def served() -> int:
-        code = await serve(service_cls(settings))
+        code = await serve(service)
         exit_anyway(code, EXIT_GRACE_S)
         return code
 

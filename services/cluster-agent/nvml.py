@@ -5,6 +5,9 @@ missing from the driver) is remembered and never made again for that GPU, so an 
 or smaller GPU reports what it has and ``None`` for the rest. GPU_IS_LOST marks the GPU
 ``lost`` (fell off the bus). XIDs come from an NVML event set, drained without waiting
 at each sample.
+
+NVML that cannot start (nvidia-ml-py not installed, no driver) is ``NvmlUnavailable``,
+raised by ``probe`` (the service's settings check, before it connects) and by ``open``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from tandem.cluster_agent.backend import NvmlUnavailable
 from tandem.common import log
 from tandem.common.events import GpuSample
 
@@ -26,6 +30,32 @@ NVLINK_COUNTERS = ("NVML_NVLINK_ERROR_DL_REPLAY", "NVML_NVLINK_ERROR_DL_RECOVERY
 
 class _GpuLost(Exception):
     pass
+
+
+def initialised(module: ModuleType | Any | None = None) -> Any:
+    """The pynvml module (or ``module``, a fake) with NVML initialised; raises
+    ``NvmlUnavailable`` naming why it cannot be."""
+    try:
+        nv = module or importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise NvmlUnavailable(f"nvidia-ml-py is not installed: {exc}") from None
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as exc:
+        raise NvmlUnavailable(f"{type(exc).__name__}: {exc}") from None
+    return nv
+
+
+def probe(module: ModuleType | Any | None = None) -> int:
+    """How many GPUs NVML sees on this host (initialised and shut down again)."""
+    nv = initialised(module)
+    try:
+        return int(nv.nvmlDeviceGetCount())
+    except nv.NVMLError as exc:
+        raise NvmlUnavailable(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        with contextlib.suppress(Exception):
+            nv.nvmlShutdown()
 
 
 class NvmlBackend:
@@ -47,8 +77,7 @@ class NvmlBackend:
     # --------------------------------------------------------------------------- lifecycle
 
     def open(self, now: float) -> int:
-        nv = self.nv = self._module or importlib.import_module("pynvml")
-        nv.nvmlInit()
+        nv = self.nv = initialised(self._module)
         count = nv.nvmlDeviceGetCount()
         self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.unsupported = [set() for _ in range(count)]
