@@ -38,11 +38,17 @@ one, that the run's history has abandoned is not mirrored (its event is acked, l
 and its local copy removed); the latest committed checkpoint in KV moves only along the
 current history; retention keeps the newest of that history and deletes every abandoned
 checkpoint, in S3 and on local disk, since nothing will ever load one again.
+
+Stopping (``linger``): after SIGTERM it goes on pulling while a checkpoint may still come
+(a run claimed, not ended, places ranks on its node: a node going away stops them at the
+same moment, and they save their step first), for at most ``stop_linger_s``; then what
+it took is mirrored within the drain. With no training on its node it stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Collection, Sequence
@@ -50,7 +56,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from botocore.exceptions import ClientError
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
@@ -78,9 +84,12 @@ from tandem.common.streams import (
     checkpointer_consumer,
 )
 
+from .linger import Linger
 from .mirror import Mirror, MirrorConfig, MirrorError, MirrorResult
 
 MiB = 1 << 20
+# What the drain keeps past the linger: a checkpoint taken at its very end is mirrored then.
+MIRROR_ROOM_S = 5.0
 
 BYTES = metrics.Counter("tandem_checkpoint_uploaded_bytes", "Checkpoint bytes sent to S3")
 OUTCOMES = metrics.Counter("tandem_checkpoint_outcomes", "Checkpoint mirror outcomes",
@@ -144,6 +153,31 @@ class CheckpointerSettings(Settings):
         "TANDEM_NODE), one checkpointer per node with the node's own disk; fleet: every "
         "node's, for one checkpointer that sees every node's folder (one box, a shared "
         "volume). One or the other per deployment: the server refuses both at once.")
+    stop_linger_s: float | None = Field(
+        None, ge=0, le=590,
+        description="After SIGTERM, how long it goes on taking checkpoints while one may "
+        "still come: a run not ended places ranks on its node (scope=fleet: on any node; "
+        "a node going away stops them too, and they save their step first: the trainer's "
+        "TANDEM_STOP_CHECKPOINT_S) or one waits in its queue; with neither it stops at "
+        "once. Unset: DRAIN_TIMEOUT less 5 s, the trainer's rule for its ranks' window "
+        "(15 s with the default drain); 0: stop taking at SIGTERM. Set, at least 5 s under "
+        "DRAIN_TIMEOUT: what it took is mirrored within the drain.")
+
+    @model_validator(mode="after")
+    def _linger_within_drain(self) -> CheckpointerSettings:
+        if self.stop_linger_s is not None and \
+                self.stop_linger_s + MIRROR_ROOM_S > self.drain_timeout:
+            raise ValueError(
+                f"TANDEM_STOP_LINGER_S ({self.stop_linger_s:g}) must be at least "
+                f"{MIRROR_ROOM_S:g}s under TANDEM_DRAIN_TIMEOUT ({self.drain_timeout:g}): "
+                "the checkpoints taken meanwhile are mirrored within the drain")
+        return self
+
+    def linger_window(self) -> float:
+        """``stop_linger_s``, or unset the drain timeout less ``MIRROR_ROOM_S``."""
+        if self.stop_linger_s is not None:
+            return self.stop_linger_s
+        return max(0.0, self.drain_timeout - MIRROR_ROOM_S)
 
     def mirror_config(self) -> MirrorConfig:
         return MirrorConfig(bucket=self.s3_bucket, multipart_threshold=self.multipart_threshold,
@@ -165,6 +199,8 @@ class Checkpointer(Service):
         # Why each checkpoint handed back last was (run, step, lineage): said when its
         # event runs out of deliveries, whose last is the bus's, not a mirror attempt.
         self._handed_back: dict[tuple[str, int, int], str] = {}
+        # Set once it takes no more checkpoints: at SIGTERM, or after its linger.
+        self.closing = asyncio.Event()
 
     @property
     def consumer_spec(self) -> ConsumerSpec:
@@ -197,9 +233,16 @@ class Checkpointer(Service):
             ctx.log.warning("checkpointer.s3_unavailable", error=repr(exc))
         consumer = ctx.bus.consumer(self.consumer_spec, CheckpointWritten, self.handle,
                                     concurrency=s.concurrency, on_dead=self.on_dead)
+        linger = Linger(ctx.bus, self.runs, self.consumer_spec,
+                        (s.cluster, s.node) if s.scope == "node" else None,
+                        s.linger_window(), ctx.log)
+        lingering = asyncio.create_task(linger.run(ctx.stopping, self.closing))
         try:
-            await consumer.run(ctx.stopping)
+            await consumer.run(self.closing)
         finally:
+            lingering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lingering
             await asyncio.to_thread(self.mirror.close)
 
     # --------------------------------------------------------------------------- handling
@@ -305,7 +348,7 @@ class Checkpointer(Service):
                       lg: Any) -> tuple[MirrorResult | None, str, int]:
         assert self.mirror is not None
         backoff = Backoff(self.settings.retry_backoff, max_delay=30.0)
-        retries = backoff.retries(attempts=self.settings.attempts, stop=self.ctx.stopping)
+        retries = backoff.retries(attempts=self.settings.attempts, stop=self.closing)
         reason, heals = "", True
         async for attempt in retries:
             try:
