@@ -11,10 +11,12 @@ subsets of their schemas (tests/schemas/).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -28,6 +30,8 @@ import pytest
 import yaml
 
 from tandem.cli.certs import dev_certs
+from tandem.cli.devstack import NatsServer
+from tandem.cli.http import get_json
 from tandem.cli.run import service_class
 from tandem.common import accounts, permissions
 from tandem.common.errors import SettingsError
@@ -39,6 +43,7 @@ from tandem.trainer.node_agent import node_command
 
 from .conftest import ROOT
 from .settings_support import unknown_settings
+from .test_stack import wait_until
 
 BIN = Path(sys.executable).parent
 KUBECTL = BIN / "kubectl"
@@ -55,6 +60,8 @@ SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
                       if (p / "__init__.py").exists())
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 GPU = "nvidia.com/gpu"
+# The hub's route login: the one password of Secret tandem-nats that no account reads.
+ROUTE_PASSWORD = "TANDEM_NATS_PASSWORD_ROUTE"
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -177,6 +184,48 @@ def hub_port(name: str) -> int:
     pattern = (r"^listen: 0\.0\.0\.0:(\d+)$" if name == "client"
                else r"^leafnodes \{\n\s+listen: 0\.0\.0\.0:(\d+)$")
     return int(re.search(pattern, conf, re.M).group(1))
+
+
+def hub_conf() -> str:
+    return nats_conf("control-plane", generated("nats-hub", "control-plane"), "hub.conf")
+
+
+def conf_block(conf: str, name: str) -> str:
+    """The body of a top-level block of a nats-server config (``cluster``, ``leafnodes``)."""
+    m = re.search(rf"^{name} \{{(.*?)^\}}", conf, re.M | re.S)
+    assert m, name
+    return m.group(1)
+
+
+def hub_container() -> dict[str, Any]:
+    (c,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
+    return c
+
+
+def route_hosts() -> list[str]:
+    """Each hub server's route address: its stable name under the headless Service."""
+    hub = objects("control-plane", "StatefulSet")["nats"]
+    port = port_number(hub_container(), "cluster")
+    return [f"{hub['metadata']['name']}-{i}.{hub['spec']['serviceName']}:{port}"
+            for i in range(hub["spec"]["replicas"])]
+
+
+def hub_env(server: str, hosts: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Hub server ``server``'s environment as the kubelet builds it: Secret tandem-nats's
+    passwords (``pw-<name>``), then its env expanded; each route URL's address replaced
+    by ``hosts``'s (a loopback port in a test), when given."""
+    secret = {permissions.password_env(u) for u in accounts.users(CLUSTERS)} | {ROUTE_PASSWORD}
+    values = {name: f"pw-{name.lower()}" for name in sorted(secret)}
+    env = env_of("control-plane", {**hub_container(), "envFrom": []},
+                 secrets={f"tandem-nats/{k}": v for k, v in values.items()})
+    out = {**values, **{k: v for k, v in env.items() if isinstance(v, str)},
+           "SERVER_NAME": server}
+    if hosts is not None:
+        for name, value in out.items():
+            if value.startswith("nats-route://"):
+                head, addr = value.rsplit("@", 1)
+                out[name] = f"{head}@{hosts[addr]}"
+    return out
 
 
 def ca_is_mounted_from(secret: str, workload: dict[str, Any], container: dict[str, Any],
@@ -344,6 +393,64 @@ def test_gpu_pods_request_gpus_and_nothing_else_does() -> None:
     assert requesting == {"inference-worker": 1, "trainer-node": 8}
 
 
+def admits(spec: dict[str, Any], labels: dict[str, str],
+           taints: tuple[tuple[str, str], ...] = ()) -> bool:
+    """Whether the scheduler may place a pod of ``spec`` on a node with ``labels`` and
+    NoSchedule ``taints`` (key, value): its nodeSelector, its required node affinity,
+    its tolerations."""
+    if any(labels.get(k) != v for k, v in spec.get("nodeSelector", {}).items()):
+        return False
+    ops = {"In": lambda k, vs: labels.get(k) in vs, "NotIn": lambda k, vs: labels.get(k) not in vs,
+           "Exists": lambda k, _: k in labels, "DoesNotExist": lambda k, _: k not in labels}
+    required = spec.get("affinity", {}).get("nodeAffinity", {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution")
+    if required and not any(
+            all(ops[e["operator"]](e["key"], e.get("values", [])) for e in term["matchExpressions"])
+            for term in required["nodeSelectorTerms"]):
+        return False
+    return all(any(t.get("key", key) == key and t.get("effect", "NoSchedule") == "NoSchedule"
+                   and (t["operator"] == "Exists" or t.get("value") == value)
+                   for t in spec.get("tolerations", []))
+               for key, value in taints)
+
+
+def test_no_node_takes_both_a_worker_and_trainer_node_and_training_pods_outrank_workers() -> None:
+    """trainer-node needs every GPU of its training node: a worker there leaves it Pending.
+    Workers keep off training nodes (as trainer-node selects them), tainted or not; a
+    worker placed before its node was labelled is preempted, as every pod of the training
+    nodes has a shipped priority above the workers'."""
+    for overlay in CLUSTERS:
+        worker = pod_spec(objects(overlay, "Deployment")["inference-worker"])
+        trainer = pod_spec(objects(overlay, "DaemonSet")["trainer-node"])
+        gpu_node = worker["nodeSelector"]
+        training_node = {**gpu_node, **trainer["nodeSelector"]}
+        assert training_node != gpu_node
+        assert admits(worker, gpu_node) and not admits(worker, training_node)
+        assert admits(trainer, training_node) and not admits(trainer, gpu_node)
+        # Training nodes may be tainted with their label: every DaemonSet of theirs and
+        # every pod that selects them still runs there; a worker still does not.
+        taints = ((GPU, "present"), *((k, v) for k, v in training_node.items()
+                                      if gpu_node.get(k) != v))
+        classes = objects(overlay, "PriorityClass")
+        # A pod naming no class has priority 0 (no class here is the global default).
+        workers = classes[worker["priorityClassName"]]["value"] if (
+            "priorityClassName" in worker) else 0
+        assert not admits(worker, training_node, taints)
+        on_training = []
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            selected = all(spec.get("nodeSelector", {}).get(k) == v
+                           for k, v in training_node.items() if gpu_node.get(k) != v)
+            if selected or (w["kind"] == "DaemonSet" and admits(spec, training_node)):
+                assert admits(spec, training_node, taints), w["metadata"]["name"]
+            if selected:
+                on_training.append(w["metadata"]["name"])
+                klass = classes[spec["priorityClassName"]]
+                assert klass["value"] > workers, w["metadata"]["name"]
+                assert klass.get("preemptionPolicy") != "Never" and not klass.get("globalDefault")
+        assert {"trainer-node", "trainer", "checkpointer"} <= set(on_training)
+
+
 def test_the_agent_sees_every_gpu_of_its_node_without_taking_one_or_privilege() -> None:
     for overlay in CLUSTERS:
         agent = objects(overlay, "DaemonSet")["cluster-agent"]
@@ -418,6 +525,12 @@ def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
         text = nats_conf(overlay, generated(config, overlay), config.replace("nats-", "") + ".conf")
         port = int(re.search(r"^http: 0\.0\.0\.0:(\d+)$", text, re.M).group(1))
         for key in ("readinessProbe", "livenessProbe"):
+            if name == "nats-leaf" and key == "readinessProbe":
+                # Ready only with a hub link: /leafz, from inside the pod (the next test
+                # runs it against real servers).
+                (command,) = [a for a in c[key]["exec"]["command"] if "/leafz" in a]
+                assert f"http://127.0.0.1:{port}/leafz" in command
+                continue
             probe = c[key]["httpGet"]
             assert probe["path"].startswith("/healthz") and port_number(c, probe["port"]) == port
     # A hub pod counts as started (so a rolling update goes on to the next) only once its
@@ -545,13 +658,23 @@ def test_the_control_plane_reaches_the_hub_and_routes_to_every_cluster_overlay()
 def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> None:
     hub = objects("control-plane", "StatefulSet")["nats"]
     assert hub["spec"]["replicas"] == 3 and hub["spec"]["volumeClaimTemplates"]
-    conf = config_lines(nats_conf("control-plane", generated("nats-hub", "control-plane"),
-                                  "hub.conf"))
-    for i in range(3):
-        assert f"nats-route://nats-{i}.{hub['spec']['serviceName']}:6222" in conf
+    conf = config_lines(hub_conf())
+    # Every server routes to every server, logged in as the cluster's one route user: a
+    # route with no login lets any server join and read every account's traffic.
+    cluster = conf_block(conf, "cluster")
+    login = re.search(r"^\s+authorization \{\n\s+user: (\w+)\n\s+password: \$(\w+)$",
+                      cluster, re.M)
+    assert login and login.group(2) == ROUTE_PASSWORD, cluster
+    (routes,) = re.findall(r"^\s+routes: \[([^]]*)\]$", cluster, re.M)
+    env = hub_env("nats-0")
+    assert sorted(env[name] for name in re.findall(r"\$(\w+)", routes)) == sorted(
+        f"nats-route://{login.group(1)}:{env[ROUTE_PASSWORD]}@{h}" for h in route_hosts())
+    raw = {e["name"]: e for e in hub_container()["env"]}
+    assert raw[ROUTE_PASSWORD]["valueFrom"] == {
+        "secretKeyRef": {"name": "tandem-nats", "key": ROUTE_PASSWORD}}
     # The generated accounts and nothing beside them: no users of a plain auth.conf.
     assert re.findall(r"^include (.+)$", conf, re.M) == ["./accounts.conf"]
-    assert "authorization" not in conf and "users" not in conf
+    assert "authorization" not in conf.replace(cluster, "") and "users" not in conf
     acc = hub_accounts()
     assert acc == (ROOT / "deploy/nats/accounts.conf").read_text() == accounts.compose_config()
     # ... for exactly these cluster overlays: one account each, and every user once
@@ -570,34 +693,43 @@ def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> Non
     doc = (ROOT / "docs/deploy.md").read_text()
     (listed,) = re.findall(r"for u in ([A-Z_ ]+); do\n\s+echo --from-literal="
                            r"TANDEM_NATS_PASSWORD_\$u=", doc)
-    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted
+    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted | {ROUTE_PASSWORD}
     assert objects("control-plane", "PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1
 
 
-def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str, str]) -> None:
-    """``nats-server -t`` on the config as mounted, mount paths mapped into tmp_path."""
-    certs = dev_certs(tmp_path / "tls")
-    (tmp_path / "tls" / "tls.crt").write_bytes(certs.server_cert.read_bytes())
-    (tmp_path / "tls" / "tls.key").write_bytes(certs.server_key.read_bytes())
-    (tmp_path / "tls" / "ca.crt").write_bytes(certs.ca.read_bytes())
+def _mount(tmp_path: Path, files: dict[str, str], tls: Path | None = None) -> None:
+    """The config files as mounted, mount paths mapped into tmp_path, with the TLS files
+    (tls.crt, tls.key, ca.crt) of folder ``tls`` (a hub's, for its leaves), else of a
+    fresh dev CA."""
+    if tls is None:
+        certs = dev_certs(tmp_path / "tls")
+        sources = {"tls.crt": certs.server_cert, "tls.key": certs.server_key, "ca.crt": certs.ca}
+    else:
+        sources = {name: tls / name for name in ("tls.crt", "tls.key", "ca.crt")}
+    (tmp_path / "tls").mkdir(parents=True, exist_ok=True)
+    for name, source in sources.items():
+        (tmp_path / "tls" / name).write_bytes(source.read_bytes())
     for name, text in files.items():
         text = text.replace("/etc/nats-tls/", f"{tmp_path}/tls/").replace(
             "/var/run/nats/", f"{tmp_path}/").replace("store_dir: /data", f"store_dir: {tmp_path}")
         (tmp_path / name).write_text(text)
+
+
+def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str, str]) -> None:
+    """``nats-server -t`` on the config as mounted, mount paths mapped into tmp_path."""
+    _mount(tmp_path, files)
     res = subprocess.run([str(BIN / "nats-server"), "-c", str(tmp_path / main), "-t"],
                          capture_output=True, text=True, timeout=30, env=env)
     assert res.returncode == 0, res.stderr + res.stdout
 
 
 def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) -> None:
-    hub = {"hub.conf": nats_conf("control-plane", generated("nats-hub", "control-plane"),
-                                 "hub.conf"),
-           "accounts.conf": hub_accounts()}
-    passwords = {permissions.password_env(u): "pw" for u in accounts.users(CLUSTERS)}
-    _nats_check(tmp_path / "hub", hub, "hub.conf", {"SERVER_NAME": "nats-0", **passwords})
+    hub = {"hub.conf": hub_conf(), "accounts.conf": hub_accounts()}
+    env = hub_env("nats-0")
+    _nats_check(tmp_path / "hub", hub, "hub.conf", env)
     with pytest.raises(AssertionError, match="TANDEM_NATS_PASSWORD_LEAF_"):
-        leafless = {k: v for k, v in passwords.items() if "LEAF" not in k}
-        _nats_check(tmp_path / "hub-1", hub, "hub.conf", {"SERVER_NAME": "nats-0", **leafless})
+        leafless = {k: v for k, v in env.items() if "LEAF" not in k}
+        _nats_check(tmp_path / "hub-1", hub, "hub.conf", leafless)
     for cluster in CLUSTERS:
         leaf = objects(cluster, "Deployment")["nats-leaf"]
         (nats,) = pod_spec(leaf)["containers"]
@@ -606,6 +738,162 @@ def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) 
         _nats_check(tmp_path / cluster, files, "leaf.conf",
                     {"SERVER_NAME": env["SERVER_NAME"].replace("$(POD_NAME)", "nats-leaf-0"),
                      "HUB_URL": env["HUB_URL"]})
+
+
+def _hub_server(root: Path, name: str, hosts: Mapping[str, str],
+                monkeypatch: pytest.MonkeyPatch) -> NatsServer:
+    """Hub server ``name`` from the rendered hub.conf and accounts.conf, on loopback: its
+    client and monitoring ports the command line's, its route and leaf ports free ones,
+    its routes to ``hosts``'s addresses (route_hosts() -> host:port)."""
+    conf = hub_conf()
+    for port in ("cluster", "leafnodes"):
+        conf, n = re.subn(rf"^(\s+listen: )0\.0\.0\.0:{port_number(hub_container(), port)}$",
+                          r"\g<1>127.0.0.1:-1", conf, flags=re.M)
+        assert n == 1, port
+    _mount(root, {"hub.conf": conf, "accounts.conf": hub_accounts()})
+    for key, value in hub_env(name, hosts).items():
+        monkeypatch.setenv(key, value)
+    return NatsServer(name=name, log_path=root / "nats.log", config_path=root / "hub.conf",
+                      store_dir=root).start()
+
+
+@contextlib.contextmanager
+def _refusing(names: list[str]) -> Iterator[dict[str, str]]:
+    """A loopback address for each of ``names`` that refuses every connection (a socket
+    bound, never listening, so nothing else takes the port), distinct: nats-server warns
+    of a duplicate route, its URL in full."""
+    with contextlib.ExitStack() as stack:
+        addresses = {}
+        for name in names:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            addresses[name] = f"127.0.0.1:{sock.getsockname()[1]}"
+        yield addresses
+
+
+def _route_names(srv: NatsServer) -> set[str]:
+    routez = get_json(f"http://{srv.host}:{srv.monitor_port}/routez") or {}
+    return {r["remote_name"] for r in routez.get("routes", [])}
+
+
+def _client_info(srv: NatsServer) -> dict[str, Any]:
+    """The INFO a server sends a client on connecting (before any TLS handshake)."""
+    with socket.create_connection((srv.host, srv.port), timeout=5) as conn:
+        line = conn.makefile("rb").readline()
+    assert line.startswith(b"INFO "), line
+    return json.loads(line[5:])
+
+
+def test_hub_servers_route_only_with_the_route_login_and_advertise_no_client_addresses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's rogue route, on the rendered config: two hub servers form their route,
+    a server of someone's own config routing in is refused (it would read every account),
+    and clients are told no server addresses but the one they dialled."""
+    servers: list[NatsServer] = []
+    with _refusing(route_hosts()) as nowhere:
+        try:
+            first = _hub_server(tmp_path / "nats-0", "nats-0", nowhere, monkeypatch)
+            servers.append(first)
+            hosts = {**nowhere, route_hosts()[0]: f"127.0.0.1:{first.cluster_port}"}
+            servers.append(_hub_server(tmp_path / "nats-1", "nats-1", hosts, monkeypatch))
+            wait_until(lambda: _route_names(first) == {"nats-1"}, 20, "nats-1's route to nats-0")
+            name = re.search(r"^\s+name: (\S+)$", conf_block(hub_conf(), "cluster"), re.M)
+            rogue_conf = tmp_path / "rogue.conf"
+            rogue_conf.write_text(
+                f'jetstream {{ store_dir: "{tmp_path / "rogue"}" }}\n'
+                f'cluster {{ name: {name.group(1)}, listen: "127.0.0.1:-1", '
+                f'routes: ["nats-route://127.0.0.1:{first.cluster_port}"] }}\n')
+            rogue = NatsServer(name="rogue", log_path=tmp_path / "rogue.log",
+                               config_path=rogue_conf).start()
+            servers.append(rogue)
+
+            def refused() -> bool:
+                return "Authentication Failure" in first.log_path.read_text()
+
+            wait_until(lambda: refused() or "rogue" in _route_names(first), 20,
+                       "nats-0 refusing or taking the rogue's route")
+            assert refused() and _route_names(first) == {"nats-1"}
+            assert _route_names(rogue) == set()
+            assert not _client_info(first).get("connect_urls")
+            password = hub_env("nats-0")[ROUTE_PASSWORD]
+            assert password not in first.log_path.read_text() + json.dumps(first.varz())
+        finally:
+            for srv in reversed(servers):
+                srv.stop()
+
+
+def test_a_leaf_is_ready_only_while_linked_to_the_hub(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaf's /healthz says 200 without a hub link (the review's M2); its readiness
+    probe, run against real servers from the rendered configs, fails without the link
+    and passes with it."""
+    cluster = CLUSTERS[0]
+    (c,) = pod_spec(objects(cluster, "Deployment")["nats-leaf"])["containers"]
+    conf = nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")
+    monitor = re.search(r"^http: 0\.0\.0\.0:(\d+)$", conf, re.M).group(1)
+
+    def ready(srv: NatsServer) -> bool:
+        argv = [a.replace(f"127.0.0.1:{monitor}", f"{srv.host}:{srv.monitor_port}")
+                for a in c["readinessProbe"]["exec"]["command"]]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+
+    servers: list[NatsServer] = []
+    with _refusing([*route_hosts(), "leaf"]) as refused:
+        nowhere = refused.pop("leaf")
+        try:
+            hub = _hub_server(tmp_path / "hub", "nats-0", refused, monkeypatch)
+            servers.append(hub)
+            password = hub_env("nats-0")[permissions.password_env(accounts.leaf_user(cluster))]
+            env = env_of(cluster, c, secrets={"nats-leaf/password": password})
+            linked = f"{hub.host}:{hub.varz()['leaf']['port']}"
+            leaves = {}
+            for name, addr in (("cut-off", nowhere), ("linked", linked)):
+                _mount(tmp_path / name, {"leaf.conf": conf}, tls=tmp_path / "hub" / "tls")
+                monkeypatch.setenv("SERVER_NAME", f"leaf-{cluster}-{name}")
+                monkeypatch.setenv("HUB_URL", env["HUB_URL"].rsplit("@", 1)[0] + f"@{addr}")
+                leaves[name] = NatsServer(name=f"leaf-{cluster}-{name}",
+                                          log_path=tmp_path / name / "nats.log",
+                                          config_path=tmp_path / name / "leaf.conf").start()
+                servers.append(leaves[name])
+            wait_until(lambda: ready(leaves["linked"]), 20, "the linked leaf's readiness")
+            cut_off = leaves["cut-off"]
+            assert get_json(f"http://{cut_off.host}:{cut_off.monitor_port}/healthz") == {
+                "status": "ok"}
+            assert not ready(cut_off)
+        finally:
+            for srv in reversed(servers):
+                srv.stop()
+
+
+def test_only_hub_servers_reach_the_route_port_and_clients_reach_theirs() -> None:
+    """A NetworkPolicy selects the hub's pods: 6222 only from hub pods (a route is a
+    server joining the cluster); the client and leaf ports from anywhere (the GPU
+    clusters come through the load balancer); monitoring from somewhere."""
+    hub = objects("control-plane", "StatefulSet")["nats"]
+    c = hub_container()
+    policies = [p for p in objects("control-plane", "NetworkPolicy").values()
+                if selects(p["spec"]["podSelector"]["matchLabels"], hub)]
+    assert policies, "no NetworkPolicy selects the hub's pods: anything reaches their routes"
+    rules = []
+    for policy in policies:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+        rules += policy["spec"].get("ingress", [])
+
+    def admitting(port: str) -> list[dict[str, Any]]:
+        number = port_number(c, port)
+        return [r for r in rules if "ports" not in r
+                or any(port_number(c, p["port"]) == number for p in r["ports"])]
+
+    assert admitting("cluster")
+    for rule in admitting("cluster"):
+        assert rule.get("from"), rule  # no "from": from anywhere
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"} and set(peer["podSelector"]) == {"matchLabels"}
+            assert peer["podSelector"]["matchLabels"] and selects(
+                peer["podSelector"]["matchLabels"], hub), peer
+    for port in ("client", "leafnodes"):
+        assert any("from" not in r for r in admitting(port)), port
+    assert admitting("monitor")
 
 
 def test_what_gpu_clusters_reach_is_the_hub_s_client_and_leaf_ports_behind_one_balancer() -> None:
@@ -662,7 +950,7 @@ def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_
     """The coordinator orders node agents (no rank is its child); each agent, named by its
     node, runs exactly ``LocalLauncher.command`` with the rendezvous on its pod's IP."""
     for overlay in CLUSTERS:
-        (coordinator,) = pod_spec(objects(overlay, "Deployment")["trainer"])["containers"]
+        (coordinator,) = pod_spec(objects(overlay, "StatefulSet")["trainer"])["containers"]
         assert env_of(overlay, coordinator)["TANDEM_LAUNCHER"] == "nodes"
         agents = objects(overlay, "DaemonSet")["trainer-node"]
         (c,) = pod_spec(agents)["containers"]
@@ -691,10 +979,19 @@ def test_every_training_node_runs_a_node_agent_whose_torchrun_is_the_launcher_s_
 
 
 def test_one_coordinator_per_cluster_never_two_at_once() -> None:
+    """A coordinator adopts every unfinished run of its identity with no lease on it
+    (services/trainer/service.py), so two pods must never run at once: a StatefulSet of
+    one, which starts its pod again only once the old one is gone; a Deployment starts a
+    replacement while a pod on a node cut off from the API server still runs."""
     for overlay in CLUSTERS:
-        coordinator = objects(overlay, "Deployment")["trainer"]["spec"]
-        assert coordinator["replicas"] == 1 and coordinator["strategy"]["type"] == "Recreate"
-        (c,) = pod_spec(objects(overlay, "Deployment")["trainer"])["containers"]
+        assert "trainer" not in objects(overlay, "Deployment")
+        coordinator = objects(overlay, "StatefulSet")["trainer"]
+        spec = coordinator["spec"]
+        assert spec["replicas"] == 1 and "volumeClaimTemplates" not in spec
+        assert spec.get("updateStrategy", {}).get("type", "RollingUpdate") == "RollingUpdate"
+        service = objects(overlay, "Service")[spec["serviceName"]]["spec"]
+        assert service["clusterIP"] == "None" and selects(service["selector"], coordinator)
+        (c,) = pod_spec(coordinator)["containers"]
         env = env_of(overlay, c)
         assert not isinstance(env["TANDEM_NODE"], dict)  # a fixed identity: runs are adopted
         assert env["TANDEM_RELAY_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -702,7 +999,7 @@ def test_one_coordinator_per_cluster_never_two_at_once() -> None:
 
 def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_folder() -> None:
     for overlay in CLUSTERS:
-        pods = {"trainer": objects(overlay, "Deployment")["trainer"],
+        pods = {"trainer": objects(overlay, "StatefulSet")["trainer"],
                 "trainer-node": objects(overlay, "DaemonSet")["trainer-node"],
                 "checkpointer": objects(overlay, "DaemonSet")["checkpointer"]}
         mounts = set()
