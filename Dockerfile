@@ -50,6 +50,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TANDEM_METRICS_HOST=0.0.0.0 \
     TANDEM_METRICS_PORT=9100
 COPY --from=build /opt/tandem /opt/tandem
+# tini is PID 1: it passes signals on to the service and reaps what is orphaned under it
+# (a crashed torchrun's or pipeline process's children), which a Python service as PID 1
+# never waits for: their zombies would pile up until the pod ran out of pids.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
 
 # The code stays root-owned (read-only to the service); the work dir is writable.
 # /checkpoints is the volume trainer and checkpointer share; a new named volume takes
@@ -63,6 +69,8 @@ EXPOSE ${PORTS}
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ['TANDEM_METRICS_PORT'] + '/healthz', timeout=2)"]
 # SIGTERM (docker stop) drains: in-flight work finishes or is handed back, then exit 0.
-# exec: the service (python -m tandem.<SERVICE with _ for ->) is PID 1 and gets the signal.
+# tini passes the signal on to the service (python -m tandem.<SERVICE with _ for ->),
+# which sh exec-s into, and exits with its code.
 STOPSIGNAL SIGTERM
+ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["sh", "-c", "exec python -m \"tandem.$(echo \"$SERVICE\" | tr - _)\""]

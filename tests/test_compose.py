@@ -141,6 +141,10 @@ def test_the_dockerfile_installs_just_the_services_extra_and_runs_its_module() -
     assert "COPY --from=build /opt/tandem /opt/tandem" in text
     # The module run is the folder with - as _: tandem.<package> of pyproject's package-dir.
     assert 'exec python -m \\"tandem.$(echo \\"$SERVICE\\" | tr - _)\\"' in text
+    # An init is PID 1: it reaps orphans, which a Python service as PID 1 never does (no
+    # pod replaces it: test_deploy).
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in text
+    assert "install -y --no-install-recommends tini" in text
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-dir"]
     for folder in SERVICE_DIRS:

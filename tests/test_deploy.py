@@ -1083,3 +1083,13 @@ def test_every_service_is_scraped_by_the_servicemonitor() -> None:
             (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
             assert port_number(c, port["targetPort"]) == int(
                 env_of(overlay, c)["TANDEM_METRICS_PORT"]), (overlay, svc)
+
+
+def test_every_tandem_service_runs_under_the_images_init() -> None:
+    """The image's entrypoint is tini (Dockerfile): PID 1 reaps what is orphaned under the
+    service. A container's ``command`` would replace it (its ``args`` would not)."""
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            for c in pod_spec(w)["containers"]:
+                if service_of(c["image"]) is not None:
+                    assert "command" not in c, f"{overlay}/{w['metadata']['name']}/{c['name']}"
