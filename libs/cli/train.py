@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from tandem.common import runs
 from tandem.common.events import RunRecord, RunState, TrainEvent
 
 TERMINAL = (RunState.succeeded, RunState.failed, RunState.cancelled)
@@ -179,7 +180,7 @@ async def watch(bus: Any, run_id: str, out: TextIO) -> int:
     from tandem.common.runs import get_run
 
     rec = await get_run(bus, run_id)
-    total = int(rec.config.get("steps", 0))
+    total = int(runs.filled(rec.config).get("steps", 0))
     tty = out.isatty()
     last_line = False
     async for ev in follow(bus, run_id):
@@ -232,12 +233,13 @@ def format_incident(inc: dict[str, Any]) -> str:
 
 
 def render_status(rec: RunRecord) -> str:
-    total = int(rec.config.get("steps", 0))
+    config = runs.filled(rec.config)  # defaults are not stored
+    total = int(config.get("steps", 0))
     g = rec.goodput
     lines = [
         f"run {rec.run_id}: {rec.state.value}  {progress_bar(rec.latest_step, total)}",
         f"  coordinator {rec.coordinator or '-'}  nodes {', '.join(rec.nodes) or '-'}  "
-        f"restarts {rec.restarts}/{rec.config.get('watchdog', {}).get('max_restarts', '?')}",
+        f"restarts {rec.restarts}/{config.get('watchdog', {}).get('max_restarts', '?')}",
     ]
     if rec.forks:
         lines.append(f"  lineage {len(rec.forks)}: rolled back {len(rec.forks)} time(s), "

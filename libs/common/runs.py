@@ -8,6 +8,13 @@ config, records the run in KV ``runs`` (state ``pending``) and publishes
 Submission is idempotent per run id: resubmitting the same config returns the existing
 record; a different config under an existing id raises ``RunExists``.
 
+Two readings of a config, as docs/bus-api.md's versioning rule says: a submission (every
+door calls ``submit_run``, which calls ``parse_run_config``) refuses a field it does not
+know, naming it; a config a Tandem service wrote (KV ``runs``, a launch spec) is read by
+``parse_stored_run_config``, which leaves out the fields a newer version added and names
+them. Writers store ``RunConfig.stored()``, only the fields not at their default, so a
+version that lacks a field added later reads every config that does not use it.
+
 One module past 450 lines: the schema, its bounds and the one submission path that
 enforces them belong together (every door calls ``submit_run``); the size estimate is
 ``model_size``'s.
@@ -280,6 +287,18 @@ class RunConfig(_Spec):
             return MODEL_PRESETS[value]
         return value
 
+    def stored(self) -> dict[str, Any]:
+        """This config as it is stored and relayed (KV ``runs``, a launch spec): only the
+        fields not at their default, at every depth; ``parse_stored_run_config`` (or
+        ``parse_run_config``) of it is this config again.
+
+        NOTE: a field a newer version adds is then written only by the runs that use it,
+        so an older reader (which refuses or leaves out what it does not know) sees every
+        other run exactly. It also means a default must never change: a stored run would
+        change with it.
+        """
+        return self.model_dump(mode="json", exclude_defaults=True)
+
     @model_validator(mode="after")
     def _fit(self) -> RunConfig:
         if self.parallelism == "fsdp":
@@ -322,7 +341,10 @@ class RunConfig(_Spec):
 
 
 def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
-    """Validate ``data``; raise ``InvalidRunConfig`` naming every bad field."""
+    """Validate ``data`` as a request (a submission, whatever its door): raise
+    ``InvalidRunConfig`` naming every bad field, a field this version does not know too
+    (``Extra inputs are not permitted``). A config read back from a record or a launch
+    spec is ``parse_stored_run_config``'s."""
     if isinstance(data, RunConfig):
         return data
     if not isinstance(data, dict):
@@ -330,8 +352,41 @@ def parse_run_config(data: dict[str, Any] | RunConfig) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        problems = {_where(e): e["msg"] for e in exc.errors()}
-        raise InvalidRunConfig(problems) from None
+        raise InvalidRunConfig(_problems(exc)) from None
+
+
+def parse_stored_run_config(data: dict[str, Any]) -> tuple[RunConfig, list[str]]:
+    """A config that a Tandem service wrote (the ``config`` of a KV ``runs`` record, of a
+    launch spec), and the dotted names of the fields in it that this version does not
+    know, left out: a newer version's, written while versions are mixed in a rolling
+    upgrade (docs/bus-api.md: stored records may grow). The caller logs them. Every
+    other field is validated as ``parse_run_config`` does (``InvalidRunConfig``)."""
+    if not isinstance(data, dict):
+        raise InvalidRunConfig({"": f"a run config is a mapping, got {type(data).__name__}"})
+    try:
+        return RunConfig.model_validate(data), []
+    except ValidationError as exc:
+        unknown = sorted(_where(e) for e in exc.errors() if e["type"] == "extra_forbidden")
+        if not unknown:
+            raise InvalidRunConfig(_problems(exc)) from None
+    try:
+        return RunConfig.model_validate(data, extra="ignore"), unknown
+    except ValidationError as exc:
+        raise InvalidRunConfig(_problems(exc)) from None
+
+
+def filled(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored config as it is shown (a run's view, the steps of its progress bar):
+    every field this version knows, defaults filled in; as stored when this version
+    cannot read it (the view still shows what the run was submitted with)."""
+    try:
+        return parse_stored_run_config(stored)[0].model_dump(mode="json")
+    except InvalidRunConfig:
+        return stored
+
+
+def _problems(exc: ValidationError) -> dict[str, str]:
+    return {_where(e): e["msg"] for e in exc.errors()}
 
 
 def _where(error: Any) -> str:
@@ -410,7 +465,7 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
         cfg = cfg.model_copy(update={"run_id": new_run_id()})
     run_id = cfg.run_id
     assert run_id is not None
-    as_dict = cfg.model_dump(mode="json")
+    as_dict = cfg.stored()
     kv = await bus.typed(KV_RUNS, RunRecord)
     record = RunRecord(run_id=run_id, config=as_dict, state=RunState.pending,
                        nodes=list(cfg.nodes), owner=owner)
@@ -418,7 +473,7 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
     revision = await kv.create(run_id, record)
     if revision is None:
         got = await kv.get(run_id)
-        if got is None or got[0].config != as_dict or got[0].owner != owner:
+        if got is None or not _same(got[0].config, cfg) or got[0].owner != owner:
             raise RunExists(run_id)
         record = got[0]
         if record.state != RunState.pending:
@@ -443,6 +498,17 @@ async def submit_run(bus: Any, config: dict[str, Any] | RunConfig,
                       TrainStatus(run_id=run_id, state=RunState.pending, reason="submitted"),
                       msg_id=f"{run_id}-pending", retry_for=10.0)
     return record
+
+
+def _same(stored: dict[str, Any], cfg: RunConfig) -> bool:
+    """Whether a record's config is ``cfg``, however it was written (every field, as
+    versions before ``RunConfig.stored`` did, or only those set). One with fields this
+    version does not know is another run's."""
+    try:
+        got, unknown = parse_stored_run_config(stored)
+    except InvalidRunConfig:
+        return False
+    return not unknown and got == cfg
 
 
 async def cancel_run(bus: Any, run_id: str, reason: str = "cancelled by client") -> RunRecord:

@@ -66,6 +66,7 @@ from tandem.common.events import (
     decode,
 )
 from tandem.common.fleet import NODE_STATES, read_fleet
+from tandem.common.runs import filled
 from tandem.common.streams import HEARTBEAT_TTL, KV_RUNS, KV_TASKS
 from tandem.common.tasks import succeeded
 
@@ -428,7 +429,7 @@ class Observer:
             runs.append({
                 "run_id": view.run_id,
                 "state": rec.state.value if rec else "unknown",
-                "steps": int(rec.config.get("steps", 0)) if rec else 0,
+                "steps": int(filled(rec.config).get("steps", 0)) if rec else 0,
                 # Step events arrive before the trainer's periodic KV update: newest wins.
                 "latest_step": max(rec.latest_step if rec else 0,
                                    view.loss[-1][0] if view.loss else 0),

@@ -107,7 +107,7 @@ def run_view(rec: RunRecord) -> dict[str, Any]:
         cancel_reason=rec.cancel, restarts=rec.restarts, latest_step=rec.latest_step,
         latest_checkpoint_step=rec.latest_checkpoint_step,
         latest_checkpoint_uri=rec.latest_checkpoint_uri, goodput=rec.goodput,
-        incidents=rec.incidents, nodes=rec.nodes, config=rec.config,
+        incidents=rec.incidents, nodes=rec.nodes, config=runs.filled(rec.config),
         created_at=rec.created_at, updated_at=rec.updated_at, owner=rec.owner,
         status_subject=subjects.train(rec.run_id, "status"),
     ).model_dump(mode="json")

@@ -36,7 +36,7 @@ import msgspec
 
 from tandem.common.events import CheckpointWritten
 from tandem.common.models import leave_out
-from tandem.common.runs import RunConfig
+from tandem.common.runs import RunConfig, parse_stored_run_config
 from tandem.trainer.channel import (
     ERROR_CHARS,
     Anomaly,
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     from tandem.trainer.loop import TrainLoop
 
-    cfg = RunConfig.model_validate(spec.config)
+    cfg = run_config(spec, say=local_rank == 0)
     torch.set_num_threads(threads(spec.threads))
     device, backend = pick_device(cfg, local_rank)
     distributed = world > 1 or cfg.parallelism == "fsdp"
@@ -212,6 +212,17 @@ def main(argv: list[str] | None = None) -> NoReturn:
         while True:
             signal.pause()  # until the coordinator stops it
     leave(code)
+
+
+def run_config(spec: LaunchSpec, say: bool = False) -> RunConfig:
+    """The run's config from ``spec``. Fields this version does not know (a newer
+    coordinator's, while node agents are upgraded one by one) are left out; with ``say``
+    they are named once on stderr (the node's first rank: one line per node)."""
+    cfg, unknown = parse_stored_run_config(spec.config)
+    if unknown and say:
+        print(f"tandem rank: run {spec.run_id}: config fields this version does not know "
+              f"were left out: {', '.join(unknown)}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def configured(channel: EventChannel, rank: int, build: Any, *args: Any) -> Any:
@@ -299,7 +310,7 @@ def fault_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
     - ``faults.fail_checkpoint_write_at_step``: the node of rank 0 (every attempt) fails
       that step's write as a full disk would (``OSError`` ENOSPC).
     """
-    faults = RunConfig.model_validate(spec.config).faults
+    faults = run_config(spec).faults
     stall, victim = faults.stall_checkpoint_at_step, faults.stall_checkpoint_rank
     if stall is not None and (spec.attempt != 1 or victim >= len(rank_nodes)
                               or rank_nodes[victim] != node):

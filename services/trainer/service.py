@@ -57,7 +57,7 @@ from tandem.common.events import (
 )
 from tandem.common.model_size import rank_state_over
 from tandem.common.runner import Context, Service
-from tandem.common.runs import parse_run_config
+from tandem.common.runs import parse_stored_run_config
 from tandem.common.settings import Settings
 from tandem.common.streams import (
     KV_DRAINS,
@@ -324,7 +324,12 @@ class Trainer(Service):
 
     def _start(self, run_id: str, rec: RunRecord, adopted: bool = False) -> None:
         try:
-            config = parse_run_config(rec.config)
+            # Read as stored, not as a request: a newer gateway's fields are left out.
+            config, unknown = parse_stored_run_config(rec.config)
+            if unknown:
+                self.ctx.log.warning("trainer.config_fields_unknown", run_id=run_id,
+                                     fields=unknown, effect="left out: this version does "
+                                     "not know them")
             config = config.model_copy(update={"data": config.data.confined(self.s.data_root)})
             # An adopted run was let through before: its size is not judged again.
             too_big = None if adopted else rank_state_over(config, self.s.max_rank_state_gb)

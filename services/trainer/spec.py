@@ -10,7 +10,9 @@ import msgspec
 class LaunchSpec(msgspec.Struct, kw_only=True):
     run_id: str
     attempt: int
-    config: dict[str, Any]  # a validated RunConfig, as JSON
+    # A validated RunConfig as ``RunConfig.stored`` writes it (fields at their default
+    # left out); a rank reads it with ``parse_stored_run_config``.
+    config: dict[str, Any]
     checkpoint_root: str
     attempt_dir: str  # stack dumps and logs of this attempt
     events: str = ""  # host:port of the coordinator's relay; empty sends nothing

@@ -486,7 +486,9 @@ class RunSupervisor(AttemptWatch):
         attempt_dir.mkdir(parents=True, exist_ok=True)
         spec = LaunchSpec(
             run_id=self.run_id, attempt=self.attempt_no,
-            config=self.config.model_dump(mode="json"),
+            # Only what differs from a default: a rank of an older version (its node
+            # agent not yet upgraded) refuses a field it does not know.
+            config=self.config.stored(),
             checkpoint_root=str(self.cfg.checkpoint_root), attempt_dir=str(attempt_dir),
             events=self.relay_address, rank_nodes=placement.rank_nodes,
             resume_path=str(resume.path) if resume else "", resume_steps=fetch,
