@@ -215,6 +215,28 @@ async def test_a_cluster_cannot_walk_the_tasks_or_read_another_clusters_queue(
     await msg.ack_sync()
 
 
+async def test_a_control_plane_service_of_the_release_before_gets_its_replies(
+        topology: Topology, admin: Bus, uid: str) -> None:
+    """Rolling the hub's accounts first: the gateway, trainer and checkpointer of the
+    release before take their replies on ``_INBOX`` and must go on reading KV
+    (transitional, ``permissions.LEGACY_REPLIES``); no cluster account imports ``_INBOX``
+    for it (a cluster's processes have their own prefix)."""
+    await (await admin.kv(streams.KV_RUNS)).put(f"r{uid}", b"kept")
+    for role in ("gateway", "trainer", "checkpointer"):
+        old = await Bus.connect(load(Settings, nats_url=topology.hub_url, nats_user=role,
+                                     nats_password=topology.passwords[role],
+                                     nats_inbox_prefix="_INBOX"),
+                                f"old-{role}", allow_reconnect=False)
+        try:
+            assert old.nc.new_inbox().startswith("_INBOX."), role
+            assert (await (await old.kv(streams.KV_RUNS)).get(f"r{uid}")).value == b"kept"
+        finally:
+            await old.drain()
+    for cluster in CLUSTERS:
+        assert not [i for i in accounts.imports(CLUSTERS, cluster)
+                    if i.subject.startswith("_INBOX.")], cluster
+
+
 # ------------------------------------------------------------------- tandem dev up --auth
 
 

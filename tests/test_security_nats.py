@@ -102,8 +102,12 @@ def test_each_role_may_do_only_what_its_service_does() -> None:
     for name in permissions.SERVICE_ROLES:
         role = roles[name]
         assert ">" not in role.publish and ">" not in role.subscribe, name
-        # no role may delete, purge or reshape a stream or delete a consumer
-        assert not any(re.search(r"\.(DELETE|PURGE|UPDATE)\.", p) for p in role.publish), name
+        # no role may delete or purge a stream or delete a consumer; only KV tasks' owner
+        # may reshape one, that bucket (to bring one made by the release before up to date)
+        assert not any(re.search(r"\.(DELETE|PURGE)\.", p) for p in role.publish), name
+        updates = [p for p in role.publish if ".UPDATE." in p]
+        assert updates == (["$JS.API.STREAM.UPDATE.KV_tasks"] if name == "gateway" else []), \
+            (name, updates)
         # nor name a consumer into being on a stream other than its own durables' (the
         # checkpointer: any name on MIRROR, whose per-node durables no wildcard can spell)
         named = [p for p in role.publish if re.match(r"\$JS\.API\.CONSUMER\.CREATE\.\w+\.", p)]
@@ -306,6 +310,78 @@ async def test_a_client_hears_no_services_replies_on_its_inbox(
         await gateway.drain()
 
 
+async def test_a_service_of_the_release_before_gets_its_kv_replies_on_the_new_config(
+        auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
+    """The rolling upgrade rolls the hub's config first: a service of the release before
+    takes its replies on ``_INBOX``, not its role's ``_SERVICE_INBOX.<role>``, and must
+    go on reading KV until it is replaced (transitional: ``permissions.LEGACY_REPLIES``)."""
+    srv, passwords = auth_nats
+    buckets = {"gateway": streams.KV_TASKS, "inference-worker": streams.KV_TASKS,
+               "cluster-agent": streams.KV_DRAINS, "trainer": streams.KV_RUNS,
+               "checkpointer": streams.KV_RUNS}
+    assert set(buckets) == set(permissions.SERVICE_ROLES)
+    for bucket in set(buckets.values()):
+        await (await admin.kv(bucket)).put("east.old", b"kept")
+    with structlog.testing.capture_logs() as logs:
+        for role, bucket in buckets.items():
+            old = await Bus.connect(as_role(srv, passwords, role, nats_inbox_prefix="_INBOX"),
+                                    f"old-{role}", allow_reconnect=False)
+            try:
+                assert old.nc.new_inbox().startswith("_INBOX."), role  # as it connected before
+                entry = await (await old.kv(bucket)).get("east.old")
+                assert entry.value == b"kept", role
+            finally:
+                await old.drain()
+    assert not [e for e in logs if e["event"] == "nats.permission_denied"]
+
+
+async def test_a_tasks_bucket_made_without_its_announcement_gets_it_from_the_gateway_role(
+        auth_nats: tuple[NatsServer, dict[str, str]]) -> None:
+    """KV tasks made by the release before has no republish: the gateway's role brings it
+    up to date as it provisions (no admin step in a rolling upgrade); a role that may not
+    update it leaves it without a request the server would refuse (a timeout a start)."""
+    from dataclasses import replace
+
+    srv, passwords = auth_nats
+    spec = next(s for s in streams.core_streams() if isinstance(s, streams.KVSpec)
+                and s.bucket == streams.KV_TASKS)
+    admin = await Bus.connect(as_role(srv, passwords, "admin"), "admin")
+    try:
+        await admin.provision([replace(spec, announce="")])  # as the release before made it
+        assert (await admin.js.stream_info("KV_tasks")).config.republish is None
+
+        async def provision_as(role: str) -> None:
+            bus = await Bus.connect(as_role(srv, passwords, role), role)
+            try:
+                await bus.provision(permissions.provisionable(
+                    permissions.role_for(role, role), [spec]))  # type: ignore[arg-type]
+            finally:
+                await bus.drain()
+
+        with structlog.testing.capture_logs() as logs:
+            await provision_as("inference-worker")
+        assert not [e for e in logs if e["event"] in (
+            "nats.permission_denied", "streams.kv_update_refused")], logs
+        assert [e["bucket"] for e in logs if e["event"] == "streams.kv_update_left"] == ["tasks"]
+        assert (await admin.js.stream_info("KV_tasks")).config.republish is None
+        with structlog.testing.capture_logs() as logs:
+            await provision_as("gateway")
+        assert not [e for e in logs if e["event"] in (
+            "nats.permission_denied", "streams.kv_update_refused")], logs
+        assert (await admin.js.stream_info("KV_tasks")).config.republish == spec.republish()
+        # and a client hears each write of a task's record again, at once
+        client = await Bus.connect(as_role(srv, passwords, "client"), "client")
+        try:
+            heard = await client.nc.subscribe(subjects.TASK_WRITTEN.wildcard)
+            await client.synced()
+            await (await admin.kv(streams.KV_TASKS)).put("t1", b"{}")
+            assert (await heard.next_msg(timeout=TIMEOUT)).subject == "tasks.written.t1"
+        finally:
+            await client.drain()
+    finally:
+        await admin.drain()
+
+
 async def test_what_the_dashboard_and_failover_read_is_allowed(
         auth_nats: tuple[NatsServer, dict[str, str]], admin: Bus) -> None:
     """Reads the end-to-end test does not reach: a run's step history replayed by the
@@ -408,6 +484,17 @@ def test_every_service_runs_as_its_own_user_and_serves_without_a_refusal(
             # the stack's own admin settings reach the same server
             assert stack.settings().nats_user == "admin"
             assert os.stat(tmp_path / "root" / "nats.conf").st_mode & 0o077 == 0
+            # A regenerated config is taken with a reload (SIGHUP): the written config
+            # names the server as its command line does. The server logs the outcome.
+            assert stack.nats is not None
+            stack.nats.reload()
+            log = stack.nats.log_path
+            outcome = re.compile(r"Reloaded server configuration|Failed to reload.*")
+            deadline = time.monotonic() + TIMEOUT
+            while not (found := outcome.search(log.read_text())):
+                assert time.monotonic() < deadline, "nats-server logged no reload"
+                time.sleep(0.05)  # polling the server's log for its answer
+            assert found.group(0) == "Reloaded server configuration", found.group(0)
     finally:
         sink.close()
     nats_log = (tmp_path / "root" / "logs" / "nats.log").read_text()

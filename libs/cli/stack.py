@@ -302,7 +302,7 @@ class Stack:
             self.nats = NatsServer(name="nats", log_path=self.log_dir / "nats.log",
                                    port=self.ports["nats"], monitor_port=self.ports["nats_monitor"],
                                    store_dir=self.root / "nats", host=HOST,
-                                   config_path=self._auth_config() if self.auth else None,
+                                   config_path=self._auth_config("nats") if self.auth else None,
                                    spawned=self._write_state)
             self._tail(self.nats.log_path, "nats")
             self.nats.start()
@@ -373,9 +373,10 @@ class Stack:
         return next((k.cluster for k in self.config.processes if k.service == "trainer"),
                     permissions.CONTROL)
 
-    def _auth_config(self) -> Path:
-        """Write ``<root>/nats.conf`` (mode 0600): JetStream plus one user per role with a
-        fresh random password, from the one permissions declaration."""
+    def _auth_config(self, server_name: str) -> Path:
+        """Write ``<root>/nats.conf`` (mode 0600): the server's name (so a SIGHUP reload of
+        a regenerated one is accepted), JetStream plus one user per role with a fresh
+        random password, from the one permissions declaration."""
         import secrets
 
         from tandem.common import permissions
@@ -387,7 +388,7 @@ class Stack:
         path.touch(mode=0o600)
         path.chmod(0o600)
         path.write_text(permissions.server_config(str((self.root / "nats").resolve()), roles,
-                                                  self.passwords))
+                                                  self.passwords, server_name=server_name))
         return path
 
     def _tail(self, path: Path, name: str) -> None:

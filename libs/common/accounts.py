@@ -115,7 +115,7 @@ def imports(clusters: Sequence[str], home: str, control: str = CONTROL) -> list[
     pub = {p for r in CLUSTER_ROLES for p in roles[r].publish if not _provisioning(p)}
     # Their replies come on the cluster's own inbox prefix (below), not the role's.
     sub = {s for r in CLUSTER_ROLES for s in roles[r].subscribe
-           if s != permissions.replies(r)}
+           if s not in permissions.reply_grants(r)}
     services = _prune(pub)
     out = [Import("service", s, "stream" if ".CONSUMER.MSG.NEXT." in s else None, _to(s))
            for s in services]

@@ -16,18 +16,26 @@ nats-py sends for it:
 ``kv(b, write=)``      read (direct get, watch: ordered consumer + flow control) and,
                        with ``write``, ``$KV.b.>``
 ``reads_last(S)``      ``get_last_msg`` on S (``STREAM.MSG.GET``, ``DIRECT.GET``)
+``updates(S)``         ``$JS.API.STREAM.UPDATE.S``: bring an older S up to its spec (no
+                       service role may delete or purge a stream)
 ``emits`` / ``listens``  core NATS publish / subscribe
 =====================  =================================================================
 
-A service role subscribes to replies on its own inbox prefix only,
-``_SERVICE_INBOX.<role>.>`` (``subjects.service_inbox``; ``Bus.connect`` uses it for a
-service's user); ``client`` on ``_INBOX.>``, so no program outside Tandem hears a
-service's replies (records read from KV, pulled tasks). The ``admin`` role (operators,
-the CLI, the local stack's provisioning) may do anything.
+A service role takes its replies on its own inbox prefix, ``_SERVICE_INBOX.<role>.>``
+(``subjects.service_inbox``; ``Bus.connect`` uses it for a service's user); ``client`` on
+``_INBOX.>``, so no program outside Tandem hears a service's replies (records read from
+KV, pulled tasks). For this release only, a service role may also subscribe to
+``_INBOX.>`` (``LEGACY_REPLIES``): the services of the release before take their replies
+there, and the hub's config is rolled out before them. The ``admin`` role (operators, the
+CLI, the local stack's provisioning) may do anything.
 
 ``nats_config`` renders the nats-server ``authorization`` block; ``deploy/nats/auth.conf``
 is its output for compose (a test checks they agree), ``tandem dev up --auth`` writes
 its own with generated passwords.
+
+One module past 450 lines: the grant vocabulary (``_Grants``), the declaration written
+in it and the configs rendered from it change together; split, a grant could be declared
+and never rendered.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.common import streams, subjects
 from tandem.common.streams import ConsumerSpec, KVSpec, Spec, StreamSpec
@@ -65,23 +73,46 @@ class Role:
     # It answers requests (the job service): it may publish to a requester's reply
     # subject, and only while that reply is due (nats-server's ``allow_responses``).
     responds: bool = False
+    # The streams (KV buckets as ``KV_<bucket>``) whose config it may update.
+    updates: frozenset[str] = frozenset()
 
     def may_provision(self, spec: Spec) -> bool:
         if self.name == ADMIN:
             return True
-        if isinstance(spec, StreamSpec):
-            name = spec.name
-        elif isinstance(spec, KVSpec):
-            name = f"KV_{spec.bucket}"
-        else:
-            name = f"{spec.stream}/{spec.durable}"
-        return any(fnmatch.fnmatchcase(name, p) for p in self.provisions)
+        return any(fnmatch.fnmatchcase(_name(spec), p) for p in self.provisions)
+
+    def may_update(self, spec: StreamSpec | KVSpec) -> bool:
+        return self.name == ADMIN or _name(spec) in self.updates
+
+
+def _name(spec: Spec) -> str:
+    if isinstance(spec, StreamSpec):
+        return spec.name
+    if isinstance(spec, KVSpec):
+        return f"KV_{spec.bucket}"
+    return f"{spec.stream}/{spec.durable}"
 
 
 def replies(role: str) -> str:
     """What ``role`` subscribes to for the replies to its requests: ``_INBOX.>`` for
     ``client``, its own ``_SERVICE_INBOX.<role>.>`` for a service role."""
     return INBOX if role == CLIENT else f"{subjects.service_inbox(role)}.>"
+
+
+# TRANSITIONAL: for the rolling upgrade from the release before each service role had its
+# own inbox prefix (commit 3ed533a), whose services take their replies on ``_INBOX``.
+# With it the hub's config goes out first and the services after (docs/deploy.md,
+# "Rolling out"); without it an old service's every request times out on the new config.
+# Only an old service's replies flow there (a new one's come on its role's prefix), and
+# clients, who subscribe to ``_INBOX.>`` too, hear those as they did before
+# (docs/security.md). DROP IN THE NEXT RELEASE, with the tests that name it.
+LEGACY_REPLIES = INBOX
+
+
+def reply_grants(role: str) -> set[str]:
+    """Every subject ``role`` may subscribe to for replies: ``replies(role)`` and, for a
+    service role this release only, ``LEGACY_REPLIES``."""
+    return {replies(role)} | ({LEGACY_REPLIES} if role != CLIENT else set())
 
 
 @dataclass
@@ -94,9 +125,10 @@ class _Grants:
     sub: set[str] = field(default_factory=set)
     provisions: set[str] = field(default_factory=set)
     responds: bool = False
+    update: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.sub.add(replies(self.name))
+        self.sub |= reply_grants(self.name)
 
     def stream(self, name: str, pattern: str | None = None) -> _Grants:
         self.provisions.add(pattern or name)
@@ -156,6 +188,12 @@ class _Grants:
             self.pub.add(f"$KV.{bucket}.{keys}")
         return self
 
+    def updates(self, stream: str) -> _Grants:
+        """Update ``stream``'s config (``provision`` brings an older one up to its spec)."""
+        self.update.add(stream)
+        self.pub.add(f"{API}.STREAM.UPDATE.{stream}")
+        return self
+
     def reads_last(self, stream: str) -> _Grants:
         self.pub |= {f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}",
                      f"{API}.DIRECT.GET.{stream}.>"}
@@ -177,7 +215,8 @@ class _Grants:
 
     def role(self) -> Role:
         return Role(self.name, self.description, tuple(sorted(self.pub)),
-                    tuple(sorted(self.sub)), frozenset(self.provisions), self.responds)
+                    tuple(sorted(self.sub)), frozenset(self.provisions), self.responds,
+                    frozenset(self.update))
 
 
 # --------------------------------------------------------------------------- the declaration
@@ -210,6 +249,11 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         # an event stream follows its task as clients do: progress, and each record write
         .listens(subjects.GEN_PROGRESS.wildcard, subjects.TASK_WRITTEN.wildcard)
         .kv(streams.KV_TASKS, write=True).kv(streams.KV_IDEMPOTENCY, write=True)
+        # Its bucket's owner brings a KV tasks made before its writes were announced (by
+        # the release before) up to date as it starts, so a rolling upgrade needs no admin
+        # step. Only that bucket's config: the gateway writes and deletes every key of it
+        # already.
+        .updates(f"KV_{streams.KV_TASKS}")
         .kv(streams.KV_CANCELS, write=True)  # a cancel's notice to the workers
         .kv(streams.KV_NODES).kv(streams.KV_DRAINS)
         .kv(streams.KV_RUNS, write=True)
@@ -300,8 +344,11 @@ SERVICE_ROLES = ("gateway", "inference-worker", "cluster-agent", "trainer", "che
 
 
 def provisionable(role: Role, specs: Iterable[Spec]) -> list[Spec]:
-    """The part of ``specs`` that ``role`` may provision (the rest is another role's)."""
-    return [s for s in specs if role.may_provision(s)]
+    """The part of ``specs`` that ``role`` may provision (the rest is another role's), a
+    bucket it may not update marked so (``KVSpec.update``): a request the server refuses
+    would cost each start a timeout."""
+    return [replace(s, update=False) if isinstance(s, KVSpec) and not role.may_update(s)
+            else s for s in specs if role.may_provision(s)]
 
 
 def role_for(user: str | None, service: str) -> Role | None:
@@ -409,10 +456,14 @@ def violation(error: BaseException | str) -> Violation | None:
 def server_config(store_dir: str, roles: Mapping[str, Role] | None = None,
                   passwords: Mapping[str, str] | None = None, *, tls_cert: str | None = None,
                   tls_key: str | None = None, tls_ca: str | None = None,
-                  verify_clients: bool = False) -> str:
+                  verify_clients: bool = False, server_name: str | None = None) -> str:
     """A single local nats-server's config: JetStream, and authorization and TLS when
-    given (``tandem dev up --auth``, the tests). Ports come from the command line."""
-    out = [f"jetstream {{ store_dir: {_q(store_dir)} }}"]
+    given (``tandem dev up --auth``, the tests). Ports come from the command line.
+
+    ``server_name``: the name it is started with (``-n``); a reload (SIGHUP) of a config
+    that names none is refused ("config reload not supported for ServerName")."""
+    out = [f"server_name: {_q(server_name)}"] if server_name else []
+    out.append(f"jetstream {{ store_dir: {_q(store_dir)} }}")
     if tls_cert and tls_key:
         out += ["tls {", f"  cert_file: {_q(tls_cert)}", f"  key_file: {_q(tls_key)}"]
         if tls_ca:

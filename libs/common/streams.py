@@ -2,7 +2,8 @@
 
 ``provision`` creates what is missing and compares what exists field by field. A
 difference is reported as ``StreamConflict`` naming the object and the field; nothing
-existing is ever deleted, purged or updated by a starting service.
+existing is ever deleted or purged by a starting service, and a bucket is updated only to
+gain what leaves its data as it is (direct reads, the announcement of its writes).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class KVSpec:
     # Each stored write republished by the server to this subject filter, headers only
     # (e.g. ``tasks.written.>``): who may not read the values still hears that one changed.
     announce: str = ""
+    # Whether provisioning may bring an existing bucket's config up to this spec. False
+    # for a NATS role the server would refuse (``permissions.provisionable``): the
+    # difference is logged for the bucket's owner to mend, not asked for.
+    update: bool = field(default=True, compare=False)
 
     def republish(self) -> RePublish | None:
         if not self.announce:
@@ -304,8 +309,14 @@ async def _kv(js: JetStreamContext, spec: KVSpec) -> bool:
     if not have.allow_direct or have.republish != republish:
         # A bucket made before reads went direct, or before its writes were announced:
         # neither changes data, and until the update reads still work (STREAM.MSG.GET)
-        # and only who follows the announcements waits for it, so a refusal (a role
-        # that may not update streams: provision as admin) is only logged.
+        # and only who follows the announcements waits for it, so a refusal is only
+        # logged. A role that may not update it leaves it to one that may (the bucket's
+        # owner, or admin) without asking: a refused request costs a timeout.
+        if not spec.update:
+            log.get("tandem.streams").info("streams.kv_update_left", bucket=spec.bucket,
+                                           allow_direct=have.allow_direct,
+                                           republish=repr(have.republish))
+            return False
         have.allow_direct, have.republish = True, republish
         try:
             await js.update_stream(have)

@@ -69,7 +69,8 @@ _log = log.get("tandem.gateway.jobs")
 
 NAME = "tandem-jobs"
 STATUS_ATTRIBUTE = "tandem.jobs.status"  # on a request's span: its answer's HTTP status
-VERSION = "1.0.0"
+# The job service's contract, semver: docs/bus-api.md, "Versions", lists each change.
+VERSION = "2.0.0"
 PREFIX = subjects.JOBS.template.rsplit(".", 1)[0]  # tandem.jobs
 Auth = Callable[[str], Awaitable[Caller]]  # the needed scope -> the caller, or raises Denied
 Handler = Callable[[Any, dict[str, str], Auth], Awaitable[dict[str, Any]]]
