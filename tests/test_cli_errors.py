@@ -76,6 +76,8 @@ CASES = {
     "api-key, bad name": (["security", "api-key", "--name", "bad name!"], "name"),
     "bench, no repeat": (["bench", "bus", "--repeat", "0"], "--repeat"),
     "bench, negative repeat": (["bench", "bus", "--repeat", "-1"], "--repeat"),
+    "bench, heartbeat TTL past the bucket's": (["bench", "failover", "--ttl", "30"],
+                                               "longer than KV nodes' (6 s)"),
     "report, not JSON": (["report", "{tmp}/report"], "demo.json"),
     "report, not a demo record": (["report", "{tmp}/report2"], "demo.json"),
     "checkpoints, no such bucket": (

@@ -38,16 +38,25 @@ from tandem.cli.stack import Stack
 from tandem.cli.stack_config import ClusterConfig, ProcessKind, StackConfig
 from tandem.common.bus import Bus, watch
 from tandem.common.events import TaskRecord, TaskState, decode
+from tandem.common.fleet import within_the_bucket
 from tandem.common.streams import HEARTBEAT_TTL, KV_TASKS
 
 SMOKE = ("--repeat", "1", "--tasks", "2")
 
 
+def _ttl(value: str) -> float:
+    try:
+        return within_the_bucket(float(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     stats.add_repeat(p, 5, "--kills", what="times east is killed (each one a failover timed)")
     p.add_argument("--tasks", type=int, default=10, help="tasks stranded per kill")
-    p.add_argument("--ttl", type=float, default=HEARTBEAT_TTL,
-                   help="heartbeat TTL of the gateway and workers, seconds")
+    p.add_argument("--ttl", type=_ttl, default=HEARTBEAT_TTL,
+                   help=f"heartbeat TTL of the gateway and workers, seconds (at most "
+                        f"{HEARTBEAT_TTL:g}, KV nodes')")
     p.add_argument("--grace", type=float, default=2.0, help="failover grace period, seconds")
     p.add_argument("--agent-interval", type=float, default=1.0,
                    help="agents' sample (and heartbeat) interval, seconds")
