@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -17,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cli.devstack import NatsServer
+from tandem.cli.http import get_json
 from tandem.cli.stack import built_services
 
 from .conftest import ROOT
 from .settings_support import unknown_settings
+from .test_stack import wait_until
 
 BIN = Path(sys.executable).parent
 SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
@@ -127,8 +132,82 @@ def test_nats_cluster_config_is_valid_for_each_node(node: str) -> None:
                          text=True, timeout=30, env={**os.environ, **svc["environment"]})
     assert res.returncode == 0, res.stderr + res.stdout
     text = Path(conf).read_text()
-    assert "jetstream" in text and all(f"nats-route://{n}:6222" in text
-                                       for n in ("nats-1", "nats-2", "nats-3"))
+    assert "jetstream" in text
+    # Every node routes to every node, logged in as the cluster's route user.
+    user, password = route_login(text)
+    assert sorted(re.findall(r"^\s+(nats-route://\S+)$", text, re.M)) == [
+        f"nats-route://{user}:{password}@{n}:6222" for n in ("nats-1", "nats-2", "nats-3")]
+
+
+def route_login(conf: str) -> tuple[str, str]:
+    """The user and password a nats-server config's ``cluster`` block asks of routes."""
+    m = re.search(r"^cluster \{.*?^\s+authorization \{\n\s+user: (\S+)\n\s+password: (\S+)$",
+                  conf, re.M | re.S)
+    assert m, "the cluster block asks routes for no login: any server may route in"
+    return m.group(1), m.group(2)
+
+
+def test_compose_s_nats_servers_route_only_with_the_route_login(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that routes in joins the cluster and reads every account's traffic. Two
+    servers from cluster.conf, with compose's environment, form their route; a server
+    of someone's own config routing in is refused."""
+    services = resolved()["services"]
+    conf_path = Path(next(v["source"] for v in services["nats-1"]["volumes"]
+                          if v["target"] == "/etc/nats/cluster.conf"))
+    # node -> its route port: a started node's, else a port bound but never listening,
+    # which refuses (JetStream in a cluster wants routes to start; distinct, or
+    # nats-server warns of a duplicate route with its URL in full)
+    closed = [socket.socket() for _ in range(3)]
+    for sock in closed:
+        sock.bind(("127.0.0.1", 0))
+    ports = {f"nats-{i}": sock.getsockname()[1] for i, sock in enumerate(closed, 1)}
+
+    def start(node: str) -> NatsServer:
+        root = tmp_path / node
+        root.mkdir()
+        shutil.copy(conf_path.with_name("auth.conf"), root / "auth.conf")
+        text = re.sub(r"^(\s+listen: )0\.0\.0\.0:\d+$", r"\g<1>127.0.0.1:-1",
+                      conf_path.read_text(), flags=re.M)  # the route and leaf ports
+        text = re.sub(r"^(\s+nats-route://\S+@)(nats-\d):6222$",
+                      lambda m: f"{m[1]}127.0.0.1:{ports[m[2]]}",
+                      text.replace("store_dir: /data", f"store_dir: {root}"), flags=re.M)
+        (root / "cluster.conf").write_text(text)
+        for key, value in services[node]["environment"].items():
+            monkeypatch.setenv(key, value)
+        srv = NatsServer(name=node, log_path=root / "nats.log",
+                         config_path=root / "cluster.conf").start()
+        ports[node] = srv.cluster_port
+        return srv
+
+    def routes(srv: NatsServer) -> set[str]:
+        routez = get_json(f"http://{srv.host}:{srv.monitor_port}/routez") or {}
+        return {r["remote_name"] for r in routez.get("routes", [])}
+
+    servers: list[NatsServer] = []
+    try:
+        servers.append(first := start("nats-1"))
+        servers.append(start("nats-2"))
+        wait_until(lambda: routes(first) == {"nats-2"}, 20, "nats-2's route to nats-1")
+        rogue_conf = tmp_path / "rogue.conf"
+        rogue_conf.write_text(
+            f'jetstream {{ store_dir: "{tmp_path / "rogue"}" }}\n'
+            f'cluster {{ name: tandem, listen: "127.0.0.1:-1", '
+            f'routes: ["nats-route://127.0.0.1:{ports["nats-1"]}"] }}\n')
+        servers.append(rogue := NatsServer(name="rogue", log_path=tmp_path / "rogue.log",
+                                           config_path=rogue_conf).start())
+
+        def refused() -> bool:
+            return "Authentication Failure" in first.log_path.read_text()
+
+        wait_until(lambda: refused() or "rogue" in routes(first), 20,
+                   "nats-1 refusing or taking the rogue's route")
+        assert refused() and routes(first) == {"nats-2"} and routes(rogue) == set()
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
+        for sock in closed:
+            sock.close()
 
 
 def test_the_dockerfile_installs_just_the_services_extra_and_runs_its_module() -> None:

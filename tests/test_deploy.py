@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,17 +63,63 @@ WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 GPU = "nvidia.com/gpu"
 # The hub's route login: the one password of Secret tandem-nats that no account reads.
 ROUTE_PASSWORD = "TANDEM_NATS_PASSWORD_ROUTE"
+# The highest value of a PriorityClass whose name does not start with "system-".
+USER_PRIORITY_MAX = 1_000_000_000
+# Where the checkpoints of a training node live unless its cluster's overlay says otherwise.
+DEFAULT_CHECKPOINTS = "/var/lib/tandem/checkpoints"
 
 
 # ------------------------------------------------------------------------------ helpers
 
 
-@functools.cache
-def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
-    res = subprocess.run([str(KUBECTL), "kustomize", str(K8S / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=60)
+def kustomize(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(KUBECTL), "kustomize", str(path)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def render(path: Path) -> tuple[dict[str, Any], ...]:
+    """The objects of the kustomization at ``path``, as ``kubectl kustomize`` renders them."""
+    res = kustomize(path)
     assert res.returncode == 0, res.stderr
     return tuple(d for d in yaml.safe_load_all(res.stdout) if d)
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    return render(K8S / "overlays" / overlay)
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Strict schema validation: the core kinds at every K8S_VERSIONS, the CRDs against
+    their committed subsets (a kind with neither raises SchemaNotFoundError)."""
+    key = (obj["apiVersion"], obj["kind"])
+    if key in CRD_SCHEMAS:
+        jsonschema.validate(obj, json.loads(CRD_SCHEMAS[key].read_text()))
+    else:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def deploy_copy(tmp_path: Path) -> Path:
+    """A copy of deploy/ (the overlays read deploy/nats too) to edit and render."""
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    return tmp_path / "deploy"
+
+
+def doc_section(heading: str) -> str:
+    """The text of docs/deploy.md under the heading line ``heading`` (``## ...``), up to the
+    next heading of its level or above; a ``#`` line inside a fenced block is no heading."""
+    level = len(heading.split(" ", 1)[0])
+    lines = (ROOT / "docs/deploy.md").read_text().splitlines()
+    assert heading in lines, f"docs/deploy.md has no section {heading!r}"
+    body, fenced = [], False
+    for line in lines[lines.index(heading) + 1:]:
+        fenced ^= line.lstrip().startswith("```")
+        m = re.match(r"(#+) ", line)
+        if not fenced and m and len(m.group(1)) <= level:
+            break
+        body.append(line)
+    return "\n".join(body)
 
 
 def objects(overlay: str, kind: str) -> dict[str, dict[str, Any]]:
@@ -251,12 +298,7 @@ def generated(name: str, overlay: str) -> str:
 def test_every_overlay_renders_and_every_object_is_valid_kubernetes(overlay: str) -> None:
     checked = set()
     for obj in rendered(overlay):
-        key = (obj["apiVersion"], obj["kind"])
-        if key in CRD_SCHEMAS:
-            jsonschema.validate(obj, json.loads(CRD_SCHEMAS[key].read_text()))
-        else:  # a kind without a core schema raises SchemaNotFoundError: it fails here
-            for version in K8S_VERSIONS:
-                kubernetes_validate.validate(obj, version, strict=True)
+        validate(obj)  # a kind without a core schema raises SchemaNotFoundError: it fails here
         checked.add(obj["kind"])
     assert {"Namespace", "ConfigMap", "Service", "ServiceMonitor", "PrometheusRule"} <= checked
 
@@ -462,6 +504,41 @@ def test_the_agent_sees_every_gpu_of_its_node_without_taking_one_or_privilege() 
         assert env["TANDEM_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
         assert not c["securityContext"].get("privileged")
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # ... which the toolkit does only while it honours the variable in an unprivileged
+    # container: the prerequisites name the setting, and what the agent does without it
+    start = doc_section("## From an empty cluster to a first generation")
+    assert "`accept-nvidia-visible-devices-envvar-when-unprivileged`" in start
+    assert "`NoGpus`" in start and "exit code 2" in start
+
+
+def test_every_priority_class_a_pod_names_ships_with_its_overlay_and_none_is_a_system_one(
+        ) -> None:
+    """GKE and OpenShift admit the system-*-critical classes only in namespaces with a
+    ResourceQuota scoped to them (kube-system) and refuse the pods elsewhere, so a
+    DaemonSet naming one creates no pod (the review's M8): every class a pod names is
+    Tandem's own, shipped in the same overlay, in the range a non-system class may take."""
+    doc = (ROOT / "docs/deploy.md").read_text()
+    for overlay in OVERLAYS:
+        classes = objects(overlay, "PriorityClass")
+        for name, klass in classes.items():
+            assert not name.startswith("system-"), name
+            assert 0 < klass["value"] <= USER_PRIORITY_MAX, name
+            assert not klass.get("globalDefault") and f"`{name}`" in doc, name
+        for w in workloads(overlay):
+            name = pod_spec(w).get("priorityClassName")
+            assert name is None or name in classes, (overlay, w["metadata"]["name"], name)
+
+
+def test_the_agent_outranks_every_other_pod_of_its_cluster() -> None:
+    """A node is reported only by its agent: on a full node the agent preempts a pod
+    rather than stay Pending, as system-node-critical had it do."""
+    for overlay in CLUSTERS:
+        classes = objects(overlay, "PriorityClass")
+        # A pod naming no class has priority 0 (no class here is the global default).
+        priority = {w["metadata"]["name"]: classes[name]["value"] if (
+            name := pod_spec(w).get("priorityClassName")) else 0 for w in workloads(overlay)}
+        agent = priority.pop("cluster-agent")
+        assert priority and all(agent > p for p in priority.values()), (overlay, priority)
 
 
 # ------------------------------------------------------------------------------ probes
@@ -1016,6 +1093,39 @@ def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_fold
         assert len(mounts) == 1, mounts
 
 
+def checkpoint_folders(objs: tuple[dict[str, Any], ...]) -> dict[str, str]:
+    """workload -> the host folder of its ``checkpoints`` volume, for those that have one."""
+    return {o["metadata"]["name"]: v["hostPath"]["path"] for o in objs if o["kind"] in WORKLOADS
+            for v in pod_spec(o).get("volumes", []) if v["name"] == "checkpoints"}
+
+
+def test_the_checkpoint_host_folder_is_one_value_of_each_cluster_overlay(tmp_path: Path) -> None:
+    """The review's M7: the folder was /var/lib/tandem/checkpoints (the OS disk) in three
+    manifests. Each cluster overlay names it once (tandem-host-paths, a local-config
+    ConfigMap, never applied); the shipped ones keep the old folder; one overlay's value
+    moves its three pods' mounts and no other cluster's; an overlay naming none does not
+    build."""
+    for overlay in CLUSTERS:
+        assert set(checkpoint_folders(rendered(overlay)).values()) == {DEFAULT_CHECKPOINTS}
+        assert "tandem-host-paths" not in {o["metadata"]["name"] for o in rendered(overlay)}
+    overlays = deploy_copy(tmp_path) / "k8s" / "overlays"
+    moved, other = CLUSTERS
+    kustomization = overlays / moved / "kustomization.yaml"
+    text, n = re.subn(r"^(\s+- checkpoints=)\S+$", r"\g<1>/mnt/local-nvme/tandem",
+                      kustomization.read_text(), flags=re.M)
+    assert n == 1, f"overlay {moved} names no checkpoint folder (tandem-host-paths)"
+    kustomization.write_text(text)
+    assert checkpoint_folders(render(overlays / moved)) == dict.fromkeys(
+        ("checkpointer", "trainer-node", "trainer"), "/mnt/local-nvme/tandem")
+    assert set(checkpoint_folders(render(overlays / other)).values()) == {DEFAULT_CHECKPOINTS}
+    config = yaml.safe_load(text)
+    config["configMapGenerator"] = [g for g in config["configMapGenerator"]
+                                    if g["name"] != "tandem-host-paths"]
+    kustomization.write_text(yaml.safe_dump(config))
+    res = kustomize(overlays / moved)
+    assert res.returncode != 0 and "tandem-host-paths" in res.stderr, res.stderr
+
+
 def test_each_nodes_checkpointer_pulls_only_its_own_nodes_checkpoints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nodes share no disk: the checkpointer of a node mirrors what the trainer's ranks
@@ -1093,3 +1203,96 @@ def test_every_tandem_service_runs_under_the_images_init() -> None:
             for c in pod_spec(w)["containers"]:
                 if service_of(c["image"]) is not None:
                     assert "command" not in c, f"{overlay}/{w['metadata']['name']}/{c['name']}"
+
+
+# --------------------------------------------------------------------------------- docs
+
+
+def doc_overlay_settings() -> list[tuple[str, Any]]:
+    """The overlay entries "Settings of your installation" gives: (overlay, or ``*`` for
+    every overlay, the block's YAML), each block headed ``# in [every] deploy/k8s/overlays/
+    <overlay>/kustomization.yaml``."""
+    section = doc_section("## Settings of your installation")
+    return [(m[1], yaml.safe_load(m[2])) for m in re.finditer(
+        r"^```yaml\n# in (?:every )?deploy/k8s/overlays/([\w*-]+)/kustomization\.yaml[^\n]*\n"
+        r"(.*?)^```$", section, re.M | re.S)]
+
+
+def add_to_overlay(kustomization: Path, entry: Any) -> None:
+    """A doc block into an overlay: ``patches:`` appended to the overlay's; a list of
+    generator entries in place of the overlay's ``configMapGenerator`` entries of those
+    names."""
+    config = yaml.safe_load(kustomization.read_text())
+    if isinstance(entry, list):
+        names = {g["name"] for g in entry}
+        config["configMapGenerator"] = [g for g in config.get("configMapGenerator", [])
+                                        if g["name"] not in names] + entry
+    else:
+        assert set(entry) == {"patches"}, entry
+        config["patches"] = config.get("patches", []) + entry["patches"]
+    kustomization.write_text(yaml.safe_dump(config))
+
+
+def test_the_doc_s_installation_settings_render_valid_and_do_what_it_says(
+        tmp_path: Path) -> None:
+    """The review's M7 and M11: the hub's StorageClass, the labels kube-prometheus-stack's
+    selectors want, a cluster's checkpoint folder, each as the doc writes it, applied to
+    the overlays it names."""
+    overlays = deploy_copy(tmp_path) / "k8s" / "overlays"
+    settings = doc_overlay_settings()
+    for overlay, entry in settings:
+        for name in OVERLAYS if overlay == "*" else [overlay]:
+            add_to_overlay(overlays / name / "kustomization.yaml", entry)
+    out = {name: render(overlays / name) for name in OVERLAYS}
+    for objs in out.values():
+        for obj in objs:
+            validate(obj)
+    (hub,) = [o for o in out["control-plane"] if o["kind"] == "StatefulSet"
+              and o["metadata"]["name"] == "nats"]
+    (volume,) = hub["spec"]["volumeClaimTemplates"]
+    assert volume["spec"]["storageClassName"]
+    for name, objs in out.items():  # scraped and evaluated by a release-selecting Prometheus
+        monitoring = [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
+        assert len(monitoring) == 2 and all("release" in o["metadata"]["labels"]
+                                            for o in monitoring), name
+    moved = {o for o, entry in settings if isinstance(entry, list)}
+    assert moved
+    for name in moved:
+        folders = set(checkpoint_folders(out[name]).values())
+        assert len(folders) == 1 and folders != {DEFAULT_CHECKPOINTS}, name
+
+
+def test_the_doc_s_keys_file_recipe_makes_the_list_the_gateway_reads(tmp_path: Path) -> None:
+    """``tandem security api-key`` prints one entry; the file is a list of them (M11)."""
+    from tandem.gateway.auth import hash_key, parse_keys
+
+    (script,) = re.findall(r"^ *```sh\n( *# keys\.json:.*?)^ *```$",
+                           (ROOT / "docs/deploy.md").read_text(), re.M | re.S)
+    res = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path,
+                         env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    keys = parse_keys(f"@{tmp_path / 'keys.json'}")
+    shown = re.findall(r"^key .*: (\S+)$", res.stderr, re.M)
+    assert len(keys) == len(shown) >= 2
+    assert [k.sha256 for k in keys] == [hash_key(key) for key in shown]
+    assert not any(key in (tmp_path / "keys.json").read_text() for key in shown)
+
+
+def test_the_doc_says_how_to_rotate_every_secret_a_pod_reads() -> None:
+    """The review's M5: each Secret the manifests read has its rotation in the doc."""
+    read = set()
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            for v in spec.get("volumes", []):
+                read |= {v["secret"]["secretName"]} if "secret" in v else set()
+                read |= {src["secret"]["name"] for src in v.get("projected", {}).get(
+                    "sources", []) if "secret" in src}
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                read |= {e["secretRef"]["name"] for e in c.get("envFrom", [])
+                         if "secretRef" in e}
+                read |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                         if "secretKeyRef" in e.get("valueFrom", {})}
+    section = doc_section("## Rotating secrets")
+    assert read and not {name for name in read if f"`{name}`" not in section}, read
