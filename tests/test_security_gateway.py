@@ -556,3 +556,16 @@ def test_result_urls_are_presigned_for_the_configured_ttl_only(s3_server: S3Serv
     assert before <= signed.timestamp() <= after
     assert "X-Amz-Signature" in query
     assert httpx.get(image["url"]).content == b"png"
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    # One entry as `tandem security api-key` prints it, not wrapped in a list.
+    ('{"name": "a", "sha256": "00", "scopes": ["generate"]}',
+     "the whole value: Input should be a valid array (a JSON list of keys"),
+    ('[{"name": 1}]', "0.name: Input should be a valid string"),
+])
+def test_a_keys_value_that_is_not_a_list_of_keys_names_what_is_wrong(
+        text: str, named: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_keys(text)
+    assert named in str(err.value), err.value

@@ -108,9 +108,12 @@ def parse_keys(text: str) -> list[ApiKey]:
         keys = _KEYS.validate_json(text)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"API keys: {where}: {first['msg']} ({exc.error_count()} problems)"
-                         ) from None
+        # The list itself (a single entry pasted as it is printed): no location to name.
+        where = ".".join(str(p) for p in first["loc"]) or "the whole value"
+        hint = (" (a JSON list of keys: wrap one entry as [ ... ])"
+                if not first["loc"] and first["type"] == "list_type" else "")
+        raise ValueError(f"API keys: {where}: {first['msg']}{hint} "
+                         f"({exc.error_count()} problems)") from None
     seen: set[str] = set()
     for k in keys:
         if k.name in seen or k.sha256 in seen:
