@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 import time
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
 from tandem.common import fleet, subjects
 from tandem.common.bus import Bus
@@ -27,6 +29,7 @@ from tandem.gateway import observe
 from tandem.gateway.observe import Observer
 from tandem.gateway.routing import Router
 from tandem.gateway.service import GatewaySettings
+from tandem.gateway.training import add_fleet_routes
 
 from .test_agent import until
 from .test_alerts import rules
@@ -158,6 +161,14 @@ async def test_metrics_say_a_node_down_when_routing_does_not_when_the_bucket_doe
         text = exposed()
         assert f'tandem_node_up{{cluster="{c}",node="n1"}} 0.0' in text
         assert f'tandem_cluster_healthy{{cluster="{c}"}} 0.0' in text
+        # And GET /v1/clusters, which the docs say shows health as the gateway routes on it.
+        app = FastAPI()
+        add_fleet_routes(app, bus, ttl)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as http:
+            body = (await http.get("/v1/clusters")).json()
+        (cluster,) = [x for x in body["clusters"] if x["name"] == c]
+        assert cluster["healthy"] is False, cluster
     finally:
         await router.stop()
 

@@ -161,6 +161,6 @@ def create_app(gw: Gateway, *, max_body_bytes: int, nats_connected: Any = None,
         return Response(content=body, media_type=ctype)
 
     add_training_routes(app, gw.bus, caller, limits, train_clusters)
-    add_fleet_routes(app, gw.bus)
+    add_fleet_routes(app, gw.bus, gw.board.ttl)  # as its routing judges
     # Counted outside the body limit, so its 413s (answered before the app) count too.
     return Answers(BodyLimit(app, max_body_bytes)), app

@@ -16,6 +16,7 @@ from tandem.common import fleet, runs, subjects
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
 from tandem.common.events import RunRecord, RunState
 from tandem.common.jobs import TOKEN, Caller, JobRefused
+from tandem.common.streams import HEARTBEAT_TTL
 from tandem.gateway.auth import Denied, Limits
 from tandem.gateway.schemas import RunSubmitted, RunView, refused
 
@@ -151,9 +152,10 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
             return refused(exc)
 
 
-def add_fleet_routes(app: FastAPI, bus: Any) -> None:
+def add_fleet_routes(app: FastAPI, bus: Any, ttl: float = HEARTBEAT_TTL) -> None:
+    """``ttl``: the gateway's heartbeat freshness, as its routing and /metrics judge."""
     @app.get("/v1/clusters")
     async def list_clusters() -> Any:
         """Each cluster and node: health, drained flag, last heartbeat, GPUs total and
         free, models loaded, and each GPU's latest key metrics."""
-        return (await fleet.read_fleet(bus)).to_dict()
+        return (await fleet.read_fleet(bus, ttl)).to_dict()
