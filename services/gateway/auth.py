@@ -17,6 +17,11 @@ default rule (admin) until it is given its own in ``RULES``:
 With no keys configured (``TANDEM_API_KEYS`` empty: the local stack, the demo) the
 middleware is not installed and the API is open; the request-shape limits (body size,
 prompt length, images) hold either way.
+
+One module past 600 lines: a key's identity (``ApiKey``, ``Keyring``), what it is refused
+with (``Denied``: status, detail, Retry-After) and the per-key budgets that raise it
+(``Limits``, most of the module) are one contract, shared by the HTTP middleware and the
+job service; split, ``Limits`` would import its refusal and its budgets' fields back.
 """
 
 from __future__ import annotations
