@@ -728,3 +728,80 @@ async def test_a_lower_priority_consumer_is_asked_before_the_first_is_long_polle
                      bus.consumer(lower, GenerationTask, handle)], idle_poll=3600.0)
     await asyncio.wait_for(poller.run(stop), TIMEOUT)
     assert taken == ["b1"]
+
+
+async def test_a_fetch_whose_consumer_was_released_meanwhile_is_handed_back_not_run(
+        bus: Bus, uid: str) -> None:
+    """Failover releases a recovered cluster's consumers while the pull loop may be
+    fetching from one: what that fetch brings back is the recovered cluster's again.
+    It ran on the adopter instead (CI: a task sent to a just-undrained cluster ran on the
+    other one). Now it is handed back (nak): redelivered at once, never handled here."""
+    stream = streams.StreamSpec(f"R_{uid}", (f"r.{uid}.*",),
+                                retention=RetentionPolicy.WORK_QUEUE)
+    own = streams.ConsumerSpec(stream.name, "own", filter_subjects=(f"r.{uid}.own",))
+    adopted = streams.ConsumerSpec(stream.name, "adopted",
+                                   filter_subjects=(f"r.{uid}.adopted",))
+    await bus.provision([stream, own, adopted])
+    await bus.publish(f"r.{uid}.adopted", GenerationTask(task_id="theirs", model="noop"))
+    taken: list[str] = []
+    stop, released = asyncio.Event(), asyncio.Event()
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        taken.append(d.event.task_id)
+
+    first = bus.consumer(own, GenerationTask, handle)
+    lower = bus.consumer(adopted, GenerationTask, handle)
+    poller = Poller([first, lower], idle_poll=3600.0)
+    fetch_first, fetch_lower = first.fetch, lower.fetch
+
+    async def released_while_fetching(n: int, wait: float):  # type: ignore[no-untyped-def]
+        msgs = await fetch_lower(n, wait)
+        if msgs:
+            poller.consumers.remove(lower)  # as Failover._rebuild does, in place
+            released.set()
+        return msgs
+
+    async def next_round(n: int, wait: float):  # type: ignore[no-untyped-def]
+        if released.is_set():  # the round after the release: the fetch was dealt with
+            stop.set()
+            return []
+        return await fetch_first(n, wait)
+
+    lower.fetch = released_while_fetching  # type: ignore[method-assign]
+    first.fetch = next_round  # type: ignore[method-assign]
+    await asyncio.wait_for(poller.run(stop), TIMEOUT)
+    assert taken == []
+    again = await fetch_lower(1, 5.0)
+    assert [decode(m.data, GenerationTask).task_id for m in again] == ["theirs"]
+    assert again[0].metadata.num_delivered == 2
+
+
+async def test_a_paused_loop_told_to_resume_pulls_at_once_not_after_its_nap(
+        bus: Bus, uid: str) -> None:
+    """A drained worker's loop naps ``idle_poll`` between looks at ``paused()``; an
+    undrain calls ``resume()``, so it pulls now. With an hour's nap, the message waiting
+    is still taken."""
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    await bus.publish(f"w.{uid}.a", GenerationTask(task_id="waiting", model="noop"))
+    paused, napping = [True], asyncio.Event()
+    taken: list[str] = []
+    stop = asyncio.Event()
+
+    def is_paused() -> bool:
+        if paused[0]:
+            napping.set()
+        return paused[0]
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        taken.append(d.event.task_id)
+        stop.set()
+
+    poller = Poller([bus.consumer(consumer, GenerationTask, handle)], idle_poll=3600.0,
+                    paused=is_paused)
+    run = asyncio.create_task(poller.run(stop))
+    await asyncio.wait_for(napping.wait(), TIMEOUT)
+    paused[0] = False
+    poller.resume()
+    await asyncio.wait_for(run, TIMEOUT)
+    assert taken == ["waiting"]

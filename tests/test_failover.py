@@ -129,8 +129,11 @@ async def test_a_cluster_with_every_node_drained_gets_no_tasks_and_hands_its_que
         assert recs[task.task_id].worker == "east-w0"
     finally:
         await fleet.undrain(d.bus, "west", "node-0")
-    await d.poll(lambda: d.routable("west") and d.metric(west, "tandem_worker_drained") == 0,
-                 DEADLINE, "west serving again")
+    east = d.worker_of("east")
+    # Serving again: routable, its worker pulling, and east no longer pulling its queue
+    # (east's failover releases west when its own board sees the undrain).
+    await d.poll(lambda: d.routable("west") and d.metric(west, "tandem_worker_drained") == 0
+                 and "west" not in d.pulling(east), DEADLINE, "west serving again")
     again = (await d.submit(cluster="west"))["id"]
     recs = await d.terminal([again], DEADLINE)
     assert recs[again].worker == "west-w0"

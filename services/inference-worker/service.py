@@ -401,7 +401,7 @@ class InferenceWorker(Service):
                              idle_poll=self.s.idle_poll, paused=self._paused,
                              backoff=Backoff(0.01, max_delay=self.s.idle_poll),
                              on_stop=self._finish)
-        self.drain = Drain(bus, self.s.cluster, self.s.node, on_undrain=self.batcher.usage.resume)
+        self.drain = Drain(bus, self.s.cluster, self.s.node, on_undrain=self._undrained)
         await self.drain.start()
         self.failover = Failover.for_worker(bus, self.s, consumers, consumer,
                                             drained=self._paused)
@@ -452,6 +452,12 @@ class InferenceWorker(Service):
 
     def _drained(self) -> bool:
         return self.drain is not None and self.drain.drained
+
+    def _undrained(self) -> None:
+        """The node was undrained: usage counts again, and the loop pulls at once."""
+        self.batcher.usage.resume()
+        if self.poller is not None:
+            self.poller.resume()
 
     def _paused(self) -> bool:
         """Pull nothing: the node is drained, or a call hangs in this process."""

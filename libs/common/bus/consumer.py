@@ -395,7 +395,11 @@ class Poller:
     - A failed fetch (a reconnect, a leader election) is retried after ``backoff``,
       which grows while fetches fail, is reset by one that succeeds, and ends at stop.
     - While ``paused()`` nothing is fetched; what a fetch returns after it became paused
-      is handed back (nak), so another worker takes it now.
+      is handed back (nak), so another worker takes it now. ``resume()`` says it may
+      have ended: the loop asks again at once, not after its ``idle_poll`` nap.
+    - What a fetch returns after its consumer left ``consumers`` (failover released a
+      recovered cluster while the fetch waited) is handed back too: it is that
+      cluster's again.
     - A consumer with a ``fetch_handler`` gets each fetch whole (one task for it), and
       each message frees its room as it is settled.
     - On stop, messages fetched and not started are handed back, then ``on_stop()``
@@ -417,6 +421,11 @@ class Poller:
         self.on_stop = on_stop
         self.inflight = 0  # handlers running (concurrent handlers only)
         self._slot = asyncio.Event()  # set when a handler finishes
+        self._resumed = asyncio.Event()  # set by resume(): a pause may have ended
+
+    def resume(self) -> None:
+        """A pause may have ended (an undrain): check ``paused()`` again now."""
+        self._resumed.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         retries = self.backoff.retries(stop=stop)
@@ -425,7 +434,8 @@ class Poller:
         async with asyncio.TaskGroup() as tg:
             while not stop.is_set():
                 if self.paused is not None and self.paused():
-                    await _wait(stop, self.idle_poll)
+                    self._resumed.clear()
+                    await _wait_any((stop, self._resumed), self.idle_poll)
                     continue
                 room = self.batch if self.concurrency == 1 else min(
                     self.batch, self.concurrency - self.inflight)
@@ -457,7 +467,8 @@ class Poller:
                     lower_busy = False
                 if owner is None:
                     continue
-                if self.paused is not None and self.paused():  # while the fetch waited
+                if ((self.paused is not None and self.paused())  # while the fetch waited
+                        or owner not in self.consumers):
                     await hand_back(msgs)
                     continue
                 if owner.fetch_handler is not None:
@@ -518,6 +529,16 @@ class Poller:
 
 def _ignore(n: int) -> None:
     return None
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
