@@ -163,3 +163,14 @@ async def retry(op: Callable[[], Awaitable[T]], policy: Backoff, *,
                 on_retry(exc, retries)
             last = exc
     raise last  # stop was set during the wait: the last error stands
+
+
+async def wait_any(events: tuple[asyncio.Event, ...], seconds: float) -> None:
+    """Until one of ``events`` is set, or ``seconds`` have passed (a nap that a stop, or
+    any other news, ends early)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -46,7 +46,7 @@ import msgspec
 
 from tandem.common import checkpoints as ck
 from tandem.common import fleet, subjects, tracing
-from tandem.common.backoff import Backoff, retry
+from tandem.common.backoff import Backoff, retry, wait_any
 from tandem.common.bus import Bus, TypedKV, describe
 from tandem.common.bus.acks import too_large
 from tandem.common.events import (
@@ -353,7 +353,7 @@ class RunSupervisor(AttemptWatch):
             if ended is not None:
                 return ended
             delay = Backoff(wd.backoff_s, max_delay=wd.backoff_max_s).delay(self.restarts)
-            await _wait_any((stopping, self.cancelled), delay)
+            await wait_any((stopping, self.cancelled), delay)
             if stopping.is_set():
                 await self._status(RunState.restarting, "coordinator stopping")
                 return RunState.restarting
@@ -446,7 +446,7 @@ class RunSupervisor(AttemptWatch):
                 self.log.warning("run.preempted_checkpoint_uncommitted", step=step,
                                  waited_s=self.cfg.stop_checkpoint_s)
                 return
-            await _wait_any((self.cancelled,), min(1.0, left))  # S3's list, each second
+            await wait_any((self.cancelled,), min(1.0, left))  # S3's list, each second
 
     def _cycle_attributes(self) -> dict[str, Any]:
         attrs: dict[str, Any] = {"tandem.run_id": self.run_id, "tandem.restarts": self.restarts}
@@ -609,13 +609,3 @@ def _summary(incident: dict[str, Any]) -> str:
         if incident.get(k) not in (None, ""):
             parts.append(f"{k}={incident[k]}")
     return " ".join(str(p) for p in parts)
-
-
-async def _wait_any(events: tuple[asyncio.Event, ...], seconds: float) -> None:
-    """Until one of ``events`` is set, or ``seconds`` have passed."""
-    waits = [asyncio.create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()

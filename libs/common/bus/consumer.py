@@ -37,7 +37,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from tandem.common import log, tracing
-from tandem.common.backoff import Backoff
+from tandem.common.backoff import Backoff, wait_any
 from tandem.common.bus.acks import AckPolicy, DeadHook, ExplainHook, hand_back
 from tandem.common.bus.headers import MSG_ID, TRACEPARENT, attach_remote
 from tandem.common.bus.pull import Pull
@@ -435,7 +435,7 @@ class Poller:
             while not stop.is_set():
                 if self.paused is not None and self.paused():
                     self._resumed.clear()
-                    await _wait_any((stop, self._resumed), self.idle_poll)
+                    await wait_any((stop, self._resumed), self.idle_poll)
                     continue
                 room = self.batch if self.concurrency == 1 else min(
                     self.batch, self.concurrency - self.inflight)
@@ -529,16 +529,6 @@ class Poller:
 
 def _ignore(n: int) -> None:
     return None
-
-
-async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
-    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
