@@ -19,8 +19,10 @@ from nats.js.api import DiscardPolicy
 
 from tandem.cli.devstack import NatsServer
 from tandem.cluster_agent import nvml
-from tandem.cluster_agent.agent import MAX_MODELS, NodeAgent, NodeTaken
+from tandem.cluster_agent.agent import NodeAgent
+from tandem.cluster_agent.announced import MAX_MODELS
 from tandem.cluster_agent.backend import NoGpus, NvmlUnavailable
+from tandem.cluster_agent.claim import EXIT_NODE_TAKEN, NodeTaken
 from tandem.cluster_agent.clock import ManualClock
 from tandem.cluster_agent.nvml import NvmlBackend
 from tandem.common import fleet, subjects
@@ -246,9 +248,10 @@ async def test_the_service_refuses_a_second_agent_for_a_node_naming_tandem_node(
         hb = await until(lambda: fleet.heartbeat(fleet_bus, cluster, "n1"), timeout=30,
                          what="the first agent's heartbeat")
         second = start_agent(nats_server, cluster, "", log, agent_claim_wait="0")
-        assert await asyncio.to_thread(second.wait, 30) == 1
+        assert await asyncio.to_thread(second.wait, 30) == EXIT_NODE_TAKEN == 3
         text = log.read_text()
         assert "TANDEM_NODE=n1" in text and hb.instance in text
+        assert "runner.refused" in text and "runner.crashed" not in text
         again = await fleet.heartbeat(fleet_bus, cluster, "n1")
         assert again is not None and again.instance == hb.instance
     finally:

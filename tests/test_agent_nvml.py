@@ -11,14 +11,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pynvml
+import structlog
+from prometheus_client import REGISTRY
 
 from tandem.cluster_agent.agent import NodeAgent
 from tandem.cluster_agent.clock import ManualClock
 from tandem.cluster_agent.health import Tracker
 from tandem.cluster_agent.nvml import NvmlBackend
+from tandem.common import subjects
 from tandem.common.bus import Bus
-from tandem.common.events import Health
-from tandem.common.streams import core_streams
+from tandem.common.events import Health, NodeTelemetry, decode
+from tandem.common.streams import TELEMETRY, core_streams
 from tests.test_agent import transitions
 
 GIB = 1 << 30
@@ -194,4 +197,36 @@ async def test_the_agent_on_the_nvml_backend_publishes_the_transition(
         (Health.unhealthy, "xid-95", 2, "reset")]
     hb = agent.heartbeat_value()
     assert (hb.backend, hb.gpus_total, hb.gpus_usable, hb.gpus_free) == ("nvml", 4, 3, 0)
+    await agent.close()
+
+
+async def test_xid_codes_no_xid_can_have_are_dropped_counted_and_logged_once(
+        bus: Bus, uid: str) -> None:
+    await bus.provision(core_streams())
+    cluster = f"c{uid}"
+    nv = FakeNvml([FakeGpu(f"GPU-{i}") for i in range(4)])
+    clock = ManualClock(time.time())
+    agent = NodeAgent(bus, cluster, "gpu-host", NvmlBackend(nv), clock, auto_drain=False)
+    await agent.start()
+    before = REGISTRY.get_sample_value("tandem_agent_xids_invalid_total") or 0.0
+    with structlog.testing.capture_logs() as logs:
+        # NVML hands an XID over as a 64-bit word: a garbled one is no XID at all.
+        nv.events += [(1, 2**64 - 1), (1, 48), (2, 0)]
+        clock.advance(1.0)
+        await agent.tick()
+        nv.events += [(3, 100_000)]
+        clock.advance(1.0)
+        await agent.tick()
+    subject = subjects.telemetry(cluster, "gpu-host")
+    sub = await bus.js.subscribe(subject, stream=TELEMETRY, ordered_consumer=True)
+    sent = [decode((await sub.next_msg(timeout=5)).data, NodeTelemetry) for _ in range(2)]
+    await sub.unsubscribe()
+    assert [[g.xids for g in t.gpus] for t in sent] == [[[], [48], [], []], [[], [], [], []]]
+    trs = await transitions(bus, cluster, "gpu-host")
+    assert [(t.current, t.rule, t.active) for t in trs] == [
+        (Health.unhealthy, "xid-48", ["xid-48@1"])]  # no xid-unknown from the garbage
+    assert agent.xids_invalid == 3
+    assert REGISTRY.get_sample_value("tandem_agent_xids_invalid_total") == before + 3
+    [said] = [x for x in logs if x["event"] == "agent.xid_invalid"]
+    assert said["gpu"] == 1 and said["codes"] == [str(2**64 - 1)]
     await agent.close()

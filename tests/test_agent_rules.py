@@ -45,7 +45,7 @@ FAULTS = [
     (f"{FAULT_AT} xid gpu=2 code=64", Health.degraded, "xid-64@2", 1),
     (f"{FAULT_AT} xid gpu=2 code=64; {FAULT_AT + 3} xid gpu=2 code=64", Health.unhealthy,
      "xid-64-repeated@2", 4),
-    (f"{FAULT_AT} xid gpu=0 code=31337", Health.degraded, "xid-unknown@0", 1),
+    (f"{FAULT_AT} xid gpu=0 code=500", Health.degraded, "xid-unknown@0", 1),
     (f"{FAULT_AT} ecc gpu=3 count=1", Health.unhealthy, "ecc-uncorrected@3", 1),
     (f"{FAULT_AT} ecc-corrected gpu=3 count=500", Health.degraded, "ecc-corrected-burst@3", 1),
     (f"{FAULT_AT} remap-failure gpu=3", Health.unhealthy, "remap-failure@3", 1),
@@ -250,6 +250,11 @@ def test_every_rule_states_its_reason_and_a_known_action() -> None:
     ("1 thermal gpu=0 temp=1e308", "temp must be in [0, 150] degrees C, got 1e+308"),
     ("1 thermal gpu=0 temp=-500", "temp must be in [0, 150] degrees C, got -500.0"),
     ("1 xid gpu=0 code=79 count=1000000000", "count must be in 1..1024, got 1000000000"),
+    # An XID is a small number: one no XID can have is a typo, not an unknown XID.
+    ("1 xid gpu=0 code=31337", "line 1 ('1 xid gpu=0 code=31337'): xid needs code=<XID "
+     "number>, 1 to 999, got 31337"),
+    ('[{"at": 1, "kind": "xid", "code": 18446744073709551615}]',
+     "item 1 of the JSON list: xid needs code=<XID number>, 1 to 999, got 18446744073709551615"),
     ('{"at": 1, "kind": "xid", "code": 79}', "fault script: a JSON script is a list of faults"),
     ('[{"at": 1, "kind": "xid", "code": 79}, {"at": NaN, "kind": "xid", "code": 48}]',
      "item 2 of the JSON list: at must be a finite number"),

@@ -4,25 +4,12 @@
 benchmarks and a simulated fleet run many on one bus. ``tick()`` is one sample of the
 node, so tests drive simulated time sample by sample.
 
-Transitions are numbered per node (``seq``) and published with ``Nats-Msg-Id``
-``health-<cluster>-<node>-<seq>``. At start the agent reads the last transition on its
-subject and resumes from it: same state, same number, the same rules active (a latched
-XID is not forgotten by a restart), so a restart publishes nothing until the node's
-health really changes, and a retried publish is deduplicated by the stream. A message
-on the subject that is not the node's transition (junk, another node's) is read past
-to the last one that is; if none is found, numbering resumes from the junk's stream
-sequence, a number no transition of the node can have used. A publish the stream
-answers "duplicate" is this instance's own earlier try (its evidence names the
-instance) or a conflict: the number is someone else's, so the agent says so and
-publishes under the next free one.
-
-One instance per node: each agent has an ``instance`` id, carried by its heartbeat.
-``start`` waits (up to ``claim_wait``) while another instance's heartbeat for the node
-is in KV (fresh: the TTL removes a dead one's, a graceful stop deletes it at once), then
-refuses with ``NodeTaken``. Heartbeats are written by compare-and-set on this instance's
-last write, so one that finds the key written by another instance while it runs says so
-(an error) and raises ``NodeTaken``: the service stops rather than flip the node's
-heartbeat between two agents.
+Transitions are numbered per node and published through the node's ``TransitionLog``
+(``transitions.py``), which resumes at start from the last one on the node's subject: the
+agent takes its active rules and its handled drains back, so a latched XID is not
+forgotten by a restart. One instance per node: ``NodeClaim`` (``claim.py``) waits at
+start while another instance heartbeats for the node and writes each heartbeat by
+compare-and-set; either raises ``NodeTaken``, which stops the agent.
 
 With ``gpu_gauges`` (the service's one agent) each sample also sets the node's GPU gauges
 (``tandem_gpu_*{cluster,node,gpu}``) on the process's ``/metrics``, before it is
@@ -32,83 +19,41 @@ simulated fleet of thousands of nodes in one process leaves them off.
 Telemetry is the least of the node's signals: a TELEMETRY stream that refuses a sample
 is logged (``telemetry_failed``) and holds back neither the transition, the drain nor
 the heartbeat.
-
-One module past 450 lines: the transition numbering (restore, publish, conflicts), the
-node's claim and its heartbeat share the agent's state under one lock, and each keeps
-an invariant the others rely on (a number is used once; one instance writes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import os
-import secrets
-import socket
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
-
+from tandem.cluster_agent.announced import AnnouncedModels
 from tandem.cluster_agent.backend import AgentDeath, Backend, NoGpus
+from tandem.cluster_agent.claim import CLAIM_WAIT, NodeClaim, NodeTaken, instance_id
 from tandem.cluster_agent.clock import Clock, WallClock
 from tandem.cluster_agent.health import Change, Tracker
-from tandem.cluster_agent.rules import RULES, SEVERITY, Limits, Rule
+from tandem.cluster_agent.rules import RULES, SEVERITY, XID_MAX, Limits, Rule, valid_xid
+from tandem.cluster_agent.transitions import TransitionLog
 from tandem.common import fleet, log, metrics, subjects
 from tandem.common.bus import Bus
-from tandem.common.errors import EventDecodeError, InvalidToken, TandemError
 from tandem.common.events import (
     DrainRecord,
     GpuBrief,
     GpuSample,
     Health,
     HealthTransition,
-    ModelsLoaded,
     NodeHeartbeat,
     NodeTelemetry,
-    decode,
 )
-from tandem.common.streams import HEALTH, HEARTBEAT_TTL, KV_NODES
+from tandem.common.streams import HEARTBEAT_TTL
 
-TRANSITIONS = metrics.Counter("tandem_agent_transitions", "Health transitions published",
-                              ["current"])
 SAMPLES = metrics.Counter("tandem_agent_samples", "GPU samples taken")
+XIDS_INVALID = metrics.Counter("tandem_agent_xids_invalid", "XID codes a backend reported "
+                               f"outside 1..{XID_MAX}, dropped")
 FREE_MEM_FRACTION = 0.1  # a GPU using less memory than this is free for new work
 HARD_ACTIONS = ("drain", "reset", "replace")
-# A replaced pod still stopping (Kubernetes' default terminationGracePeriodSeconds, the
-# DaemonSet's) plus a killed one's heartbeat expiring: how long a new agent waits.
-CLAIM_WAIT = 30.0 + HEARTBEAT_TTL
-CLAIM_POLL = 0.5  # seconds between looks at another instance's heartbeat while waiting
-# Bounds on what workers announce, so the heartbeat always fits the server's max_payload:
-# at most MAX_MODELS names of at most 64 characters (subject tokens), about 17 kB.
-MAX_MODELS = 256
-MAX_WORKERS = 64
-RESTORE_SCAN = 256  # messages of the node's subject read back past an unreadable last one
-CONFLICTS = 5  # msg ids found taken in one publish before it gives up until the next tick
-
-
-class NodeTaken(TandemError):
-    """Another agent instance (``other``) heartbeats for ``node``: this one must not run."""
-
-    def __init__(self, cluster: str, node: str, instance: str, other: str, why: str) -> None:
-        self.cluster, self.node, self.instance, self.other = cluster, node, instance, other
-        super().__init__(
-            f"TANDEM_NODE={node} (cluster {cluster}): another cluster-agent, instance "
-            f"{other or '(one older than instance ids)'}, {why}; this is instance {instance}. "
-            "Two agents must not share a node name: set TANDEM_NODE to this node's own name "
-            "(spec.nodeName under Kubernetes) or stop the other agent")
-
-
-class TransitionConflict(TandemError):
-    """Every msg id tried for the node's next transition was taken by another writer."""
-
-
-def instance_id() -> str:
-    """This agent's id: host (the pod's name under Kubernetes), pid and a random part."""
-    return f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _brief(s: GpuSample) -> GpuBrief:
@@ -132,40 +77,54 @@ class NodeAgent:
         self.interval = interval
         self.ttl = heartbeat_ttl
         self.auto_drain = auto_drain
-        self.static_models = {subjects.token(m, "model name") for m in models}
-        if len(self.static_models) > MAX_MODELS:
-            raise ValueError(f"{len(self.static_models)} models always reported: at most "
-                             f"{MAX_MODELS}")
         self.instance = instance or instance_id()
-        self.claim_wait = claim_wait
-        self.waiting_for: str | None = None  # another instance's id, while start waits
-        self.taken_by: str | None = None  # the instance that took the node over
         self.gpu_gauges = gpu_gauges
         self.tracker = Tracker(rules, limits)
         self.log = log.get("tandem.cluster_agent", cluster=cluster, node=node)
-        self.state = Health.healthy  # last published
-        self.seq = 0  # number of the last published transition
+        self.models = AnnouncedModels(self.cluster, self.node, models, heartbeat_ttl, self.log)
+        self.transitions = TransitionLog(bus, self.cluster, self.node, self.instance, self.log)
+        self.claim = NodeClaim(bus, self.cluster, self.node,
+                               subjects.node_key(cluster, node), self.instance, claim_wait,
+                               self.log)
         self.samples = 0
         self.telemetry_stored = 0  # samples the stream acknowledged (its PubAck: stored)
         self.telemetry_failed = 0  # samples whose publish raised (no ack from the stream)
+        self.xids_invalid = 0  # XID codes dropped as no XID's (``_drop_invalid_xids``)
         self.heartbeats = 0
         self.last: list[GpuSample] = []
         self.gpus = 0
-        # The last transitions published by this instance, newest last (HEALTH has them all).
-        self.published: collections.deque[HealthTransition] = collections.deque(maxlen=64)
         self._telemetry_subject = subjects.telemetry(cluster, node)
-        self._health_subject = subjects.health(cluster, node)
-        self._key = subjects.node_key(cluster, node)
         self._lock = asyncio.Lock()
-        self._beat: tuple[NodeHeartbeat, int] | None = None  # last written, its revision
-        self._beat_lock = asyncio.Lock()
-        self._workers: dict[str, tuple[list[str], float]] = {}
-        self._capped = False  # the last heartbeat left announced models out
         self._sub: Any = None
         self._pending: tuple[Health, dict[str, Any]] | None = None  # transition owed
         self._drained_for: set[str] = set()  # hard rules (rule@gpu) already drained for
         self.drain = fleet.DrainWatch(bus, cluster, node, on_change=self._on_drain,
                                       board=drains)
+
+    @property
+    def state(self) -> Health:
+        """The node's health as last published."""
+        return self.transitions.state
+
+    @property
+    def seq(self) -> int:
+        """The number of the node's last published transition."""
+        return self.transitions.seq
+
+    @property
+    def published(self) -> Sequence[HealthTransition]:
+        """The last transitions this instance published, newest last."""
+        return self.transitions.published
+
+    @property
+    def waiting_for(self) -> str | None:
+        """Another instance's id, while ``start`` waits for it to go."""
+        return self.claim.waiting_for
+
+    @property
+    def taken_by(self) -> str | None:
+        """The instance that took the node over while this one ran."""
+        return self.claim.taken_by
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -183,7 +142,7 @@ class NodeAgent:
         try:
             if not self.gpus:
                 raise NoGpus(self.backend.name, self.node)
-            claimed = await self._claim(stop)
+            claimed = await self.claim.wait(stop)
         except BaseException:
             self.backend.close()
             raise
@@ -193,7 +152,7 @@ class NodeAgent:
         await self._restore()
         await self.drain.start()
         self._sub = await self.bus.nc.subscribe(subjects.models(self.cluster, self.node),
-                                                cb=self._on_models)
+                                                cb=self.models.on_message)
         now = self.clock.now()
         self.log.info("agent.started", backend=self.backend.name, gpus=self.gpus,
                       health=self.state.value, seq=self.seq, drained=self.drain.drained,
@@ -210,48 +169,6 @@ class NodeAgent:
             await self._settle(cleared, now, cause)
         return True
 
-    async def _claim(self, stop: asyncio.Event | None) -> bool:
-        """Wait until no other instance's heartbeat for the node is in KV; False if
-        ``stop`` is set first; ``NodeTaken`` after ``claim_wait``.
-
-        Presence is freshness: the bucket's TTL removes a dead agent's heartbeat, a
-        graceful stop deletes it. So a replaced pod's successor starts as soon as the old
-        one has stopped, or one TTL after it was killed, and one still there after the
-        wait is an instance alive elsewhere. Polled: an expiry sends no watch event.
-        """
-        kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
-        deadline = time.monotonic() + self.claim_wait
-        while (other := await self._other(kv)) is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                exc = NodeTaken(self.cluster, self.node, self.instance, other,
-                                f"still heartbeats for this node after {self.claim_wait:g} s")
-                self.log.error("agent.node_taken", error=str(exc), other=other)
-                raise exc
-            if self.waiting_for is None:
-                self.log.warning("agent.waiting_for_node", other=other, wait_s=self.claim_wait,
-                                 instance=self.instance)
-            self.waiting_for = other
-            stopping = stop or asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(CLAIM_POLL, left)):
-                    await stopping.wait()
-            if stopping.is_set():
-                return False
-        self.waiting_for = None
-        return True
-
-    async def _other(self, kv: Any) -> str | None:
-        """The id of another instance whose heartbeat is the node's now, else None."""
-        try:
-            got = await kv.get(self._key)
-        except EventDecodeError as exc:  # not an agent's heartbeat: the first beat replaces it
-            self.log.warning("agent.heartbeat_unreadable", error=exc.reason)
-            return None
-        if got is None or got[0].instance == self.instance:
-            return None
-        return str(got[0].instance)
-
     async def close(self, remove_heartbeat: bool = True) -> None:
         """Stop watching and release the GPUs; a graceful stop removes the heartbeat now
         (a killed agent's heartbeat expires with the TTL instead), if this instance's
@@ -260,9 +177,8 @@ class NodeAgent:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        if remove_heartbeat and self._beat is not None:
-            with contextlib.suppress(Exception):
-                await (await self.bus.kv(KV_NODES)).delete(self._key, last=self._beat[1])
+        if remove_heartbeat:
+            await self.claim.release()
         self.backend.close()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -312,6 +228,7 @@ class NodeAgent:
         now = self.clock.now()
         samples = await self._backend_call(self.backend.sample, now)
         self.samples += 1
+        self._drop_invalid_xids(samples)
         self.last = samples
         SAMPLES.inc(len(samples))
         if self.gpu_gauges:
@@ -351,6 +268,23 @@ class NodeAgent:
         if failed is not None:
             raise failed
         return telemetry
+
+    def _drop_invalid_xids(self, samples: list[GpuSample]) -> None:
+        """Take out of each sample the XID codes no XID can have (``valid_xid``), before
+        the rules, telemetry or a transition see them: counted (``xids_invalid``,
+        ``tandem_agent_xids_invalid``), and logged the first time only, so a driver or
+        binding that sends garbage costs one warning, never unbounded values downstream."""
+        for s in samples:
+            if not s.xids or all(map(valid_xid, s.xids)):
+                continue
+            bad = [x for x in s.xids if not valid_xid(x)]
+            s.xids = [x for x in s.xids if valid_xid(x)]
+            if not self.xids_invalid:
+                self.log.warning("agent.xid_invalid", gpu=s.index, most=XID_MAX,
+                                 codes=[repr(x)[:32] for x in bad[:8]],
+                                 note="logged once; later ones are only counted")
+            self.xids_invalid += len(bad)
+            XIDS_INVALID.inc(len(bad))
 
     # ------------------------------------------------------------------------ transitions
 
@@ -444,114 +378,20 @@ class NodeAgent:
                 "gpu": c.gpu, "values": c.evidence, "fired": c.fired}
 
     async def _publish(self, target: Health, cause: dict[str, Any], now: float) -> None:
-        """Publish the transition to ``target``; raises ``TransitionConflict`` when every
-        number tried was taken by another writer (the transition stays owed)."""
+        """Publish the transition to ``target`` (``TransitionConflict``: still owed)."""
         evidence = {k: v for k, v in cause.items() if k not in ("reason", "action")}
         evidence.update(at=now, sample=self.samples, agent=self.instance)
-        for _ in range(CONFLICTS):
-            seq = self.seq + 1
-            tr = HealthTransition(
-                cluster=self.cluster, node=self.node, previous=self.state, current=target,
-                rule=str(cause["rule"]), reason=str(cause["reason"]),
-                action=str(cause.get("action", "")), gpu=cause.get("gpu"), evidence=evidence,
-                at=now, seq=seq, active=self.tracker.active(),
-                handled=sorted(self._drained_for))
-            # The msg id makes a retried publish (same seq) land once in HEALTH.
-            msg_id = f"health-{self.cluster}-{self.node}-{seq}"
-            ack = await self.bus.publish(self._health_subject, tr, msg_id=msg_id, retry_for=10.0)
-            if not ack.duplicate:
-                self._published(tr)
-                return
-            stored = await self._stored(ack.seq)
-            if stored is not None and stored.seq == seq and \
-                    stored.evidence.get("agent") == self.instance:
-                self._published(stored)  # an earlier try of ours landed; its ack was lost
-                if stored.current == target:
-                    return
-                continue  # then the state owed now
-            self.log.error("agent.transition_conflict", seq=seq, msg_id=msg_id,
-                           stream_seq=ack.seq, other=stored.evidence.get("agent")
-                           if stored is not None else None)
-            self.seq = max(seq, await self._floor())
-        raise TransitionConflict(f"{CONFLICTS} msg ids for node {self.node}'s next transition "
-                                 f"were taken by another writer (up to seq {self.seq})")
-
-    def _published(self, tr: HealthTransition) -> None:
-        self.seq, self.state = tr.seq, tr.current
-        self.published.append(tr)
-        TRANSITIONS.labels(tr.current.value).inc()
-        self.log.warning("agent.transition", previous=tr.previous.value,
-                         current=tr.current.value, rule=tr.rule, gpu=tr.gpu, seq=tr.seq,
-                         action=tr.action)
-
-    def _readable(self, data: bytes) -> HealthTransition | None:
-        """``data`` as this node's transition, or None (junk, or another node's)."""
-        try:
-            tr = decode(data, HealthTransition)
-        except EventDecodeError:
-            return None
-        return tr if (tr.cluster, tr.node) == (self.cluster, self.node) else None
-
-    async def _stored(self, stream_seq: int) -> HealthTransition | None:
-        msg = await self.bus.js.get_msg(HEALTH, seq=stream_seq)
-        return self._readable(msg.data) if msg.subject == self._health_subject else None
-
-    async def _floor(self) -> int:
-        """A number at or above every transition number stored on the node's subject."""
-        try:
-            msg = await self.bus.js.get_last_msg(HEALTH, self._health_subject)
-        except NotFoundError:
-            return 0
-        last = self._readable(msg.data)
-        return last.seq if last is not None else int(msg.seq or 0)
-
-    async def _last_readable(self, before: int) -> HealthTransition | None:
-        """The newest of the node's transitions stored before stream sequence ``before``,
-        reading back at most ``RESTORE_SCAN`` messages of its subject; None past that.
-
-        Windows of the stream, each 8 times the last, newest first; within one, the
-        subject's messages oldest first, one get each (the agent's role may read HEALTH's
-        messages, not make consumers on it).
-        """
-        hi, span, read = before, 64, 0
-        while hi > 1:
-            lo, found, seq = max(1, hi - span), None, max(1, hi - span)
-            while True:
-                try:
-                    msg = await self.bus.js.get_msg(HEALTH, seq=seq,
-                                                    subject=self._health_subject, next=True)
-                except NotFoundError:
-                    break
-                if msg.seq >= hi:
-                    break
-                read += 1
-                if read > RESTORE_SCAN:
-                    return None
-                found = self._readable(msg.data) or found
-                seq = msg.seq + 1
-            if found is not None:
-                return found
-            hi, span = lo, span * 8
-        return None
+        await self.transitions.publish(HealthTransition(
+            cluster=self.cluster, node=self.node, previous=self.state, current=target,
+            rule=str(cause["rule"]), reason=str(cause["reason"]),
+            action=str(cause.get("action", "")), gpu=cause.get("gpu"), evidence=evidence,
+            at=now, active=self.tracker.active(), handled=sorted(self._drained_for)))
 
     async def _restore(self) -> None:
-        try:
-            msg = await self.bus.js.get_last_msg(HEALTH, self._health_subject)
-        except NotFoundError:
-            return
-        last = self._readable(msg.data)
+        """Resume the last transition's state, number, active rules and handled drains."""
+        last = await self.transitions.restore()
         if last is None:
-            last = await self._last_readable(int(msg.seq or 0))
-            if last is None:
-                # Nothing to resume: number on from the junk's stream sequence, which no
-                # transition of the node can have had (each took a stream sequence of its
-                # own at or above its number), so none of its msg ids is reused.
-                self.seq = int(msg.seq or 0)
-                self.log.error("agent.restore_unreadable", stream_seq=msg.seq, seq=self.seq,
-                               scanned=RESTORE_SCAN)
-                return
-            self.log.warning("agent.restore_past_unreadable", stream_seq=msg.seq, seq=last.seq)
-        self.state, self.seq = last.current, last.seq
+            return
         self.tracker.restore(last.active, self.clock.now())
         if last.handled is None:
             self._drain_handled()
@@ -577,50 +417,6 @@ class NodeAgent:
 
     # -------------------------------------------------------------------------- heartbeat
 
-    def _models(self) -> list[str]:
-        """The static models, then the workers' fresh ones: at most ``MAX_MODELS``."""
-        fresh = time.monotonic() - self.ttl
-        self._workers = {w: v for w, v in self._workers.items() if v[1] >= fresh}
-        announced = set().union(*(names for names, _ in self._workers.values()))
-        extra = sorted(announced - self.static_models)
-        room = MAX_MODELS - len(self.static_models)
-        capped = len(extra) > room
-        if capped and not self._capped:  # said once, until it fits again
-            self.log.warning("agent.models_capped", announced=len(announced),
-                             left_out=extra[room:room + 10], most=MAX_MODELS)
-        self._capped = capped
-        return sorted(self.static_models.union(extra[:room]))
-
-    async def _on_models(self, msg: Msg) -> None:
-        """Fold one worker's announcement in; one that is not this node's, or names
-        what no task can ask for (not a token), or too much, is logged and ignored."""
-        try:
-            ev = decode(msg.data, ModelsLoaded)
-            problem = self._models_problem(ev)
-        except (EventDecodeError, InvalidToken) as exc:
-            problem = str(exc)
-        if problem:
-            self.log.warning("agent.bad_models_message", error=problem)
-            return
-        self._workers[ev.worker] = (list(ev.models), time.monotonic())
-
-    def _models_problem(self, ev: ModelsLoaded) -> str:
-        """What is wrong with ``ev`` for this agent ("" if nothing); raises
-        ``InvalidToken`` for a node, worker or model that is not a token."""
-        if ev.cluster != self.cluster or subjects.node(ev.node) != self.node:
-            return (f"worker {ev.worker!r} announces for {ev.cluster}/{ev.node}, not this "
-                    f"agent's {self.cluster}/{self.node}")
-        subjects.token(ev.worker, "worker")
-        if len(ev.models) > MAX_MODELS:
-            return f"worker {ev.worker!r} announces {len(ev.models)} models: at most {MAX_MODELS}"
-        for m in ev.models:
-            subjects.token(m, "model name")
-        fresh = time.monotonic() - self.ttl
-        if ev.worker not in self._workers and sum(
-                t >= fresh for _, t in self._workers.values()) >= MAX_WORKERS:
-            return f"worker {ev.worker!r}: {MAX_WORKERS} workers already announce on this node"
-        return ""
-
     def heartbeat_value(self) -> NodeHeartbeat:
         bad = self.tracker.gpus_with(Health.unhealthy)
         usable = [s for s in self.last if not s.lost and s.index not in bad]
@@ -631,7 +427,7 @@ class NodeAgent:
         return NodeHeartbeat(
             cluster=self.cluster, node=self.node, health=self.state,
             gpus_total=len(self.last) or self.gpus, gpus_usable=len(usable),
-            gpus_free=0 if record is not None else len(free), models=self._models(),
+            gpus_free=0 if record is not None else len(free), models=self.models.names(),
             drained=record is not None, drain_reason=record.reason if record else "",
             at=time.time(), findings=self.tracker.active(),
             gpus=[_brief(s) for s in self.last], backend=self.backend.name,
@@ -639,24 +435,6 @@ class NodeAgent:
         )
 
     async def heartbeat(self) -> None:
-        """Write the heartbeat by compare-and-set on this instance's last write (or as a
-        new key); raises ``NodeTaken`` when another instance wrote it since."""
-        kv = await self.bus.typed(KV_NODES, NodeHeartbeat)
-        value = self.heartbeat_value()
-
-        def ours(cur: NodeHeartbeat | None) -> NodeHeartbeat:
-            if cur is None or cur.instance == self.instance:
-                return value
-            if self.taken_by is None:
-                self.log.error("agent.node_taken_over", other=cur.instance,
-                               instance=self.instance, node=self.node)
-            self.taken_by = cur.instance
-            raise NodeTaken(self.cluster, self.node, self.instance, cur.instance,
-                            "took this node's heartbeat over while this one ran")
-
-        async with self._beat_lock:
-            try:
-                self._beat = await kv.move(self._key, ours, attempts=5, expect=self._beat)
-            except EventDecodeError as exc:  # not an agent's heartbeat: replace it
-                self.log.warning("agent.heartbeat_unreadable", error=exc.reason)
-                self._beat = (value, await kv.put(self._key, value))
+        """Write the heartbeat; raises ``NodeTaken`` when another instance wrote it since
+        this one's last write."""
+        await self.claim.write(self.heartbeat_value())

@@ -16,11 +16,12 @@ One fault per line (or per ``;``), ``#`` starts a comment::
     60       agent-die
 
 A JSON list of objects with the same fields (``[{"at": 10, "kind": "xid", "code": 79}]``)
-is accepted too. ``at`` is seconds since the agent started (finite, >= 0); ``duration``
-(> 0) defaults to forever; ``count`` is 1 to ``MAX_COUNT`` (1024, as many XIDs as the
-NVML backend reads in one sample); ``factor`` is in (0, 1]; ``temp`` is in ``TEMP_RANGE``
-(0 to 150 degrees C). Any mistake raises ``FaultScriptError`` naming the line (or the
-item of a JSON list), the fault as written and the field.
+is accepted too. ``at`` is seconds since the agent started (finite, >= 0); ``code`` is
+an XID, 1 to ``XID_MAX`` (999); ``duration`` (> 0) defaults to forever; ``count`` is 1 to
+``MAX_COUNT`` (1024, as many XIDs as the NVML backend reads in one sample); ``factor`` is
+in (0, 1]; ``temp`` is in ``TEMP_RANGE`` (0 to 150 degrees C). Any mistake raises
+``FaultScriptError`` naming the line (or the item of a JSON list), the fault as written
+and the field.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Literal
 
 import msgspec
 
+from tandem.cluster_agent.rules import XID_MAX, valid_xid
 from tandem.common.errors import TandemError
 
 FaultKind = Literal[
@@ -74,8 +76,8 @@ class Fault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tru
             raise ValueError(f"at must be a finite number of seconds >= 0, got {self.at!r}")
         if self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
-        if self.kind == "xid" and self.code <= 0:
-            raise ValueError("xid needs code=<XID number>")
+        if self.kind == "xid" and not valid_xid(self.code):
+            raise ValueError(f"xid needs code=<XID number>, 1 to {XID_MAX}, got {self.code}")
         if not 1 <= self.count <= MAX_COUNT:
             raise ValueError(f"count must be in 1..{MAX_COUNT}, got {self.count}")
         if not self.duration > 0:  # inf, the default, is forever

@@ -66,7 +66,9 @@ class Tracker:
         self.samples = 0
         self._tracks: dict[tuple[str, int], _Track] = {}
         self._last: dict[int, GpuView] = {}  # each GPU's view at the latest sample
-        self._xids: dict[int, deque[tuple[int, int]]] = {}
+        # Per GPU, the XIDs of each sample within the window and their totals: bounded by
+        # the window's samples and the distinct codes, however many XIDs a sample brings.
+        self._xids: dict[int, tuple[deque[tuple[int, Counter[int]]], Counter[int]]] = {}
         # State faults an undrain kept, judged again by the next sample (clear_latched).
         self._recheck: set[tuple[str, int]] = set()
 
@@ -149,12 +151,17 @@ class Tracker:
         return changes
 
     def _remember_xids(self, s: GpuSample) -> dict[int, int]:
-        window = self._xids.setdefault(s.index, deque())
-        for code in s.xids:
-            window.append((self.samples, code))
+        """Each code's count on GPU ``s.index`` within the last ``xid_window`` samples."""
+        window, totals = self._xids.setdefault(s.index, (deque(), Counter()))
+        seen = Counter(s.xids)
+        window.append((self.samples, seen))
+        totals.update(seen)
         while window and window[0][0] <= self.samples - self.limits.xid_window:
-            window.popleft()
-        return dict(Counter(code for _, code in window))
+            for code, n in window.popleft()[1].items():
+                totals[code] -= n
+                if totals[code] <= 0:
+                    del totals[code]
+        return dict(totals)
 
     # ----------------------------------------------------------------- restart and undrain
 

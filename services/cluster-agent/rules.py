@@ -30,7 +30,10 @@ that it falls under 10 % reads as idle, and a whole node uniformly slow is no st
 (its own GPUs are the only peers).
 
 XIDs are classified in ``XIDS`` (NVIDIA's XID catalogue): application-level XIDs are
-recorded in telemetry but never mark a node; the rest fire their own rule.
+recorded in telemetry but never mark a node; the rest fire their own rule, and one
+outside the catalogue fires ``xid-unknown``. An XID is a small positive number
+(``valid_xid``: 1 to ``XID_MAX``); the agent drops any other value a backend reports
+before the rules, telemetry or a transition see it.
 Sustain and clear counts are in samples (1 s each by default).
 """
 
@@ -101,6 +104,16 @@ class Rule:
     @property
     def latched(self) -> bool:
         return self.clear == 0
+
+
+# NVIDIA's XID catalogue ends below 200; three digits leave room for the XIDs to come.
+XID_MAX = 999
+
+
+def valid_xid(code: object) -> bool:
+    """``code`` can be an XID: an ``int`` from 1 to ``XID_MAX``. NVML hands each XID over
+    as a 64-bit word, so nothing else bounds what a driver or a binding may send."""
+    return type(code) is int and 1 <= code <= XID_MAX
 
 
 class XidClass(NamedTuple):

@@ -10,8 +10,10 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from tandem.cluster_agent import faults
-from tandem.cluster_agent.agent import CLAIM_WAIT, MAX_MODELS, NodeAgent
+from tandem.cluster_agent.agent import NodeAgent
+from tandem.cluster_agent.announced import MAX_MODELS
 from tandem.cluster_agent.backend import AgentDeath, Backend, NoGpus, NvmlUnavailable, make
+from tandem.cluster_agent.claim import CLAIM_WAIT
 from tandem.cluster_agent.clock import WallClock
 from tandem.common import subjects
 from tandem.common.errors import SettingsError
