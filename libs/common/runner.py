@@ -238,8 +238,7 @@ async def serve(service: Service) -> int:
         if task.done():
             exc = task.exception()
             if exc is not None:
-                lg.error("runner.crashed", error=repr(exc), exc_info=exc)
-                code = 1
+                code = _ended(lg, exc)
         else:
             try:
                 await asyncio.wait_for(asyncio.shield(task), s.drain_timeout)
@@ -250,8 +249,7 @@ async def serve(service: Service) -> int:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             except Exception as exc:
-                lg.error("runner.crashed", error=repr(exc))
-                code = 1
+                code = _ended(lg, exc)
     finally:
         stop_wait.cancel()
         metrics.UP.labels(service.name).set(0)
@@ -260,6 +258,18 @@ async def serve(service: Service) -> int:
         tracing.shutdown()
     lg.info("runner.exit", code=code)
     return code
+
+
+def _ended(lg: Any, exc: BaseException) -> int:
+    """The exit status for a service whose ``run`` raised ``exc``, logged: the error's
+    own ``exit_code`` where it has one (a known refusal, not a crash, such as the
+    cluster-agent's ``NodeTaken``: 3), else 1, a crash, with its traceback."""
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int) and code > 1:
+        lg.error("runner.refused", error=str(exc), code=code)
+        return code
+    lg.error("runner.crashed", error=repr(exc), exc_info=exc)
+    return 1
 
 
 EXIT_GRACE_S = 5.0  # from the runner's end to the process's, at most
