@@ -16,7 +16,9 @@ with two kinds:
 
 Both run exactly ``LocalLauncher.command``'s command line (``spawn``). Each torchrun is
 its own session, so a stop kills every rank it forked (``kill_agent``), and dies with
-the process that launched it (``PR_SET_PDEATHSIG``).
+the process that launched it (``PR_SET_PDEATHSIG``). Its output goes to a capped log in
+the attempt's folder and to the launching process's stderr, and each launch prunes the
+run's older attempt folders (``rank_output``: the same for both kinds).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tandem.common import ports
+from tandem.trainer.rank_output import RankLogs, RankOutput, Torchrun, prefix, prune_attempts
 from tandem.trainer.spec import LaunchSpec
 
 
@@ -69,7 +72,7 @@ class Agent:
 
     node: str
     log_path: Path | str
-    proc: asyncio.subprocess.Process | None = None
+    proc: Torchrun | None = None
     pid: int = 0
 
 
@@ -154,14 +157,23 @@ def _die_with_parent() -> None:
 
 
 async def spawn(command: list[str], log_path: Path, env: dict[str, str],
-                with_parent: bool = False) -> asyncio.subprocess.Process:
-    """Start one node's torchrun agent in a session of its own, output to ``log_path``;
-    ``with_parent``: it is sent SIGTERM if this process dies (``_die_with_parent``)."""
-    with open(log_path, "ab") as log:  # noqa: ASYNC230 - local file, instant
-        return await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-            start_new_session=True,
+                with_parent: bool = False, logs: RankLogs = RankLogs(),
+                line_prefix: str = "") -> Torchrun:
+    """Start one node's torchrun agent in a session of its own, its output to the capped
+    log ``log_path`` and, as ``logs`` says, to this process's stderr, each line after
+    ``line_prefix`` (default: the log's name; ``rank_output``); ``with_parent``: it is
+    sent SIGTERM if this process dies (``_die_with_parent``)."""
+    output = RankOutput(log_path, logs, line_prefix or f"[{log_path.stem}] ")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.DEVNULL, stdout=output.fd, stderr=output.fd,
+            env=env, start_new_session=True,
             preexec_fn=_die_with_parent if with_parent and sys.platform == "linux" else None)
+    except BaseException:
+        output.abort()
+        raise
+    output.start()
+    return Torchrun(proc, output)
 
 
 def kill_agent(pid: int, rank_pids: Sequence[int] = ()) -> None:
@@ -186,12 +198,14 @@ class LocalLauncher:
 
     def __init__(self, python: str = sys.executable, master_addr: str = "127.0.0.1",
                  monitor_interval: float = 0.5, rendezvous_ports: range | None = None,
-                 stop_checkpoint_s: float = STOP_CHECKPOINT_S) -> None:
+                 stop_checkpoint_s: float = STOP_CHECKPOINT_S,
+                 logs: RankLogs = RankLogs()) -> None:
         self.python = python
         self.master_addr = master_addr
         self.monitor_interval = monitor_interval
         self.rendezvous_ports = rendezvous_ports  # None: below the ephemeral range
         self.stop_checkpoint_s = stop_checkpoint_s  # ranks told to stop have this long
+        self.logs = logs  # where the torchruns' output goes, attempt folders kept
 
     def command(self, placement: Placement, node_rank: int, port: int, spec_path: Path,
                 rdzv_id: str = "tandem", local_addr: str | None = None,
@@ -217,6 +231,8 @@ class LocalLauncher:
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
                     attempt_dir: Path, env: dict[str, str] | None = None) -> Attempt:
+        await asyncio.to_thread(prune_attempts, attempt_dir, self.logs.attempts_kept,
+                                [spec.checkpoint_root])
         port = rendezvous_port(self.master_addr, allowed=self.rendezvous_ports)
         attempt = Attempt(run_id=spec.run_id, number=spec.attempt)
         for i, node in enumerate(placement.nodes):
@@ -225,7 +241,9 @@ class LocalLauncher:
                                    rendezvous_id(spec.run_id, spec.attempt))
             # Dies with this process (a coordinator killed -9 leaves no ranks training).
             proc = await spawn(command, log_path,
-                               rank_env(env, node, self.stop_checkpoint_s), with_parent=True)
+                               rank_env(env, node, self.stop_checkpoint_s), with_parent=True,
+                               logs=self.logs,
+                               line_prefix=prefix(spec.run_id, spec.attempt, node))
             attempt.agents.append(Agent(node=node, proc=proc, log_path=log_path, pid=proc.pid))
         return attempt
 

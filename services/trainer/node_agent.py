@@ -29,6 +29,10 @@ Invariants it keeps:
   given ``STOP_CHECKPOINT_S`` to end, then SIGKILLed, and its exit reported to the
   coordinator at once (not found by its silence), within the drain. A ``NodeInterrupt``
   (its coordinator stopping) does the same to that attempt's torchrun alone.
+- What its torchruns print stays bounded on its disk, which in Kubernetes is an
+  emptyDir whose ``sizeLimit`` evicts the pod: each attempt's log is capped, a launch
+  removes the run's older attempt folders (never a checkpoint) and the output is also
+  on the agent's stderr, prefixed, for ``kubectl logs`` (``rank_output``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from tandem.trainer.launcher import (
     rendezvous_port,
     spawn,
 )
+from tandem.trainer.rank_output import RankLogs, Torchrun, prefix, prune_attempts
 from tandem.trainer.service import TrainerSettings
 from tandem.trainer.spec import LaunchSpec
 
@@ -78,7 +83,7 @@ class Held:
 
     order: NodeLaunch
     cluster: str  # the run's (where its coordinator listens for reports)
-    proc: asyncio.subprocess.Process
+    proc: Torchrun
     reply: NodeReply
     stopped: str = ""  # why this agent killed it; empty while it runs on its own
     interrupted: bool = False  # told to save and stop (SIGTERM): its exit is reported
@@ -216,6 +221,11 @@ class NodeAgent(Service):
                           else ""))
             await held.proc.wait()
         spec, spec_path = self._spec_for_this_node(order)
+        removed = await asyncio.to_thread(prune_attempts, Path(spec.attempt_dir),
+                                          self.s.attempts_kept, [spec.checkpoint_root])
+        if removed:
+            self.ctx.log.info("node_agent.attempts_pruned", run_id=order.run_id,
+                              removed=[p.name for p in removed])
         addr, port = order.master_addr, order.master_port
         if order.node_rank == 0 and not port:  # the rendezvous is ours to open
             addr = self.s.rendezvous_host
@@ -223,7 +233,8 @@ class NodeAgent(Service):
         command = node_command(self.s, order, addr, port, spec_path)
         log_path = Path(spec.attempt_dir) / f"agent-{order.node_rank}-{self.s.node}.log"
         proc = await spawn(command, log_path, rank_env(None, self.s.node, self.s.stop_bound()),
-                           with_parent=True)
+                           with_parent=True, logs=RankLogs.of(self.s),
+                           line_prefix=prefix(order.run_id, order.attempt, self.s.node))
         reply = NodeReply(node=self.s.node, master_addr=addr, master_port=port, pid=proc.pid,
                           log_path=str(log_path))
         held = Held(order=order, cluster=spec.cluster or self.s.cluster, proc=proc, reply=reply)
@@ -294,6 +305,7 @@ class NodeAgent(Service):
                     self._kill(held, "the coordinator no longer runs this attempt")
             if held.stopped and not held.interrupted:
                 return  # killed by order or by us: the coordinator is not waiting to hear
+            await held.proc.wait()  # its output in its log before its exit is told
             report = self._report_of(held)
             with contextlib.suppress(Exception):
                 await retry(lambda: bus.request(subject, report, events.NodeReportReply,

@@ -21,6 +21,7 @@ checkpointed, ``channel.ORPHANED`` (17) coordinator gone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import faulthandler
 import os
@@ -266,8 +267,9 @@ def leave(code: int) -> NoReturn:
     ``main`` returned, while ``main``'s frame was freed: its launcher never exited and
     the watchdog restarted a run that had already trained every step.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # the launcher's reader gone (killed -9)
+            stream.flush()
     os._exit(code)
 
 

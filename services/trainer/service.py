@@ -70,6 +70,7 @@ from tandem.common.streams import (
 from tandem.trainer import run_metrics
 from tandem.trainer.launcher import Launcher, LocalLauncher
 from tandem.trainer.nodes import NodeLauncher
+from tandem.trainer.rank_output import RankLogs, RankLogSettings
 from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
 
 # What a drain keeps past STOP_CHECKPOINT_S: a node agent's report of its torchrun's exit
@@ -77,7 +78,7 @@ from tandem.trainer.supervisor import TERMINAL, RunSupervisor, SupervisorConfig
 STOP_REPORT_S = 5.0
 
 
-class TrainerSettings(Settings):
+class TrainerSettings(RankLogSettings):
     checkpoint_root: str = Field(
         ".tandem/checkpoints", description="Local checkpoints: <root>/<run>/step-<N>/.")
     work_root: str = Field(
@@ -192,7 +193,7 @@ class Trainer(Service):
         self.supervisors: dict[str, RunSupervisor] = {}
         self.launcher: Launcher = LocalLauncher(
             python=settings.python, rendezvous_ports=settings.rendezvous_port_range(),
-            stop_checkpoint_s=settings.stop_bound())
+            stop_checkpoint_s=settings.stop_bound(), logs=RankLogs.of(settings))
         self._slots = asyncio.Semaphore(settings.max_runs)
         # Pending runs of this cluster nobody claimed yet: run id -> when to claim it
         # (loop time, unclaimed_after_s after this coordinator first saw it pending).
