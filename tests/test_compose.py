@@ -117,6 +117,24 @@ def test_services_use_all_three_nats_servers_r3_streams_and_minio() -> None:
         "TANDEM_S3_BUCKET"]
 
 
+def test_every_published_port_is_bound_to_the_host_s_loopback() -> None:
+    """The review's L7: the stack's passwords default to dev-* values, so a port published
+    on every interface (NATS, MinIO, the gateway, Prometheus, Grafana) is open to the
+    network of whatever host runs it. Every port of every profile, with the leaf override
+    too, is published on 127.0.0.1 only: the host's own clients (the CLI, a browser, the
+    presigned URLs on localhost:9000) still reach it."""
+    for files in (("compose.yaml",), ("compose.yaml", "compose.leaf.yaml")):
+        res = compose("--profile", "*", "config", "--format", "json", files=files)
+        assert res.returncode == 0, res.stderr
+        published = [(name, port) for name, svc in json.loads(res.stdout)["services"].items()
+                     for port in svc.get("ports", [])]
+        assert {"nats-1", "minio", "gateway", "prometheus", "grafana"} <= {
+            name for name, _ in published}, files
+        assert [(n, p) for n, p in published if p.get("host_ip") != "127.0.0.1"] == [], files
+    gateway = resolved()["services"]["gateway"]["environment"]
+    assert gateway["TANDEM_S3_PUBLIC_ENDPOINT"].startswith("http://localhost:")
+
+
 def test_both_simulated_clusters_have_an_agent_and_a_worker() -> None:
     per_cluster: dict[str, set[str]] = {}
     for folder, svc in tandem_services().values():

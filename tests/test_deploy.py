@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import functools
 import json
 import os
 import re
 import shutil
+import signal
 import socket
+import ssl
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,8 +31,12 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import nats
 import pytest
 import yaml
+from cryptography import x509
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from tandem.cli.certs import dev_certs
 from tandem.cli.devstack import NatsServer
@@ -61,8 +69,10 @@ SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir()
                       if (p / "__init__.py").exists())
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 GPU = "nvidia.com/gpu"
-# The hub's route login: the one password of Secret tandem-nats that no account reads.
+# The hub's route login: a password of Secret tandem-nats that no generated account reads.
 ROUTE_PASSWORD = "TANDEM_NATS_PASSWORD_ROUTE"
+# The system account's user, sys (base/nats-hub/system-account.conf): the other one.
+SYS_PASSWORD = "TANDEM_NATS_PASSWORD_SYS"
 # The highest value of a PriorityClass whose name does not start with "system-".
 USER_PRIORITY_MAX = 1_000_000_000
 # Where the checkpoints of a training node live unless its cluster's overlay says otherwise.
@@ -244,9 +254,28 @@ def conf_block(conf: str, name: str) -> str:
     return m.group(1)
 
 
-def hub_container() -> dict[str, Any]:
-    (c,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
+def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    """The container (or init container) ``name`` of a workload's pod."""
+    spec = pod_spec(workload)
+    (c,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
     return c
+
+
+def pod_ports(workload: dict[str, Any]) -> dict[str, Any]:
+    """Every named port of a workload's containers, as one container's ``ports``."""
+    return {"ports": [p for c in pod_spec(workload)["containers"] for p in c.get("ports", [])]}
+
+
+def hub() -> dict[str, Any]:
+    return objects("control-plane", "StatefulSet")["nats"]
+
+
+def hub_container() -> dict[str, Any]:
+    return container(hub(), "nats")
+
+
+def leaf_container(overlay: str) -> dict[str, Any]:
+    return container(objects(overlay, "Deployment")["nats-leaf"], "nats")
 
 
 def route_hosts() -> list[str]:
@@ -261,7 +290,8 @@ def hub_env(server: str, hosts: Mapping[str, str] | None = None) -> dict[str, st
     """Hub server ``server``'s environment as the kubelet builds it: Secret tandem-nats's
     passwords (``pw-<name>``), then its env expanded; each route URL's address replaced
     by ``hosts``'s (a loopback port in a test), when given."""
-    secret = {permissions.password_env(u) for u in accounts.users(CLUSTERS)} | {ROUTE_PASSWORD}
+    secret = {permissions.password_env(u) for u in accounts.users(CLUSTERS)} | {
+        ROUTE_PASSWORD, SYS_PASSWORD}
     values = {name: f"pw-{name.lower()}" for name in sorted(secret)}
     env = env_of("control-plane", {**hub_container(), "envFrom": []},
                  secrets={f"tandem-nats/{k}": v for k, v in values.items()})
@@ -289,6 +319,29 @@ def generated(name: str, overlay: str) -> str:
     found = [n for n in objects(overlay, "ConfigMap") if re.fullmatch(rf"{name}-\w+", n)]
     assert len(found) == 1, (name, found)
     return found[0]
+
+
+def hub_config(root: Path) -> dict[str, str]:
+    """The hub's config files as nats-server reads them: what its init container makes
+    of the rendered ConfigMaps, running its own command here with each of its volumes
+    mapped to a folder under ``root`` (the generated accounts.conf with the system
+    account added inside its block)."""
+    init = container(hub(), "config")
+    volumes = {v["name"]: v for v in pod_spec(hub())["volumes"]}
+    maps = objects("control-plane", "ConfigMap")
+    script = init["command"]
+    for mount in init["volumeMounts"]:
+        folder = root / mount["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for source in volumes[mount["name"]].get("projected", {}).get("sources", []):
+            for name, text in maps[source["configMap"]["name"]]["data"].items():
+                (folder / name).write_text(text)
+        script = [a.replace(mount["mountPath"].rstrip("/") + "/", f"{folder}/") for a in script]
+    res = subprocess.run(script, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    (main,) = [m for m in hub_container()["volumeMounts"]
+               if hub_container()["command"][-1].startswith(m["mountPath"] + "/")]
+    return {p.name: p.read_text() for p in (root / main["name"]).iterdir()}
 
 
 # ------------------------------------------------------------------- rendering, schemas
@@ -431,7 +484,7 @@ def test_gpu_pods_request_gpus_and_nothing_else_does() -> None:
                 # On the GPU pool, through the NVIDIA runtime.
                 assert spec["runtimeClassName"] == "nvidia", name
                 assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true", name
-                assert any(t["key"] == GPU for t in spec["tolerations"]), name
+                assert admits(spec, spec["nodeSelector"], ((GPU, "present"),)), name
     assert requesting == {"inference-worker": 1, "trainer-node": 8}
 
 
@@ -509,6 +562,74 @@ def test_the_agent_sees_every_gpu_of_its_node_without_taking_one_or_privilege() 
     start = doc_section("## From an empty cluster to a first generation")
     assert "`accept-nvidia-visible-devices-envvar-when-unprivileged`" in start
     assert "`NoGpus`" in start and "exit code 2" in start
+
+
+def test_the_agent_stays_on_its_node_whatever_the_node_is_tainted_with() -> None:
+    """The review's L8: a node a health checker taints (NoSchedule or NoExecute) is the
+    node whose agent must report it: the agent tolerates every taint, of every effect."""
+    for overlay in CLUSTERS:
+        spec = pod_spec(objects(overlay, "DaemonSet")["cluster-agent"])
+        assert {"operator": "Exists"} in spec["tolerations"], spec["tolerations"]
+        taints = ((GPU, "present"), ("tandem.dev/training", "true"),
+                  ("node.kubernetes.io/unschedulable", ""), ("gpu-health.example.com/xid", "79"))
+        assert admits(spec, spec["nodeSelector"], taints)
+
+
+def test_gpu_pods_keep_triton_s_kernel_cache_on_a_writable_volume() -> None:
+    """The review's L9: Triton (torch.compile's kernels) caches under ~/.triton, on the
+    read-only root filesystem, unless TRITON_CACHE_DIR names a writable folder."""
+    seen = set()
+    for overlay in CLUSTERS:
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            for c in spec["containers"]:
+                if GPU not in c.get("resources", {}).get("requests", {}):
+                    continue
+                assert c["securityContext"]["readOnlyRootFilesystem"]
+                path = env_of(overlay, c)["TRITON_CACHE_DIR"]
+                (m,) = [m for m in c["volumeMounts"]
+                        if path.startswith(m["mountPath"].rstrip("/") + "/")]
+                assert "emptyDir" in volumes[m["name"]] and not m.get("readOnly"), (w, path)
+                seen.add(w["metadata"]["name"])
+    assert seen == {"inference-worker", "trainer-node"}
+
+
+# A quantity of Kubernetes (``64Gi``, ``256Mi``, ``1``) in bytes.
+_UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity(q: int | str) -> int:
+    m = re.fullmatch(r"(\d+)([KMGT]i|[kMGT])?", str(q))
+    assert m, q
+    return int(m[1]) * _UNITS[m[2] or ""]
+
+
+def disk_emptydirs(spec: dict[str, Any]) -> dict[str, int]:
+    """A pod's emptyDirs on the node's disk (not ``medium: Memory``): name -> sizeLimit."""
+    out = {}
+    for v in spec.get("volumes", []):
+        if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory":
+            assert "sizeLimit" in v["emptyDir"], v  # unbounded: it may fill the node
+            out[v["name"]] = quantity(v["emptyDir"]["sizeLimit"])
+    return out
+
+
+def test_every_pod_requests_the_node_disk_its_emptydirs_may_fill() -> None:
+    """The review's M6: emptyDirs live on the node's disk, which the scheduler counts only
+    as ephemeral-storage requests: eight workers of 72 GiB of emptyDirs each, requesting
+    none, land on a node whose disk holds a fraction, and DiskPressure evicts them. Every
+    pod requests at least what its disk emptyDirs may hold (their sizeLimits)."""
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            limits = sum(disk_emptydirs(spec).values())
+            requested = sum(quantity(c.get("resources", {}).get("requests", {}).get(
+                "ephemeral-storage", 0)) for c in spec["containers"])
+            assert requested >= limits, (overlay, w["metadata"]["name"], requested, limits)
+    worker = pod_spec(objects(CLUSTERS[0], "Deployment")["inference-worker"])
+    assert sum(disk_emptydirs(worker).values()) >= 64 * 2**30  # the case the review found
 
 
 def test_every_priority_class_a_pod_names_ships_with_its_overlay_and_none_is_a_system_one(
@@ -598,7 +719,7 @@ def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
     for overlay, kind, name, config in [
             ("control-plane", "StatefulSet", "nats", "nats-hub"),
             *((cluster, "Deployment", "nats-leaf", "nats-leaf") for cluster in CLUSTERS)]:
-        (c,) = pod_spec(objects(overlay, kind)[name])["containers"]
+        c = container(objects(overlay, kind)[name], "nats")
         text = nats_conf(overlay, generated(config, overlay), config.replace("nats-", "") + ".conf")
         port = int(re.search(r"^http: 0\.0\.0\.0:(\d+)$", text, re.M).group(1))
         for key in ("readinessProbe", "livenessProbe"):
@@ -613,9 +734,9 @@ def test_nats_probes_ask_the_monitoring_port_of_their_config() -> None:
     # A hub pod counts as started (so a rolling update goes on to the next) only once its
     # streams are current, the strict /healthz; a roll once moved on while a restarted
     # server's lighter paths answered 200 and its stream was still catching up.
-    (hub,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
-    assert hub["startupProbe"]["httpGet"]["path"] == "/healthz"
-    assert hub["startupProbe"]["periodSeconds"] * hub["startupProbe"]["failureThreshold"] >= 600
+    started = hub_container()["startupProbe"]
+    assert started["httpGet"]["path"] == "/healthz"
+    assert started["periodSeconds"] * started["failureThreshold"] >= 600
 
 
 # ------------------------------------------------------------------- planes and clusters
@@ -647,7 +768,7 @@ def test_each_cluster_overlay_puts_its_agents_and_workers_behind_its_leaf_in_its
             assert env["TANDEM_NATS_JS_API_PREFIX"] == accounts.JS_API, (overlay, svc)
             assert env["TANDEM_NATS_INBOX_PREFIX"] == accounts.inbox_prefix(overlay), svc
         assert behind == set(accounts.CLUSTER_ROLES), overlay
-        (nats,) = pod_spec(leaf)["containers"]
+        nats = container(leaf, "nats")
         env = env_of(overlay, nats)
         assert env["SERVER_NAME"] == f"leaf-{overlay}-$(POD_NAME)"
         # No JetStream, and nobody asked for a password: the leaf is the cluster's door.
@@ -660,7 +781,7 @@ def test_each_cluster_s_leaf_logs_in_to_the_hub_as_its_own_leaf_user() -> None:
     conf = hub_accounts()
     remote = objects("control-plane", "Service")["nats-remote"]["spec"]
     for overlay in CLUSTERS:
-        (nats,) = pod_spec(objects(overlay, "Deployment")["nats-leaf"])["containers"]
+        nats = leaf_container(overlay)
         env = env_of(overlay, nats, secrets={"nats-leaf/password": "PW"})
         m = re.fullmatch(r"nats-leaf://([\w-]+):PW@([a-z0-9.-]+):(\d+)", env["HUB_URL"])
         assert m, env["HUB_URL"]
@@ -763,14 +884,15 @@ def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> Non
                 in acc)
     # Every password it reads is in the hub's environment, from the Secret tandem-nats,
     # and the doc's command creates each one.
-    (c,) = pod_spec(hub)["containers"]
+    c = container(hub, "nats")
     assert c["envFrom"] == [{"secretRef": {"name": "tandem-nats"}}]
     wanted = set(re.findall(r"password: \$(\w+)", acc))
     assert wanted == {permissions.password_env(u) for u in accounts.users(CLUSTERS)}
     doc = (ROOT / "docs/deploy.md").read_text()
     (listed,) = re.findall(r"for u in ([A-Z_ ]+); do\n\s+echo --from-literal="
                            r"TANDEM_NATS_PASSWORD_\$u=", doc)
-    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted | {ROUTE_PASSWORD}
+    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted | {
+        ROUTE_PASSWORD, SYS_PASSWORD}
     assert objects("control-plane", "PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1
 
 
@@ -801,15 +923,16 @@ def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str,
 
 
 def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) -> None:
-    hub = {"hub.conf": hub_conf(), "accounts.conf": hub_accounts()}
+    hub = hub_config(tmp_path / "assembled")
+    assert hub["hub.conf"] == hub_conf() and set(hub) == {"hub.conf", "accounts.conf"}
     env = hub_env("nats-0")
     _nats_check(tmp_path / "hub", hub, "hub.conf", env)
-    with pytest.raises(AssertionError, match="TANDEM_NATS_PASSWORD_LEAF_"):
-        leafless = {k: v for k, v in env.items() if "LEAF" not in k}
-        _nats_check(tmp_path / "hub-1", hub, "hub.conf", leafless)
+    for missing in ("TANDEM_NATS_PASSWORD_LEAF_", SYS_PASSWORD):
+        with pytest.raises(AssertionError, match=missing):
+            without = {k: v for k, v in env.items() if not k.startswith(missing)}
+            _nats_check(tmp_path / f"hub-{missing}", hub, "hub.conf", without)
     for cluster in CLUSTERS:
-        leaf = objects(cluster, "Deployment")["nats-leaf"]
-        (nats,) = pod_spec(leaf)["containers"]
+        nats = leaf_container(cluster)
         env = env_of(cluster, nats, secrets={"nats-leaf/password": "pw"})
         files = {"leaf.conf": nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")}
         _nats_check(tmp_path / cluster, files, "leaf.conf",
@@ -819,7 +942,7 @@ def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) 
 
 def _hub_server(root: Path, name: str, hosts: Mapping[str, str],
                 monkeypatch: pytest.MonkeyPatch) -> NatsServer:
-    """Hub server ``name`` from the rendered hub.conf and accounts.conf, on loopback: its
+    """Hub server ``name`` from the config its pod assembles (hub_config), on loopback: its
     client and monitoring ports the command line's, its route and leaf ports free ones,
     its routes to ``hosts``'s addresses (route_hosts() -> host:port)."""
     conf = hub_conf()
@@ -827,7 +950,7 @@ def _hub_server(root: Path, name: str, hosts: Mapping[str, str],
         conf, n = re.subn(rf"^(\s+listen: )0\.0\.0\.0:{port_number(hub_container(), port)}$",
                           r"\g<1>127.0.0.1:-1", conf, flags=re.M)
         assert n == 1, port
-    _mount(root, {"hub.conf": conf, "accounts.conf": hub_accounts()})
+    _mount(root, {**hub_config(root / "assembled"), "hub.conf": conf})
     for key, value in hub_env(name, hosts).items():
         monkeypatch.setenv(key, value)
     return NatsServer(name=name, log_path=root / "nats.log", config_path=root / "hub.conf",
@@ -905,7 +1028,7 @@ def test_a_leaf_is_ready_only_while_linked_to_the_hub(
     probe, run against real servers from the rendered configs, fails without the link
     and passes with it."""
     cluster = CLUSTERS[0]
-    (c,) = pod_spec(objects(cluster, "Deployment")["nats-leaf"])["containers"]
+    c = leaf_container(cluster)
     conf = nats_conf(cluster, generated("nats-leaf", cluster), "leaf.conf")
     monitor = re.search(r"^http: 0\.0\.0\.0:(\d+)$", conf, re.M).group(1)
 
@@ -947,7 +1070,7 @@ def test_only_hub_servers_reach_the_route_port_and_clients_reach_theirs() -> Non
     server joining the cluster); the client and leaf ports from anywhere (the GPU
     clusters come through the load balancer); monitoring from somewhere."""
     hub = objects("control-plane", "StatefulSet")["nats"]
-    c = hub_container()
+    c = pod_ports(hub)
     policies = [p for p in objects("control-plane", "NetworkPolicy").values()
                 if selects(p["spec"]["podSelector"]["matchLabels"], hub)]
     assert policies, "no NetworkPolicy selects the hub's pods: anything reaches their routes"
@@ -975,11 +1098,242 @@ def test_only_hub_servers_reach_the_route_port_and_clients_reach_theirs() -> Non
 
 def test_what_gpu_clusters_reach_is_the_hub_s_client_and_leaf_ports_behind_one_balancer() -> None:
     lb = objects("control-plane", "Service")["nats-remote"]["spec"]
-    (c,) = pod_spec(objects("control-plane", "StatefulSet")["nats"])["containers"]
+    c = hub_container()
     assert lb["type"] == "LoadBalancer"
     assert sorted(port_number(c, p["targetPort"]) for p in lb["ports"]) == sorted(
         [hub_port("client"), hub_port("leafnodes")])
     assert all(p["port"] == port_number(c, p["targetPort"]) for p in lb["ports"])
+
+
+# ------------------------------------------------------------------------ NATS operations
+
+
+def nats_servers() -> list[tuple[str, dict[str, Any], str]]:
+    """(overlay, workload, its config as rendered) of every NATS server: the hub's, each
+    cluster's leaves'."""
+    return [("control-plane", hub(), hub_conf()),
+            *((c, objects(c, "Deployment")["nats-leaf"],
+               nats_conf(c, generated("nats-leaf", c), "leaf.conf")) for c in CLUSTERS)]
+
+
+def exporter_flags(exporter: dict[str, Any]) -> dict[str, str]:
+    """prometheus-nats-exporter's command line: ``-name[=value]`` -> value ("" for a bare
+    flag), and its one positional argument, the server's monitoring URL, as ``url``."""
+    flags = {}
+    for arg in exporter["args"]:
+        if arg.startswith("-"):
+            name, _, value = arg.lstrip("-").partition("=")
+            flags[name] = value
+        else:
+            assert "url" not in flags, exporter["args"]
+            flags["url"] = arg
+    return flags
+
+
+def scraped_services(overlay: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The overlay's ServiceMonitor's endpoint and the Services it selects."""
+    (monitor,) = objects(overlay, "ServiceMonitor").values()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    want = monitor["spec"]["selector"]["matchLabels"]
+    return endpoint, [s for s in objects(overlay, "Service").values()
+                      if all(s["metadata"]["labels"].get(k) == v for k, v in want.items())]
+
+
+def infrastructure_rules() -> list[dict[str, Any]]:
+    """The alerts on NATS and the scrape targets (PrometheusRule tandem-infrastructure),
+    the same in every overlay."""
+    rules = {json.dumps(objects(o, "PrometheusRule")["tandem-infrastructure"]["spec"])
+             for o in OVERLAYS}
+    assert len(rules) == 1
+    return [r for g in json.loads(rules.pop())["groups"] for r in g["rules"]]
+
+
+def flat(varz: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A /varz answer's numbers by their path joined with ``_`` (jetstream.stats.storage:
+    ``jetstream_stats_storage``), as the exporter names its series after them."""
+    out: dict[str, Any] = {}
+    for key, value in varz.items():
+        if isinstance(value, Mapping):
+            out.update(flat(value, f"{prefix}{key}_"))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[prefix + key] = value
+    return out
+
+
+def test_every_nats_server_exports_prometheus_metrics_the_servicemonitor_scrapes() -> None:
+    """The review's M9: nats-server serves JSON; a pinned prometheus-nats-exporter beside
+    each server reads its monitoring port (/varz and /leafz everywhere, every stream and
+    consumer where JetStream runs), and the one ServiceMonitor scrapes it, through a
+    Service the hub's NetworkPolicy admits Prometheus to from its own namespace."""
+    for overlay, w, conf in nats_servers():
+        exporter = container(w, "exporter")
+        assert re.fullmatch(r"natsio/prometheus-nats-exporter:\d+\.\d+\.\d+", exporter["image"])
+        flags = exporter_flags(exporter)
+        monitor = re.search(r"^http: 0\.0\.0\.0:(\d+)$", conf, re.M)
+        assert monitor and flags["url"] == f"http://localhost:{monitor[1]}", flags
+        assert {"varz", "leafz", "prefix"} <= set(flags)
+        jetstream = re.search(r"^jetstream \{", config_lines(conf), re.M) is not None
+        assert (flags.get("jsz") == "all") is jetstream, (overlay, flags)
+        port = int(flags["port"])
+        endpoint, scraped = scraped_services(overlay)
+        (service,) = [s for s in scraped if selects(s["spec"]["selector"], w)]
+        (p,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+        assert port_number(exporter, p["targetPort"]) == port, overlay
+    rules = [r for p in objects("control-plane", "NetworkPolicy").values()
+             if selects(p["spec"]["podSelector"]["matchLabels"], hub())
+             for r in p["spec"]["ingress"]
+             if any(port_number(pod_ports(hub()), q["port"])
+                    == int(exporter_flags(container(hub(), "exporter"))["port"])
+                    for q in r.get("ports", []))]
+    # Prometheus runs in a namespace of its own: any namespace's pods, nothing outside
+    assert rules and all(r["from"] == [{"namespaceSelector": {}}] for r in rules), rules
+
+
+def test_a_target_that_stops_answering_alerts_by_the_job_the_scrape_gives_it() -> None:
+    """``up{job=~...} == 0`` must select what is scraped: the ServiceMonitor names every
+    target's job after a label each scraped Service carries, and compose's Prometheus
+    its one job; a job the regex misses would never alert."""
+    (down,) = [r for r in infrastructure_rules() if re.fullmatch(
+        r'up\{job=~"([^"]+)"\} == 0', r["expr"])]
+    jobs = re.fullmatch(r'up\{job=~"([^"]+)"\} == 0', down["expr"])[1]
+    for overlay in OVERLAYS:
+        (monitor,) = objects(overlay, "ServiceMonitor").values()
+        _, scraped = scraped_services(overlay)
+        assert {"nats", "nats-leaf"} & {s["metadata"]["name"] for s in scraped}, overlay
+        for s in scraped:
+            assert re.fullmatch(jobs, s["metadata"]["labels"][monitor["spec"]["jobLabel"]]), s
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert all(re.fullmatch(jobs, c["job_name"]) for c in prom["scrape_configs"])
+
+
+def test_nats_alerts_read_series_the_exporter_makes_of_a_hub_server_s_varz(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JetStream storage and leaf alerts name exporter series: ``<prefix>_varz_<path>``
+    of numbers in /varz, here a hub server's started from the rendered config (a leaf's
+    /varz has the same fields); their ``service`` selectors name the scraped Services of
+    the servers they watch. Every alert is graded and described, as Tandem's own are."""
+    prefix = exporter_flags(container(hub(), "exporter"))["prefix"]
+    with _refusing(route_hosts()) as nowhere:
+        srv = _hub_server(tmp_path / "nats-0", "nats-0", nowhere, monkeypatch)
+        try:
+            varz = flat(srv.varz())
+        finally:
+            srv.stop()
+    # the storage alert's denominator is hub.conf's max_file_store
+    assert varz["jetstream_config_max_storage"] > 0 and "jetstream_stats_storage" in varz
+    watched = set()
+    for rule in infrastructure_rules():
+        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        for m in re.finditer(rf"\b{prefix}_varz_(\w+)", rule["expr"]):
+            assert m[1] in varz, (rule["alert"], m[0])
+            watched.add(m[1])
+        for name in re.findall(r'\bservice="([^"]+)"', rule["expr"]):
+            found = [(w, s) for o, w, _ in nats_servers() for s in scraped_services(o)[1]
+                     if s["metadata"]["name"] == name and selects(s["spec"]["selector"], w)]
+            assert found, (rule["alert"], name)
+    assert {"jetstream_stats_storage", "jetstream_config_max_storage", "leafnodes"} <= watched
+
+
+async def _jsz_ping(srv: NatsServer, ca: Path, user: str, password: str) -> dict[str, Any] | None:
+    """What ``nats server report jetstream`` asks every server (``$SYS.REQ.SERVER.PING.JSZ``):
+    the first answer, over TLS as ``user``; None when nobody answers."""
+    nc = await nats.connect(f"tls://127.0.0.1:{srv.port}", user=user, password=password,
+                            tls=ssl.create_default_context(cafile=str(ca)),
+                            allow_reconnect=False, connect_timeout=5)
+    try:
+        msg = await nc.request("$SYS.REQ.SERVER.PING.JSZ", b"{}", timeout=5)
+    except (NoRespondersError, NatsTimeout):
+        return None
+    finally:
+        await nc.close()
+    return json.loads(msg.data)
+
+
+def test_the_hub_s_sys_user_gets_every_server_s_jetstream_report_and_no_other_user_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's M9: without a system account nobody can run `nats server report
+    jetstream` or `nats server ls`. The hub's user sys, in the system account its pod adds
+    to the generated accounts, with its password from the Secret tandem-nats, gets each
+    server's JetStream report; admin, who may publish anything in its own account, gets
+    none."""
+    raw = {e["name"]: e for e in hub_container()["env"]}
+    assert raw[SYS_PASSWORD]["valueFrom"] == {
+        "secretKeyRef": {"name": "tandem-nats", "key": SYS_PASSWORD}}
+    env = hub_env("nats-0")
+    root = tmp_path / "nats-0"
+    with _refusing(route_hosts()) as nowhere:
+        srv = _hub_server(root, "nats-0", nowhere, monkeypatch)
+        try:
+            report = asyncio.run(_jsz_ping(srv, root / "tls" / "ca.crt", "sys", env[SYS_PASSWORD]))
+            assert report is not None and report["server"]["name"] == "nats-0", report
+            assert report["data"]["config"]["max_storage"] > 0, report
+            admin = permissions.password_env(permissions.ADMIN)
+            assert asyncio.run(_jsz_ping(srv, root / "tls" / "ca.crt", "admin", env[admin])) is None
+        finally:
+            srv.stop()
+
+
+def _served_certificate(srv: NatsServer) -> bytes:
+    """The certificate a server's client port presents (after its plain INFO line)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection((srv.host, srv.port), timeout=5) as raw:
+        info = b""
+        while not info.endswith(b"\r\n"):
+            chunk = raw.recv(1)
+            assert chunk, info
+            info += chunk
+        with ctx.wrap_socket(raw) as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der
+    return der
+
+
+def test_a_renewed_hub_certificate_is_served_without_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's M3: a Secret cert-manager renews is read by nothing. The reloader
+    sidecar watches the server's config and certificate files and sends SIGHUP to the pid
+    in its pid_file, in one process namespace, as the server's user; done here by hand
+    on a hub server from the rendered config, the new certificate is served at once."""
+    spec = pod_spec(hub())
+    reloader, nats = container(hub(), "reloader"), hub_container()
+    assert spec["shareProcessNamespace"] is True
+    assert re.fullmatch(r"natsio/nats-server-config-reloader:\d+\.\d+\.\d+", reloader["image"])
+    pairs = list(zip(reloader["args"][::2], reloader["args"][1::2], strict=True))
+    watched = {v for k, v in pairs if k == "-config"}
+    pid_file = re.search(r"^pid_file: (\S+)$", hub_conf(), re.M)[1]
+    tls_files = set(re.findall(r"^\s+(?:cert|key|ca)_file: (\S+)$", config_lines(hub_conf()),
+                               re.M))
+    assert ("-pid", pid_file) in pairs and tls_files
+    assert tls_files | {nats["command"][-1]} <= watched, watched
+
+    def volume(c: dict[str, Any], path: str) -> str:
+        (m,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        return m["name"]
+
+    for path in watched | {pid_file}:  # the server's own files, not copies
+        assert volume(reloader, path) == volume(nats, path), path
+    assert "runAsUser" not in reloader["securityContext"] | nats["securityContext"]
+
+    root = tmp_path / "nats-0"
+    with _refusing(route_hosts()) as nowhere:
+        srv = _hub_server(root, "nats-0", nowhere, monkeypatch)
+        try:
+            before = _served_certificate(srv)
+            renewed = dev_certs(tmp_path / "renewed")
+            for path, source in (("tls.crt", renewed.server_cert), ("tls.key", renewed.server_key)):
+                assert f"/etc/nats-tls/{path}" in tls_files
+                (root / "tls" / path).write_bytes(source.read_bytes())
+            pid = int((root / Path(pid_file).name).read_text())
+            assert pid == srv.proc.pid
+            os.kill(pid, signal.SIGHUP)
+            want = ssl.PEM_cert_to_DER_cert(renewed.server_cert.read_text())
+            assert want != before
+            # polling the port: a reload says nothing to its clients
+            wait_until(lambda: _served_certificate(srv) == want, 20, "the renewed certificate")
+        finally:
+            srv.stop()
 
 
 # ----------------------------------------------------------------- drains and disruption
@@ -1017,6 +1371,19 @@ def test_gateway_and_workers_have_budgets_that_select_them_and_leave_room() -> N
     assert pdb["minAvailable"] < hpa["minReplicas"]  # a node drain can still evict one
     (c,) = pod_spec(objects("control-plane", "Deployment")["gateway"])["containers"]
     assert "cpu" in c["resources"]["requests"]  # what the HPA's utilisation is of
+
+
+def test_no_workload_an_hpa_scales_names_a_replica_count_of_its_own() -> None:
+    """The review's L2: the HPA owns the count; a ``replicas`` in the manifest is applied
+    again on every apply (client-side: a grown gateway goes back to it; server-side: a
+    conflict with the HPA's field manager)."""
+    scaled = []
+    for overlay in OVERLAYS:
+        for hpa in objects(overlay, "HorizontalPodAutoscaler").values():
+            ref = hpa["spec"]["scaleTargetRef"]
+            assert "replicas" not in objects(overlay, ref["kind"])[ref["name"]]["spec"], ref
+            scaled.append(ref["name"])
+    assert scaled == ["gateway"]
 
 
 # ------------------------------------------------------------------------------ trainer
@@ -1072,6 +1439,45 @@ def test_one_coordinator_per_cluster_never_two_at_once() -> None:
         env = env_of(overlay, c)
         assert not isinstance(env["TANDEM_NODE"], dict)  # a fixed identity: runs are adopted
         assert env["TANDEM_RELAY_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_the_rdma_component_gives_trainer_node_the_rdma_nics_and_changes_nothing_else(
+        tmp_path: Path) -> None:
+    """The review's H2: without a secondary network, an RDMA device and IPC_LOCK a
+    trainer-node pod sees only eth0 and NCCL runs all-reduce over TCP. components/rdma,
+    added to a cluster overlay as docs/deploy.md says, renders valid and adds exactly
+    those (placeholders for the cluster's own values) to trainer-node."""
+    section = doc_section("### The training network")
+    assert "`components/rdma`" in section and "every port" in section
+    (added,) = re.findall(r"^\s+- (\.\./\.\./components/rdma)$", section, re.M)
+    cluster = CLUSTERS[0]
+    kustomization = deploy_copy(tmp_path) / "k8s" / "overlays" / cluster / "kustomization.yaml"
+    config = yaml.safe_load(kustomization.read_text())
+    config["components"].insert(1, added)
+    kustomization.write_text(yaml.safe_dump(config))
+    objs = render(kustomization.parent)
+    for obj in objs:
+        validate(obj)
+
+    def by_key(os_: tuple[dict[str, Any], ...]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(o["kind"], o["metadata"]["name"]): o for o in os_}
+
+    new, old = by_key(objs), by_key(rendered(cluster))
+    node = ("DaemonSet", "trainer-node")
+    assert {k: v for k, v in new.items() if k != node} == {k: v for k, v in old.items()
+                                                           if k != node}
+    pod, was = new[node]["spec"]["template"], old[node]["spec"]["template"]
+    networks = pod["metadata"]["annotations"].pop("k8s.v1.cni.cncf.io/networks")
+    assert networks
+    c, before = container(new[node], "trainer-node"), container(old[node], "trainer-node")
+    rdma = {k for k in c["resources"]["requests"] if k.startswith("rdma/")}
+    assert len(rdma) == 1 and all(
+        c["resources"][side].pop(k) == 1 for side in ("requests", "limits") for k in rdma)
+    assert c["securityContext"]["capabilities"].pop("add") == ["IPC_LOCK"]
+    nccl = {e["name"]: e.get("value") for e in c["env"] if e["name"].startswith("NCCL_")}
+    assert set(nccl) == {"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"} and all(nccl.values())
+    c["env"] = [e for e in c["env"] if e["name"] not in nccl]
+    assert c == before and pod == was  # nothing else of the pod changed
 
 
 def test_ranks_coordinator_and_checkpointer_share_the_node_local_checkpoint_folder() -> None:
@@ -1235,9 +1641,9 @@ def add_to_overlay(kustomization: Path, entry: Any) -> None:
 
 def test_the_doc_s_installation_settings_render_valid_and_do_what_it_says(
         tmp_path: Path) -> None:
-    """The review's M7 and M11: the hub's StorageClass, the labels kube-prometheus-stack's
-    selectors want, a cluster's checkpoint folder, each as the doc writes it, applied to
-    the overlays it names."""
+    """The review's M7, M11 and L3: the hub's StorageClass, the labels kube-prometheus-stack's
+    selectors want, a cluster's checkpoint folder, a training pool's GPUs per node, each
+    as the doc writes it, applied to the overlays it names."""
     overlays = deploy_copy(tmp_path) / "k8s" / "overlays"
     settings = doc_overlay_settings()
     for overlay, entry in settings:
@@ -1253,13 +1659,98 @@ def test_the_doc_s_installation_settings_render_valid_and_do_what_it_says(
     assert volume["spec"]["storageClassName"]
     for name, objs in out.items():  # scraped and evaluated by a release-selecting Prometheus
         monitoring = [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
-        assert len(monitoring) == 2 and all("release" in o["metadata"]["labels"]
-                                            for o in monitoring), name
+        assert {o["kind"] for o in monitoring} == {"ServiceMonitor", "PrometheusRule"}
+        assert all("release" in o["metadata"]["labels"] for o in monitoring), name
     moved = {o for o, entry in settings if isinstance(entry, list)}
     assert moved
     for name in moved:
         folders = set(checkpoint_folders(out[name]).values())
         assert len(folders) == 1 and folders != {DEFAULT_CHECKPOINTS}, name
+    # a pool of fewer GPUs a node: trainer-node takes that many, requests as limits
+    pools = {overlay: op["value"] for overlay, entry in settings if isinstance(entry, dict)
+             for p in entry["patches"] if p["target"].get("name") == "trainer-node"
+             for op in yaml.safe_load(p["patch"]) if op["path"].endswith("/nvidia.com~1gpu")}
+    assert pools and set(pools) <= set(CLUSTERS)
+    for name in CLUSTERS:
+        (node,) = [o for o in out[name] if o["kind"] == "DaemonSet"
+                   and o["metadata"]["name"] == "trainer-node"]
+        resources = container(node, "trainer-node")["resources"]
+        assert resources["requests"][GPU] == resources["limits"][GPU] == pools.get(name, 8)
+
+
+def test_the_doc_makes_the_hub_s_certificate_before_the_hub_with_every_name_it_is_dialled_by(
+        ) -> None:
+    """The review's M3: the doc named hub.crt with no way to make it, and the address it
+    must name (the load balancer's) only after the step that made it. The installation
+    makes a cert-manager Certificate, which renews it, for the Secret the hub mounts,
+    naming what the gateway dials and the chosen NATS_HUB_HOST, before the control plane
+    is applied; the address exists later and is pointed at the balancer."""
+    start = doc_section("## From an empty cluster to a first generation")
+    (block,) = [b for b in re.findall(r"^ *```yaml\n(.*?)^ *```$", start, re.M | re.S)
+                if "kind: Certificate" in b]
+    cert = yaml.safe_load(textwrap.dedent(block))
+    assert (cert["apiVersion"], cert["kind"]) == ("cert-manager.io/v1", "Certificate")
+    volumes = {v["name"]: v for v in pod_spec(hub())["volumes"]}
+    (tls,) = [m for m in hub_container()["volumeMounts"]
+              if re.search(r"^\s+cert_file: " + re.escape(m["mountPath"]) + "/", hub_conf(), re.M)]
+    assert cert["spec"]["secretName"] == volumes[tls["name"]]["secret"]["secretName"]
+    assert cert["metadata"]["namespace"] == hub()["metadata"]["namespace"]
+    names = set(cert["spec"]["dnsNames"])
+    plane = objects("control-plane", "ConfigMap")
+    (gateway_url,) = {v["data"]["TANDEM_NATS_URL"] for k, v in plane.items()
+                      if k.startswith("tandem-plane")}
+    assert host_of(gateway_url, "tls")[0] in names and "nats.tandem.svc" in names
+    for cluster in CLUSTERS:
+        assert env_of(cluster, leaf_container(cluster))["NATS_HUB_HOST"] in names, cluster
+    assert cert["spec"]["renewBefore"] and cert["spec"]["duration"]
+    apply = start.index("kubectl apply -k deploy/k8s/overlays/control-plane")
+    assert start.index("kind: Certificate") < start.index("kubectl apply -f nats-hub-cert") < apply
+    assert "hub.crt" not in start
+
+
+def test_tandem_security_certs_says_it_is_for_local_use_and_when_its_certificates_expire(
+        tmp_path: Path) -> None:
+    """The review's M3: the only certificate tool in sight made a 30-day CA, unsaid; a
+    hub certificate made with it stops the whole fleet a month later."""
+    tandem = str(BIN / "tandem")
+    outline = subprocess.run([tandem, "security", "--help"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    usage = subprocess.run([tandem, "security", "certs", "--help"], capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    said = set()
+    for text in (outline, " ".join(usage.split())):
+        assert re.search(r"\blocal use only\b", text, re.I), text
+        said |= {int(d) for d in re.findall(r"expires? after (\d+) days", text)}
+    (days,) = said
+    subprocess.run([tandem, "security", "certs", str(tmp_path)], capture_output=True,
+                   text=True, timeout=60, check=True)
+    pems = sorted(tmp_path.glob("*.pem"))
+    assert pems
+    for pem in pems:
+        cert = x509.load_pem_x509_certificate(pem.read_bytes())
+        lasts = cert.not_valid_after_utc - cert.not_valid_before_utc
+        assert abs(lasts - dt.timedelta(days=days)) <= dt.timedelta(minutes=10), (pem, lasts)
+
+
+def test_the_doc_says_what_each_pod_s_disk_emptydirs_hold() -> None:
+    """The review's M6: each pod's ephemeral-storage request is its emptyDirs' limits;
+    "Node disk" names, per pod, each of them with its size and what it holds."""
+    section = doc_section("### Node disk")
+    for overlay in OVERLAYS:
+        for w in workloads(overlay):
+            spec = pod_spec(w)
+            disk = disk_emptydirs(spec)
+            if not disk:
+                continue
+            name = w["metadata"]["name"]
+            rows = [r for r in section.splitlines() if r.startswith(f"| `{name}` |")]
+            assert len(rows) == 1, name
+            sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in spec["volumes"]
+                     if v["name"] in disk}
+            for c in spec["containers"]:
+                for m in c.get("volumeMounts", []):
+                    if m["name"] in disk:
+                        assert f"`{m['mountPath']}` ({sizes[m['name']]})" in rows[0], (name, m)
 
 
 def test_the_doc_s_keys_file_recipe_makes_the_list_the_gateway_reads(tmp_path: Path) -> None:

@@ -48,9 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     key.set_defaults(func=_api_key)
 
     certs = cmd.add_parser(
-        "certs", help="write a local CA, a server and a client certificate",
+        "certs", help="write a throwaway local CA, a server and a client certificate "
+        "(local use only; they expire after 30 days)",
         description="Write ca.pem, server.pem/.key (localhost, 127.0.0.1) and "
-        "client.pem/.key: for TLS to a local nats-server and HTTPS on the gateway.")
+        "client.pem/.key: for TLS to a local nats-server and HTTPS on the gateway. "
+        "For local use only: a fresh CA each time, and every certificate expires after "
+        "30 days. Not for a deployment: its hub certificate comes from cert-manager or "
+        "your own CA (docs/deploy.md).")
     certs.add_argument("folder", type=Path)
     certs.add_argument("--hosts", default="localhost,127.0.0.1",
                        help="names and addresses of the server certificate")
