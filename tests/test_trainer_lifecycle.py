@@ -70,7 +70,10 @@ async def env(nats_server: NatsServer, tmp_path: Path, uid: str) -> AsyncIterato
         yield e
     finally:
         for p in e.procs:
-            stop_process(p)
+            # NOTE: in a thread, so this loop goes on serving what the test plays (node
+            # agents answering the stopping coordinator's orders): blocked, it answered
+            # nothing, and each stop waited out its orders' timeouts or the drain.
+            await asyncio.to_thread(stop_process, p)
         await bus.drain()
 
 

@@ -9,6 +9,8 @@ their real torchrun ranks.
 - Agents older than that order refuse it ("bad order"; played by a subscriber in front
   of each real agent that decodes orders as they did): the ranks are stopped outright at
   once (``NodeStop``), and the run resumes from its last periodic checkpoint.
+- Agents that answer it holding nothing of the attempt (replaced since the launch; played
+  by the test) will report no exit: the coordinator stops then, not at the stop's bound.
 
 - The agent alone (the test plays its coordinator): ``NodeInterrupt`` is answered at
   once, a retried one starts nothing twice, and torchrun's exit is reported.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +100,47 @@ async def test_a_nodes_coordinator_stopped_lets_its_ranks_save_for_the_one_that_
     reasons, first = await adopted_and_finished(env, run, **NODES)
     assert f"coordinator stopping (ranks checkpointed at step {saved})" in reasons[0], reasons
     assert first == {1: 1, 2: saved + 1}, first
+
+
+async def test_a_nodes_coordinator_whose_agents_hold_nothing_of_the_attempt_stops_at_once(
+        env: Env) -> None:  # noqa: F811 (fixture)
+    """Both agents answer the interrupt that they hold nothing of the attempt (no pid:
+    agents replaced since the launch; played by the test), so no exit will ever be
+    reported: the coordinator ends the attempt then, rather than waiting out
+    ``STOP_CHECKPOINT_S`` (580 s here, far past this test's deadline), stops the nodes
+    and leaves the run for the coordinator that adopts it."""
+    orders: list[tuple[str, str]] = []
+    launched: asyncio.Queue[str] = asyncio.Queue()
+
+    async def replaced_agent(msg: Any) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        order = events.decode(msg.data, events.NodeOrder)
+        orders.append((node, str(msgspec.json.decode(msg.data)["kind"])))
+        # A launch is answered as a running torchrun's; what comes after finds nothing.
+        reply = NodeReply(node=node, master_addr="127.0.0.1", master_port=1,
+                          pid=4242 if isinstance(order, NodeLaunch) else 0)
+        await msg.respond(events.encode(reply))
+        if isinstance(order, NodeLaunch):
+            launched.put_nowait(node)
+
+    for node in ("n0", "n1"):
+        await env.bus.nc.subscribe(subjects.trainer_node(env.cluster, node), cb=replaced_agent)
+    proc = env.coordinator(**NODES, stop_checkpoint_s="580", drain_timeout="590")
+    run = "held-nothing"
+    await submit_run(env.bus, long_run(run, env.cluster, watchdog={
+        **WATCHDOG, "startup_timeout_s": 3600}))
+    assert {await asyncio.wait_for(launched.get(), DEADLINE) for _ in range(2)} == {"n0", "n1"}
+    proc.terminate()
+    assert await asyncio.to_thread(proc.wait, DEADLINE) == 0
+    rec = await until(env.bus, run, lambda r: r.state == RunState.restarting,
+                      timeout=DEADLINE)
+    assert rec.attempt == 1 and rec.restarts == 0, rec
+    for node in ("n0", "n1"):
+        assert [k for n, k in orders if n == node] == ["launch", "interrupt", "stop"], orders
+    lines = [json.loads(line) for line in (env.root / "trainer.log").read_text().splitlines()
+             if line.startswith("{")]
+    held_nothing = [x["node"] for x in lines if x["event"] == "run.node_interrupt_nothing_held"]
+    assert sorted(held_nothing) == ["n0", "n1"], held_nothing
 
 
 async def old_agent(e: Env, node: str, orders: asyncio.Queue[tuple[str, str, bool]]) -> None:

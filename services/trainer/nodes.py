@@ -21,7 +21,10 @@ Instead of forking torchrun, the coordinator orders each placed node's agent
 4. ``interrupt`` (this coordinator stopping) sends ``NodeInterrupt`` to every node, from
    a task it owns: each agent SIGTERMs its torchrun, as its own stop does; the ranks
    checkpoint the step they agree on and exit, and the agents report the exits (3.).
-   Where no agent took the order (agents older than it refuse it, "bad order"; or none
+   A node whose agent answers that it holds nothing of the attempt (no ``pid``: its
+   torchrun ended, or the agent was replaced since the launch) has ended then: a
+   replaced agent reports no exit, and nothing there is left to wait for. Where no
+   agent took the order (agents older than it refuse it, "bad order"; or none
    answered), no rank was told: every node is sent ``NodeStop`` at once and its exit
    is that reply's. Where some took it, the others' ranks learn it from the step's
    all_gather (``rank.py``) and stop at the same step: they are left to.
@@ -151,9 +154,8 @@ class NodeLauncher:
             return
         reports.seen[report.node] = time.monotonic()
         if not report.running:
-            reports.ended.add(report.node)
-            reports.q.put_nowait(AgentEnded(report.node, report.exit_code,
-                                            "torchrun agent exited (node agent's report)"))
+            self._ended(reports, report.node, report.exit_code,
+                        "torchrun agent exited (node agent's report)")
 
     async def poll(self, attempt: Attempt) -> AgentEnded:
         reports = attempt.state
@@ -192,26 +194,42 @@ class NodeLauncher:
 
         async def one(node: str) -> bool:
             try:
-                await self._order(cluster, node, order, within=self.order_timeout_s)
+                reply = await self._order(cluster, node, order, within=self.order_timeout_s)
             except LaunchFailed as exc:
                 if self.log is not None:
                     self.log.warning("run.node_interrupt_refused", node=node,
                                      reason=exc.reason)
                 return False
-            return True
+            if reply.pid:
+                return True
+            # NOTE: its agent runs nothing of the attempt (no pid: its torchrun ended,
+            # or the agent was replaced since the launch, and a new one reports no exit):
+            # ended now, rather than waited for until the stop's bound runs out.
+            if self.log is not None:
+                self.log.info("run.node_interrupt_nothing_held", node=node)
+            self._ended(reports, node, reply.exit_code,
+                        "its node agent holds nothing of the attempt (interrupt's reply)")
+            return False
 
         nodes = [a.node for a in attempt.agents]
         if any(await asyncio.gather(*(one(n) for n in nodes))):
             return  # the ranks told stop all at one step: their exits are reported
         # NOTE: no rank was told, so none will save: stopped outright, as before this
         # order existed, and at once rather than when the watch gives up waiting.
+        if reports.ended.issuperset(nodes):
+            return  # none of them holds anything of the attempt: nothing left to stop
         codes = await self._stop_nodes(attempt, "coordinator stopping; no node agent "
                                        "took the interrupt order")
         for node, code in codes.items():
-            if node not in reports.ended:
-                reports.ended.add(node)
-                reports.q.put_nowait(AgentEnded(node, code, "stopped outright: no node "
-                                                "agent took the interrupt order"))
+            self._ended(reports, node, code, "stopped outright: no node agent took the "
+                        "interrupt order")
+
+    @staticmethod
+    def _ended(reports: _Reports, node: str, code: int | None, detector: str) -> None:
+        """``node``'s torchrun ended (as ``detector`` found): for ``poll``, once."""
+        if node not in reports.ended:
+            reports.ended.add(node)
+            reports.q.put_nowait(AgentEnded(node, code, detector))
 
     async def stop(self, attempt: Attempt, rank_pids: Sequence[int] = (),
                    timeout: float = 10.0) -> dict[str, int | None]:
