@@ -72,6 +72,11 @@ def test_deploy_accounts_conf_is_generated_valid_and_what_compose_leaf_mounts(
     for n in (1, 2, 3):
         assert f"nats-{n}: {{ <<: *hub" in leaf
     assert '"./deploy/nats/accounts.conf:/etc/nats/auth.conf:ro"' in leaf
+    # compose.leaf.yaml's hub has every user's password (compose.yaml's and its own), or
+    # nats-server stops at start on the variable it cannot find
+    for user in accounts.users(CLUSTERS):
+        assert f"{permissions.password_env(user)}:" in (ROOT / "compose.yaml").read_text() \
+            + leaf, user
     # cluster.conf with accounts.conf as its auth.conf, as compose.leaf.yaml runs it
     shutil.copy(ROOT / "deploy/nats/cluster.conf", tmp_path / "cluster.conf")
     shutil.copy(ROOT / "deploy/nats/accounts.conf", tmp_path / "auth.conf")

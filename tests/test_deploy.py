@@ -825,11 +825,15 @@ def test_control_plane_roles_in_a_gpu_cluster_reach_the_hub_as_their_role_s_user
             host, port = host_of(env["TANDEM_NATS_URL"], "tls")
             assert host == env["NATS_HUB_HOST"] and port in client_ports, (overlay, svc)
             assert port == hub_port("client")
-            assert env["TANDEM_NATS_USER"] == svc and svc in control_users, (overlay, svc)
+            # its cluster's own user (permissions.cluster_users), from its cluster's Secret
+            # tandem-nats-cluster (no password of the control plane's on a training node),
+            # replies on that user's own inbox prefix
+            user = permissions.cluster_user(svc, overlay)
+            assert env["TANDEM_NATS_USER"] == user and user in control_users, (overlay, svc)
             assert env["TANDEM_NATS_PASSWORD"] == {"secretKeyRef": {
-                "name": "tandem-nats", "key": permissions.password_env(svc)}}
-            for name in ("TANDEM_NATS_JS_API_PREFIX", "TANDEM_NATS_INBOX_PREFIX",
-                         "TANDEM_NATS_JS_DOMAIN"):
+                "name": "tandem-nats-cluster", "key": svc}}
+            assert env["TANDEM_NATS_INBOX_PREFIX"] == permissions.own_inbox(user)
+            for name in ("TANDEM_NATS_JS_API_PREFIX", "TANDEM_NATS_JS_DOMAIN"):
                 assert name not in env, (overlay, svc, name)
             assert ca_is_mounted_from("nats-hub-ca", w, c, env["TANDEM_NATS_TLS_CA"])
             seen.add(svc)

@@ -5,7 +5,9 @@ is bound to an account of its own instead, and an account sees only what it impo
 The layout, generated from ``permissions.declaration`` (nothing here names a subject):
 
 - ``control-plane`` holds JetStream (every stream and bucket, domain ``hub``), the
-  control-plane roles' users (gateway, trainer, checkpointer, admin) with their
+  control-plane roles' users (gateway, trainer, checkpointer, client, admin) and each
+  GPU cluster's trainer and checkpointer users (``permissions.cluster_users``: their
+  processes run on the cluster's training nodes but dial the hub) with their
   allow-lists, and exports exactly what the clusters import, each to those clusters.
 - ``cluster-<name>`` has no JetStream and one user, ``leaf-<name>``, that its leaf
   server logs in as. It imports, from the control plane, what the roles running in a
@@ -27,7 +29,7 @@ What an import cannot express is not granted, and ``docs/security.md`` says what
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tandem.common import permissions, subjects
@@ -71,8 +73,10 @@ def inbox_prefix(cluster: str) -> str:
 
 
 def users(clusters: Sequence[str]) -> list[str]:
-    """Every user of the layout: the control-plane roles' and each cluster's leaf."""
-    return [*CONTROL_ROLES, *(leaf_user(c) for c in clusters)]
+    """Every user of the layout: the control-plane roles', each cluster's trainer and
+    checkpointer users (in the control plane's account) and each cluster's leaf."""
+    return [*CONTROL_ROLES, *permissions.cluster_users(clusters),
+            *(leaf_user(c) for c in clusters)]
 
 
 def covers(pattern: str, subject: str) -> bool:
@@ -127,15 +131,31 @@ def imports(clusters: Sequence[str], home: str, control: str = CONTROL) -> list[
 
 
 def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None = None,
-                    control: str = CONTROL, header: str = "") -> str:
+                    control: str = CONTROL, header: str = "", *,
+                    add: Mapping[str, str] | None = None, drop: Collection[str] = ()) -> str:
     """The hub's ``accounts`` block: the control plane's and one per cluster.
 
     ``passwords`` maps each of ``users(clusters)`` to its password; one missing is
-    read from nats-server's environment (``$TANDEM_NATS_PASSWORD_<USER>``).
+    read from nats-server's environment (``$TANDEM_NATS_PASSWORD_<USER>``). ``add`` and
+    ``drop``: logins to add (``new: old``, in ``old``'s account with its grants) and
+    users to leave out, a password's rotation (``permissions.with_logins``).
     """
     clusters = [subjects.token(c, "cluster") for c in clusters]
     passwords = passwords or {}
+    add = dict(add or {})
+    leaves = {leaf_user(c) for c in clusters}
+    for name in add:  # a leaf's login, too: its name is in its password's variable
+        subjects.token(name, "user")
+    if taken := sorted(set(add) & set(users(clusters))):
+        raise ValueError(f"login {', '.join(map(repr, taken))} is already a user")
     roles = permissions.declaration(clusters, control)
+    # The control plane's users and their logins (with_logins checks the names); a
+    # leaf's login is in its cluster's account, with no permissions but the account's.
+    control_users = permissions.with_logins(
+        {**{r: roles[r] for r in CONTROL_ROLES}, **permissions.cluster_users(clusters)},
+        {n: o for n, o in add.items() if o not in leaves}, set(drop) - leaves)
+    logins = {c: [u for u in (leaf_user(c), *(n for n, o in add.items() if o == leaf_user(c)))
+                  if u not in drop] for c in clusters}
     by_cluster = {c: imports(clusters, c, control) for c in clusters}
     exports: dict[Import, list[str]] = {}
     for c, imps in by_cluster.items():
@@ -150,9 +170,7 @@ def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None
 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["accounts {", f"  {q(CONTROL_ACCOUNT)}: {{", "    jetstream: enabled",
-              "    users: [",
-              *permissions.users_config({r: roles[r] for r in CONTROL_ROLES}, passwords,
-                                        "      "),
+              "    users: [", *permissions.users_config(control_users, passwords, "      "),
               "    ]", "    exports: ["]
     for imp, accounts in sorted(exports.items(), key=lambda e: (e[0].kind, e[0].subject)):
         rt = f", response_type: {imp.response}" if imp.response else ""
@@ -160,9 +178,8 @@ def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None
                      f"[{', '.join(q(a) for a in accounts)}]{rt} }}")
     lines += ["    ]", "  }"]
     for c in clusters:
-        lines += [f"  {q(account(c))}: {{",
-                  f"    users: [ {{ user: {q(leaf_user(c))}, password: {pw(leaf_user(c))} }} ]",
-                  "    imports: ["]
+        entries = ", ".join(f"{{ user: {q(u)}, password: {pw(u)} }}" for u in logins[c])
+        lines += [f"  {q(account(c))}: {{", f"    users: [ {entries} ]", "    imports: ["]
         lines += [f"      {{ {imp.kind}: {{ account: {q(CONTROL_ACCOUNT)}, "
                   f"subject: {q(imp.subject)} }}{f', to: {q(imp.to)}' if imp.to else ''} }}"
                   for imp in by_cluster[c]]

@@ -29,9 +29,18 @@ KV, pulled tasks). For this release only, a service role may also subscribe to
 there, and the hub's config is rolled out before them. The ``admin`` role (operators, the
 CLI, the local stack's provisioning) may do anything.
 
-``nats_config`` renders the nats-server ``authorization`` block; ``deploy/nats/auth.conf``
-is its output for compose (a test checks they agree), ``tandem dev up --auth`` writes
-its own with generated passwords.
+The roles that run on a GPU cluster's training nodes (``CLUSTER_USER_ROLES``: the
+trainer's coordinator and node agents, a checkpointer per node) have a user per cluster
+as well, ``<role>-<cluster>`` (``cluster_users``), whose grants name that cluster alone
+where a subject, durable or key names one; the ``trainer`` and ``checkpointer`` users
+are the control plane's (every cluster). A user that is not a role's own name (those,
+and a login added to rotate a password, ``with_logins``) takes its replies on
+``_SERVICE_INBOX_<user>`` (``own_inbox``), set as its ``TANDEM_NATS_INBOX_PREFIX``.
+``users`` is every user of a deployment.
+
+``nats_config`` renders the nats-server ``authorization`` block of ``users``;
+``deploy/nats/auth.conf`` is its output for compose (a test checks they agree),
+``tandem dev up --auth`` writes its own with generated passwords.
 
 One module past 450 lines: the grant vocabulary (``_Grants``), the declaration written
 in it and the configs rendered from it change together; split, a grant could be declared
@@ -42,7 +51,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from tandem.common import streams, subjects
@@ -93,10 +102,39 @@ def _name(spec: Spec) -> str:
     return f"{spec.stream}/{spec.durable}"
 
 
-def replies(role: str) -> str:
-    """What ``role`` subscribes to for the replies to its requests: ``_INBOX.>`` for
-    ``client``, its own ``_SERVICE_INBOX.<role>.>`` for a service role."""
-    return INBOX if role == CLIENT else f"{subjects.service_inbox(role)}.>"
+SERVICE_ROLES = ("gateway", "inference-worker", "cluster-agent", "trainer", "checkpointer")
+# The roles that run on a GPU cluster's training nodes, each with a user per cluster
+# (``cluster_user``): a node holds its own cluster's passwords, never the control plane's.
+CLUSTER_USER_ROLES = ("trainer", "checkpointer")
+
+
+def cluster_user(role: str, cluster: str) -> str:
+    """``<role>-<cluster>``: the user ``role`` logs in as in GPU cluster ``cluster``."""
+    if role not in CLUSTER_USER_ROLES:
+        raise ValueError(f"{role!r} has no user per cluster; those that do: "
+                         f"{', '.join(CLUSTER_USER_ROLES)}")
+    return f"{role}-{subjects.token(cluster, 'cluster')}"
+
+
+def own_inbox(user: str) -> str:
+    """``_SERVICE_INBOX_<user>``: the inbox prefix of a user that is not a role's own name
+    (a cluster's user, a login added for a rotation), its ``TANDEM_NATS_INBOX_PREFIX``.
+
+    NOTE: one token, not ``_SERVICE_INBOX.<user>``: that setting takes one token, and
+    ``Bus.connect`` derives ``subjects.service_inbox`` only for a role's own user. No
+    other user's grant covers it (``_SERVICE_INBOX.>`` does not)."""
+    return f"_SERVICE_INBOX_{subjects.token(user, 'user')}"
+
+
+def replies(user: str) -> str:
+    """What ``user`` subscribes to for the replies to its requests: ``_INBOX.>`` for
+    ``client``, ``_SERVICE_INBOX.<role>.>`` for a service role's own user, else
+    ``own_inbox(user)``."""
+    if user == CLIENT:
+        return INBOX
+    if user in SERVICE_ROLES:
+        return f"{subjects.service_inbox(user)}.>"
+    return f"{own_inbox(user)}.>"
 
 
 # TRANSITIONAL: for the rolling upgrade from the release before each service role had its
@@ -109,10 +147,11 @@ def replies(role: str) -> str:
 LEGACY_REPLIES = INBOX
 
 
-def reply_grants(role: str) -> set[str]:
-    """Every subject ``role`` may subscribe to for replies: ``replies(role)`` and, for a
-    service role this release only, ``LEGACY_REPLIES``."""
-    return {replies(role)} | ({LEGACY_REPLIES} if role != CLIENT else set())
+def reply_grants(user: str) -> set[str]:
+    """Every subject ``user`` may subscribe to for replies: ``replies(user)`` and, for a
+    service role's own user this release only, ``LEGACY_REPLIES`` (a cluster's user is
+    new: no service of the release before logs in as one)."""
+    return {replies(user)} | ({LEGACY_REPLIES} if user in SERVICE_ROLES else set())
 
 
 @dataclass
@@ -172,15 +211,20 @@ class _Grants:
         return self
 
     def kv(self, bucket: str, write: bool = False, keys: str = ">",
-           by_key: bool = False) -> _Grants:
+           by_key: bool = False, reads: str = ">") -> _Grants:
         """Read ``bucket`` and, with ``write``, write the keys matching ``keys``.
 
         ``by_key``: reads of one key at a time only (direct get by subject), no watch,
-        key listing or get by sequence, so the bucket cannot be walked.
+        key listing or get by sequence, so the bucket cannot be walked; and of the keys
+        matching ``reads`` only (a watch's filter travels in its request's body, where
+        no grant can see it, so a narrower ``reads`` needs ``by_key``).
         """
+        if reads != ">" and not by_key:
+            raise ValueError(f"reads={reads!r} of KV {bucket} needs by_key: a watch's "
+                             "keys cannot be narrowed by a grant")
         s = f"KV_{bucket}"
         self.stream(s)
-        self.pub.add(f"{API}.DIRECT.GET.{s}.>")
+        self.pub.add(f"{API}.DIRECT.GET.{s}." + (">" if reads == ">" else f"$KV.{bucket}.{reads}"))
         if not by_key:
             self.follows(s)  # watch, keys
             self.pub |= {f"{API}.DIRECT.GET.{s}", f"{API}.STREAM.MSG.GET.{s}"}
@@ -296,31 +340,15 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
         .kv(streams.KV_NODES, write=True, keys=nodes).kv(streams.KV_DRAINS)
     )
 
-    trainer = (
-        _Grants("trainer", "claims runs, relays steps and checkpoints, restarts")
-        .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
-        .publishes(subjects.MIRROR.wildcard, streams.MIRROR)  # each node's checkpointer's
-        .listens(subjects.HEALTH.wildcard)
-        # KV runs: watched (a client's cancel), claimed and written; KV drains: watched
-        # (its cluster's node keys: a drain reaches the runs it touches)
-        .kv(streams.KV_RUNS, write=True).kv(streams.KV_NODES).kv(streams.KV_DRAINS)
-        # The coordinator and its node agents share the role: orders to the agents and
-        # their reports, each a request the other side answers (nodes.py).
-        .emits(subjects.TRAINER_NODE.wildcard, subjects.TRAINER_REPORT.wildcard)
-        .serves(subjects.TRAINER_NODE.wildcard, subjects.TRAINER_REPORT.wildcard)
-    )
-    for c in dict.fromkeys([control, *clusters]):
-        trainer.consumes(streams.trainer_consumer(c), f"{streams.TRAIN}/trainer-*")
-
-    checkpointer = (
-        _Grants("checkpointer", "mirrors checkpoints to S3, commits, prunes")
-        # One fleet-wide durable, or one per node (checkpointer-<cluster>-<node>), on its
-        # own stream: only checkpointers consume MIRROR.
-        .consumes(streams.checkpointer_consumer(), f"{streams.MIRROR}/checkpointer*",
-                  any_durable=True)
-        .publishes(subjects.CKPT.wildcard, streams.CKPT)
-        .kv(streams.KV_RUNS, write=True)
-    )
+    # TRANSITIONAL: a control plane's trainer (compose's, the local stack's by default)
+    # needs ``control``'s durable and subjects only; every GPU cluster's are here for the
+    # release whose GPU clusters' coordinators and node agents log in as ``trainer``
+    # (now each cluster's own user, ``cluster_users``; docs/security.md, "A user per
+    # cluster"). DROP IN THE NEXT RELEASE, once every trainer in a GPU cluster logs in as
+    # its cluster's user (the pods, and a local stack's trainer placed in a cluster):
+    # ``_trainer("trainer", [control], control)``, with the tests that name it.
+    trainer = _trainer("trainer", [control, *clusters], None)
+    checkpointer = _checkpointer("checkpointer", None)
 
     # Programs outside Tandem: jobs through the job service, and what follows a job.
     client = (
@@ -340,7 +368,100 @@ def declaration(clusters: Sequence[str], control: str = CONTROL,
     return {r.name: r for r in roles}
 
 
-SERVICE_ROLES = ("gateway", "inference-worker", "cluster-agent", "trainer", "checkpointer")
+def _trainer(user: str, durables: Sequence[str], cluster: str | None) -> _Grants:
+    """The trainer's grants as ``user``: the coordinators' durables of ``durables``; the
+    subjects and keys that name a cluster name ``cluster`` (None: every cluster's)."""
+    where = "every cluster's" if cluster is None else f"cluster {cluster}'s"
+    node, report = (s.filter(cluster=cluster)
+                    for s in (subjects.TRAINER_NODE, subjects.TRAINER_REPORT))
+    g = (
+        _Grants(user, f"claims runs, relays steps and checkpoints, restarts: {where}")
+        # A run's events and record are keyed by its id, which names no cluster.
+        .publishes(subjects.TRAIN.wildcard, streams.TRAIN)
+        .publishes(subjects.MIRROR.filter(cluster=cluster), streams.MIRROR)  # its nodes'
+        .listens(subjects.HEALTH.filter(cluster=cluster))
+        # KV runs: watched (a client's cancel), claimed and written; KV drains: watched
+        # (its cluster's node keys, but a watch's filter is no grant's to see)
+        .kv(streams.KV_RUNS, write=True).kv(streams.KV_DRAINS)
+        # The coordinator and its node agents share the role: orders to the agents and
+        # their reports, each a request the other side answers (nodes.py).
+        .emits(node, report).serves(node, report)
+    )
+    if cluster is None:
+        g.kv(streams.KV_NODES)
+    else:  # a placed node's heartbeat, by its key (services/trainer/service.py)
+        g.kv(streams.KV_NODES, by_key=True, reads=f"{cluster}.>")
+    for c in dict.fromkeys(durables):
+        g.consumes(streams.trainer_consumer(c),
+                   f"{streams.TRAIN}/trainer-*" if cluster is None else None)
+    return g
+
+
+def _checkpointer(user: str, cluster: str | None) -> _Grants:
+    """The checkpointer's grants as ``user``: the fleet-wide durable or every node's
+    (``cluster`` None), or ``cluster``'s nodes' (``checkpointer-<cluster>-<node>``)."""
+    # NOTE: MIRROR's durables are granted whole: a per-node durable's name holds its
+    # cluster inside one token, and a NATS wildcard spans whole tokens, so no grant can
+    # say "east's nodes' durables". ``cluster`` narrows what the process provisions only.
+    where = "every cluster's" if cluster is None else f"cluster {cluster}'s nodes'"
+    durables = (f"{streams.MIRROR}/checkpointer*" if cluster is None
+                else f"{streams.MIRROR}/checkpointer-{cluster}-*")
+    return (
+        _Grants(user, f"mirrors checkpoints to S3, commits, prunes: {where}")
+        # One fleet-wide durable, or one per node (checkpointer-<cluster>-<node>), on its
+        # own stream: only checkpointers consume MIRROR.
+        .consumes(streams.checkpointer_consumer(), durables, any_durable=True)
+        .publishes(subjects.CKPT.wildcard, streams.CKPT)  # keyed by run id, as KV runs
+        .kv(streams.KV_RUNS, write=True)
+    )
+
+
+def cluster_users(clusters: Sequence[str]) -> dict[str, Role]:
+    """Each GPU cluster's users (``cluster_user``): its trainer coordinators' and node
+    agents', and its nodes' checkpointers', their grants narrowed to that cluster where
+    a subject, durable or key names one (docs/security.md says what stays shared)."""
+    out: dict[str, Role] = {}
+    for c in dict.fromkeys(subjects.token(c, "cluster") for c in clusters):
+        for g in (_trainer(cluster_user("trainer", c), [c], c),
+                  _checkpointer(cluster_user("checkpointer", c), c)):
+            out[g.name] = g.role()
+    return out
+
+
+def users(clusters: Sequence[str], control: str = CONTROL) -> dict[str, Role]:
+    """Every NATS user of a deployment whose GPU clusters are ``clusters``: one per role
+    (``declaration``) and each cluster's (``cluster_users``), by user name."""
+    return {**declaration(clusters, control), **cluster_users(clusters)}
+
+
+def with_logins(existing: Mapping[str, Role], add: Mapping[str, str] | None = None,
+                drop: Collection[str] = ()) -> dict[str, Role]:
+    """The ``existing`` users with a login added for each ``new: old`` of ``add``, with
+    the grants of ``old``, and without the users in ``drop``: a password rotated with no
+    outage is "add user B, roll clients, remove user A" (docs/security.md), as
+    nats-server holds one password per user. A login of a service's user takes its
+    replies on its own ``own_inbox``; one of ``client`` or ``admin`` keeps theirs.
+
+    Raises ValueError naming a new login that is already a user, and an ``old`` or a
+    dropped user that is none (a typo must not leave out the user it meant).
+    """
+    add = dict(add or {})
+    taken = sorted(set(add) & set(existing))
+    unknown = sorted({*add.values(), *drop} - set(existing))
+    if taken or unknown:
+        raise ValueError("; ".join(
+            [*(f"login {n!r} is already a user" for n in taken),
+             *(f"no user {n!r} to {'copy' if n in add.values() else 'drop'}"
+               for n in unknown)]))
+    out = {n: r for n, r in existing.items() if n not in drop}
+    for new, old in add.items():
+        subjects.token(new, "user")
+        role = existing[old]
+        sub = (role.subscribe if old in (CLIENT, ADMIN) else
+               tuple(sorted(set(role.subscribe) - reply_grants(old) | reply_grants(new))))
+        out[new] = replace(role, name=new, subscribe=sub,
+                           description=f"{role.description} (a login of {old})")
+    return out
 
 
 def provisionable(role: Role, specs: Iterable[Spec]) -> list[Spec]:
@@ -354,7 +475,10 @@ def provisionable(role: Role, specs: Iterable[Spec]) -> list[Spec]:
 def role_for(user: str | None, service: str) -> Role | None:
     """The role a process runs as: its NATS user's, else its service's; None if neither.
 
-    Only what it may provision matters here, which does not depend on the clusters.
+    Only what it may provision matters here, which does not depend on the clusters. A
+    cluster's user (or a login) is taken as its service's role, which provisions the
+    same streams and buckets; of the per-cluster durables, a service asks only for its
+    own cluster's, which its user's grants hold.
     """
     roles = declaration([CONTROL])
     return roles.get(user or "") or roles.get(service)
@@ -363,9 +487,10 @@ def role_for(user: str | None, service: str) -> Role | None:
 # ------------------------------------------------------------------------------ the config
 
 
-def password_env(role: str) -> str:
-    """``TANDEM_NATS_PASSWORD_<ROLE>``: where compose's nats-server finds a role's password."""
-    return "TANDEM_NATS_PASSWORD_" + role.upper().replace("-", "_")
+def password_env(user: str) -> str:
+    """``TANDEM_NATS_PASSWORD_<USER>``: where nats-server finds a user's password
+    (``trainer-east``: ``TANDEM_NATS_PASSWORD_TRAINER_EAST``)."""
+    return "TANDEM_NATS_PASSWORD_" + user.upper().replace("-", "_")
 
 
 def _q(value: str) -> str:
@@ -380,8 +505,9 @@ def nats_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None =
                 header: str = "") -> str:
     """The nats-server ``authorization`` block for ``roles``.
 
-    ``passwords`` maps a role to its password, written quoted; a role without one gets
-    ``$TANDEM_NATS_PASSWORD_<ROLE>``, which nats-server reads from its environment.
+    ``passwords`` maps a user to its password, written quoted; a user without one gets
+    ``$TANDEM_NATS_PASSWORD_<USER>`` (``password_env``), which nats-server reads from its
+    environment: a variable missing there stops nats-server at start.
     """
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["authorization {", "  users: [", *users_config(roles, passwords, "    "),
@@ -392,8 +518,14 @@ def nats_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None =
 def users_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None = None,
                  indent: str = "") -> list[str]:
     """One user per role with its allow-lists, as the lines of a ``users`` list;
-    passwords as for ``nats_config``."""
+    passwords as for ``nats_config``. Raises ValueError if two users would read their
+    passwords from one variable (``a-b`` and ``a_b``)."""
     passwords = passwords or {}
+    by_env: dict[str, str] = {}
+    for name in sorted(set(roles) - set(passwords)):
+        if (other := by_env.setdefault(password_env(name), name)) != name:
+            raise ValueError(f"users {other!r} and {name!r} would both read their password "
+                             f"from ${password_env(name)}: rename one")
     lines: list[str] = []
     for name in sorted(roles):
         role = roles[name]
@@ -417,12 +549,12 @@ COMPOSE_HEADER = (
     "Generated from tandem.common.permissions (one declaration of every service's NATS\n"
     "permissions): do not edit. Regenerate with\n"
     "  tandem security nats-config --clusters east,west > deploy/nats/auth.conf\n"
-    "Passwords come from nats-server's environment: TANDEM_NATS_PASSWORD_<ROLE>.")
+    "Passwords come from nats-server's environment: TANDEM_NATS_PASSWORD_<USER>.")
 
 
 def compose_config() -> str:
     """What ``deploy/nats/auth.conf`` must hold (checked by a test)."""
-    return nats_config(declaration(COMPOSE_CLUSTERS), header=COMPOSE_HEADER)
+    return nats_config(users(COMPOSE_CLUSTERS), header=COMPOSE_HEADER)
 
 
 # --------------------------------------------------------------------------------- refusals
