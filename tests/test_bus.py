@@ -805,3 +805,31 @@ async def test_a_paused_loop_told_to_resume_pulls_at_once_not_after_its_nap(
     poller.resume()
     await asyncio.wait_for(run, TIMEOUT)
     assert taken == ["waiting"]
+
+
+async def test_a_stop_ends_the_long_poll_under_way_and_loses_nothing(
+        bus: Bus, uid: str) -> None:
+    """Every service's stop waited out the long poll under way (a second by default, a
+    test's teardown each time): now the stop ends it. With an hour's poll the consumer
+    still stops, and a task published after it is there for the next one."""
+    stream, consumer = _work(uid)
+    await bus.provision([stream, consumer])
+    polling, stop = asyncio.Event(), asyncio.Event()
+
+    async def handle(d: Delivery[GenerationTask]) -> None:
+        raise AssertionError(f"nothing was published before the stop: {d.event}")
+
+    c = bus.consumer(consumer, GenerationTask, handle, fetch_timeout=3600.0)
+    fetch = c.fetch
+
+    async def noted(n: int, wait: float):  # type: ignore[no-untyped-def]
+        polling.set()
+        return await fetch(n, wait)
+
+    c.fetch = noted  # type: ignore[method-assign]
+    run = asyncio.create_task(c.run(stop))
+    await asyncio.wait_for(polling.wait(), TIMEOUT)
+    stop.set()
+    await asyncio.wait_for(run, TIMEOUT)
+    await bus.publish(f"w.{uid}.a", GenerationTask(task_id="after", model="noop"))
+    assert [t.task_id for t in await _collect(bus, consumer, 1)] == ["after"]

@@ -232,6 +232,11 @@ class Consumer(Generic[E]):
                                         self.spec.durable)
         return await self._sub.fetch(batch, timeout)
 
+    def interrupt(self) -> None:
+        """End a fetch's wait now (stopping): it returns what it has."""
+        if self._sub is not None:
+            self._sub.interrupt()
+
     async def run(self, stop: asyncio.Event) -> None:
         lg = _log.bind(stream=self.spec.stream, consumer=self.spec.durable)
         lg.info("consumer.start")
@@ -402,7 +407,8 @@ class Poller:
       cluster's again.
     - A consumer with a ``fetch_handler`` gets each fetch whole (one task for it), and
       each message frees its room as it is settled.
-    - On stop, messages fetched and not started are handed back, then ``on_stop()``
+    - On stop, the fetch under way returns at once (``Consumer.interrupt``); messages
+      fetched and not started are handed back, then ``on_stop()``
       runs while handlers still run (the owner hands back work it holds and waits for
       the rest with ``idle``); ``run`` returns once every handler finished.
     """
@@ -432,6 +438,7 @@ class Poller:
         loop = asyncio.get_running_loop()
         lower_busy, lower_asked = False, -math.inf
         async with asyncio.TaskGroup() as tg:
+            interrupter = tg.create_task(self._interrupt_on(stop))
             while not stop.is_set():
                 if self.paused is not None and self.paused():
                     self._resumed.clear()
@@ -489,8 +496,16 @@ class Poller:
                     else:
                         self.inflight += 1
                         tg.create_task(self._process(owner, msg))
+            interrupter.cancel()
             if self.on_stop is not None:
                 await self.on_stop()
+
+    async def _interrupt_on(self, stop: asyncio.Event) -> None:
+        """At stop, end the long poll under way rather than wait it out (``idle_poll``:
+        a second on every service's stop)."""
+        await stop.wait()
+        for c in list(self.consumers):
+            c.interrupt()
 
     async def idle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every running handler to finish; whether

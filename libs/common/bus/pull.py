@@ -24,6 +24,8 @@ class Pull:
     it waits up to ``timeout`` for one message, then asks (``no_wait``) for the rest of
     the batch. Each request has its own reply subject, so a status (404 no messages,
     408 expired) that ends an earlier request is told apart from the current one's.
+    ``interrupt`` ends a fetch's wait at once, and every wait after it (the owner is
+    stopping): what came is returned, what comes later is naked back by ``close``.
     """
 
     def __init__(self, nc: NATS, api_prefix: str, stream: str, durable: str) -> None:
@@ -34,12 +36,20 @@ class Pull:
         self.waiter: asyncio.Future[None] | None = None
         self.requests = 0
         self.sub: Any = None
+        self.interrupted = False
 
     @classmethod
     async def open(cls, nc: NATS, api_prefix: str, stream: str, durable: str) -> Pull:
         pull = cls(nc, api_prefix, stream, durable)
         pull.sub = await nc.subscribe(f"{pull.prefix}*", cb=pull._on_msg)
         return pull
+
+    def interrupt(self) -> None:
+        """Stop waiting: the fetch waiting now, and any later one, returns what it has."""
+        self.interrupted = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _on_msg(self, msg: Msg) -> None:
         self.buf.append(msg)
@@ -67,7 +77,7 @@ class Pull:
         if out:
             return out
         wait = deadline - loop.time()
-        if wait < 0.01:
+        if wait < 0.01 or self.interrupted:
             return out
         await self._collect(out, 1, await self._request(1, expires=wait - 0.005), deadline)
         if out and batch > 1:  # the first came: whatever else is there comes with it
@@ -86,6 +96,8 @@ class Pull:
     async def _collect(self, out: list[Msg], want: int, reply: str, deadline: float) -> None:
         """Take messages until ``want``, ``reply``'s request ends, or ``deadline``."""
         while not self._take(out, want, reply) and len(out) < want:
+            if self.interrupted:
+                return
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout_at(deadline):
