@@ -61,8 +61,12 @@ CASES = {
         ["train", "submit", "{tmp}/run.json", "--set", "steps.x=1"], "steps.x=1"),
     "train submit, a JSON list": (["train", "submit", "{tmp}/list.json"], "list"),
     "train submit, silent gateway": (
-        ["train", "submit", "{tmp}/run.json", "--url", "http://127.0.0.1:{silent}"],
-        "no answer from the gateway at http://127.0.0.1:{silent}"),
+        ["train", "submit", "{tmp}/run.json", "--url", "http://127.0.0.1:{silent}",
+         "--timeout", "2"], "no answer from the gateway at http://127.0.0.1:{silent}"),
+    "train submit, timeout not a number": (
+        ["train", "submit", "{tmp}/run.json", "--timeout", "soon"], "--timeout"),
+    "train submit, timeout zero": (
+        ["train", "submit", "{tmp}/run.json", "--timeout", "0"], "positive number"),
     "train status, silent NATS": (["train", "status", "r1"], "no answer"),
     "stack file, port not a number": (["dev", "up", "--config", "{tmp}/ports.toml"],
                                       "ports.nats"),

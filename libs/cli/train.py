@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -41,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "service; default TANDEM_NATS_URL) or the gateway's http://...")
     s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="API key where the gateway has keys (default $TANDEM_API_KEY)")
+    s.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="how long to wait for the answer (default 10 over NATS, 30 over "
+                   "HTTP)")
     s.set_defaults(func=lambda a: asyncio.run(_submit(a)))
     w = tsub.add_parser("watch", help="follow a run live (progress bar, restarts)")
     w.add_argument("run")
@@ -49,6 +53,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("run")
     st.add_argument("--json", action="store_true", help="print the run record as JSON")
     st.set_defaults(func=lambda a: asyncio.run(_status_cmd(a)))
+
+
+def _seconds(raw: str) -> float:
+    """A positive, finite number of seconds (argparse names the option on error)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive number of seconds")
+    return value
 
 
 # ------------------------------------------------------------------------------- config
@@ -123,7 +138,8 @@ async def _submit(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.set, args.run_id)
     url = args.url or load(Settings, "tandem").nats_url
-    async with await connect(url, api_key=args.api_key) as tandem:
+    options = {} if args.timeout is None else {"timeout": args.timeout}
+    async with await connect(url, api_key=args.api_key, **options) as tandem:
         try:
             rec = await tandem.train(**config)
         except JobError as exc:
