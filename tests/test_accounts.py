@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -134,6 +135,43 @@ def test_each_leaf_is_bound_to_its_clusters_account(topology: Topology) -> None:
             leafs += json.load(resp).get("leafs") or []
     assert sorted((lf["account"], lf["name"]) for lf in leafs) == [
         ("cluster-east", "leaf-east"), ("cluster-west", "leaf-west")]
+
+
+async def test_sys_gets_every_hub_server_s_jetstream_report_and_a_tandem_user_none(
+        topology: Topology) -> None:
+    """The leaf topology's hub (as `tandem dev up --topology leaf --auth` runs it) has the
+    generated system account: its user sys, whose password is generated with the others',
+    gets a JetStream report from each hub server (``$SYS.REQ.SERVER.PING.JSZ``, what `nats
+    server report jetstream` asks); admin, who may publish anything in the control
+    plane's account, reaches no server's."""
+    assert topology.hub is not None
+    servers = {srv.name for srv in topology.hub.servers}
+    nc = await nats.connect(topology.hub_url.split(","), user="sys",
+                            password=topology.passwords["sys"], allow_reconnect=False)
+    try:
+        reports: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_report(msg: Any) -> None:
+            await reports.put(json.loads(msg.data))
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=on_report)
+        await nc.publish("$SYS.REQ.SERVER.PING.JSZ", b"{}", reply=inbox)
+        answered: set[str] = set()
+        while answered != servers:
+            report = await asyncio.wait_for(reports.get(), DEADLINE)
+            assert report["data"]["config"]["domain"] == "hub", report
+            answered.add(report["server"]["name"])
+    finally:
+        await nc.close()
+    admin = await nats.connect(topology.hub_url.split(","), user=permissions.ADMIN,
+                               password=topology.passwords[permissions.ADMIN],
+                               allow_reconnect=False)
+    try:
+        with pytest.raises(NoRespondersError):
+            await admin.request("$SYS.REQ.SERVER.PING.JSZ", b"{}", timeout=DEADLINE)
+    finally:
+        await admin.close()
 
 
 async def test_a_clusters_credentials_cannot_publish_on_another_clusters_subjects(

@@ -76,6 +76,13 @@ CASES = {
         ["dev", "up", "--config", "{tmp}/placeholder.toml", "--root", "{tmp}/root"],
         "gateway_port"),
     "nats-config, no cluster": (["security", "nats-config", "--clusters", ""], "--clusters"),
+    "nats-config, login not NEW=OLD": (["security", "nats-config", "--add-login", "b"],
+                                       "--add-login 'b': give NEW=OLD"),
+    "nats-config, login of no user": (
+        ["security", "nats-config", "--accounts", "--add-login", "b=trainer-eats"],
+        "no user 'trainer-eats' to copy"),
+    "nats-config, drop of no user": (["security", "nats-config", "--drop", "trainer-eats"],
+                                     "no user 'trainer-eats' to drop"),
     "certs, folder cannot be made": (["security", "certs", "/proc/nope"], "/proc/nope"),
     "api-key, bad name": (["security", "api-key", "--name", "bad name!"], "name"),
     "bench, no repeat": (["bench", "bus", "--repeat", "0"], "--repeat"),
@@ -107,6 +114,29 @@ def test_a_wrong_input_ends_with_one_clear_line_and_no_traceback(
     assert wanted in res.stderr, res.stderr[-3000:]
     assert not any(line.startswith("[stack]") for line in res.stdout.splitlines()), \
         "the stack began to start: " + res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--add-login", "trainer-east-2"], "--add-login 'trainer-east-2': give NEW=OLD"),
+    (["--add-login", "=trainer-east"], "--add-login '=trainer-east': give NEW=OLD"),
+    (["--add-login", "b=a=c"], "--add-login 'b=a=c': give NEW=OLD"),
+    (["--add-login", "b=trainer-eats"], "no user 'trainer-eats' to copy"),
+    (["--accounts", "--add-login", "b=leaf-north"], "no user 'leaf-north' to copy"),
+    (["--add-login", "gateway=admin"], "login 'gateway' is already a user"),
+    (["--add-login", "b c=gateway"], "invalid user 'b c'"),
+    (["--add-login", "sys-2=sys"], "'sys': a user of the accounts layout only"),
+    (["--accounts", "--drop", "sys-2"], "no user 'sys-2' to drop"),
+])
+def test_nats_config_refuses_a_bad_login_in_one_line_with_exit_2(
+        argv: list[str], said: str) -> None:
+    """docs/security.md's rotation by ``--add-login NEW=OLD`` and ``--drop USER``: a
+    malformed pair, an OLD or dropped user that is none, a NEW that is taken or no valid
+    name, each gets one line naming it and exit status 2, and no config is printed."""
+    res = tandem(["security", "nats-config", *argv], timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res.stdout[-2000:] + res.stderr[-2000:]
+    assert len(res.stderr.splitlines()) == 1, res.stderr[-3000:]
+    assert res.stderr.startswith("tandem security nats-config: ") and said in res.stderr, \
+        res.stderr
 
 
 # ------------------------------------------------------------- tandem.client over NATS

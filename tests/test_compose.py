@@ -6,6 +6,8 @@ validates and resolves the file; the rest reads the resolved JSON and the Docker
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -15,8 +17,10 @@ import socket
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
 from tandem.cli.devstack import NatsServer
@@ -44,8 +48,8 @@ def compose(*args: str, files: tuple[str, ...] = ("compose.yaml",)
 
 
 @functools.cache
-def resolved() -> dict:
-    res = compose("config", "--format", "json")
+def resolved(files: tuple[str, ...] = ("compose.yaml",)) -> dict:
+    res = compose("config", "--format", "json", files=files)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -165,67 +169,111 @@ def route_login(conf: str) -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
+@contextlib.contextmanager
+def refusing_routes() -> Iterator[dict[str, int]]:
+    """Compose's NATS node -> a loopback port bound but never listening, which refuses a
+    route (JetStream in a cluster wants routes to start; distinct, or nats-server warns
+    of a duplicate route with its URL in full). A node started in a test replaces its
+    own with its real route port."""
+    closed = [socket.socket() for _ in range(3)]
+    try:
+        for sock in closed:
+            sock.bind(("127.0.0.1", 0))
+        yield {f"nats-{i}": sock.getsockname()[1] for i, sock in enumerate(closed, 1)}
+    finally:
+        for sock in closed:
+            sock.close()
+
+
+def start_node(services: dict, node: str, root: Path, routes: dict[str, int],
+               monkeypatch: pytest.MonkeyPatch) -> NatsServer:
+    """Compose's NATS node ``node`` (``services``: a resolved compose file's) on loopback:
+    every config file compose mounts under /etc/nats, its route and leaf ports free ones,
+    its routes to ``routes``' ports, its store under ``root`` and compose's environment."""
+    svc = services[node]
+    root.mkdir()
+    for volume in svc["volumes"]:
+        if volume["target"].startswith("/etc/nats/"):
+            shutil.copy(volume["source"], root / Path(volume["target"]).name)
+    conf = root / Path(svc["command"][-1]).name
+    text = re.sub(r"^(\s+listen: )0\.0\.0\.0:\d+$", r"\g<1>127.0.0.1:-1",
+                  conf.read_text(), flags=re.M)  # the route and leaf ports
+    text = re.sub(r"^(\s+nats-route://\S+@)(nats-\d):6222$",
+                  lambda m: f"{m[1]}127.0.0.1:{routes[m[2]]}",
+                  text.replace("store_dir: /data", f"store_dir: {root}"), flags=re.M)
+    conf.write_text(text)
+    for key, value in svc["environment"].items():
+        monkeypatch.setenv(key, value)
+    srv = NatsServer(name=node, log_path=root / "nats.log", config_path=conf).start()
+    routes[node] = srv.cluster_port
+    return srv
+
+
 def test_compose_s_nats_servers_route_only_with_the_route_login(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that routes in joins the cluster and reads every account's traffic. Two
     servers from cluster.conf, with compose's environment, form their route; a server
     of someone's own config routing in is refused."""
     services = resolved()["services"]
-    conf_path = Path(next(v["source"] for v in services["nats-1"]["volumes"]
-                          if v["target"] == "/etc/nats/cluster.conf"))
-    # node -> its route port: a started node's, else a port bound but never listening,
-    # which refuses (JetStream in a cluster wants routes to start; distinct, or
-    # nats-server warns of a duplicate route with its URL in full)
-    closed = [socket.socket() for _ in range(3)]
-    for sock in closed:
-        sock.bind(("127.0.0.1", 0))
-    ports = {f"nats-{i}": sock.getsockname()[1] for i, sock in enumerate(closed, 1)}
-
-    def start(node: str) -> NatsServer:
-        root = tmp_path / node
-        root.mkdir()
-        shutil.copy(conf_path.with_name("auth.conf"), root / "auth.conf")
-        text = re.sub(r"^(\s+listen: )0\.0\.0\.0:\d+$", r"\g<1>127.0.0.1:-1",
-                      conf_path.read_text(), flags=re.M)  # the route and leaf ports
-        text = re.sub(r"^(\s+nats-route://\S+@)(nats-\d):6222$",
-                      lambda m: f"{m[1]}127.0.0.1:{ports[m[2]]}",
-                      text.replace("store_dir: /data", f"store_dir: {root}"), flags=re.M)
-        (root / "cluster.conf").write_text(text)
-        for key, value in services[node]["environment"].items():
-            monkeypatch.setenv(key, value)
-        srv = NatsServer(name=node, log_path=root / "nats.log",
-                         config_path=root / "cluster.conf").start()
-        ports[node] = srv.cluster_port
-        return srv
 
     def routes(srv: NatsServer) -> set[str]:
         routez = get_json(f"http://{srv.host}:{srv.monitor_port}/routez") or {}
         return {r["remote_name"] for r in routez.get("routes", [])}
 
     servers: list[NatsServer] = []
+    with refusing_routes() as ports:
+        try:
+            servers.append(first := start_node(services, "nats-1", tmp_path / "nats-1", ports,
+                                               monkeypatch))
+            servers.append(start_node(services, "nats-2", tmp_path / "nats-2", ports,
+                                      monkeypatch))
+            wait_until(lambda: routes(first) == {"nats-2"}, 20, "nats-2's route to nats-1")
+            rogue_conf = tmp_path / "rogue.conf"
+            rogue_conf.write_text(
+                f'jetstream {{ store_dir: "{tmp_path / "rogue"}" }}\n'
+                f'cluster {{ name: tandem, listen: "127.0.0.1:-1", '
+                f'routes: ["nats-route://127.0.0.1:{ports["nats-1"]}"] }}\n')
+            servers.append(rogue := NatsServer(name="rogue", log_path=tmp_path / "rogue.log",
+                                               config_path=rogue_conf).start())
+
+            def refused() -> bool:
+                return "Authentication Failure" in first.log_path.read_text()
+
+            wait_until(lambda: refused() or "rogue" in routes(first), 20,
+                       "nats-1 refusing or taking the rogue's route")
+            assert refused() and routes(first) == {"nats-2"} and routes(rogue) == set()
+        finally:
+            for srv in reversed(servers):
+                srv.stop()
+
+
+async def _server_report(url: str, user: str, password: str) -> dict:
+    """The first answer to ``$SYS.REQ.SERVER.PING.JSZ`` (what ``nats server report
+    jetstream`` asks every server), as ``user``."""
+    nc = await nats.connect(url, user=user, password=password, allow_reconnect=False,
+                            connect_timeout=5)
     try:
-        servers.append(first := start("nats-1"))
-        servers.append(start("nats-2"))
-        wait_until(lambda: routes(first) == {"nats-2"}, 20, "nats-2's route to nats-1")
-        rogue_conf = tmp_path / "rogue.conf"
-        rogue_conf.write_text(
-            f'jetstream {{ store_dir: "{tmp_path / "rogue"}" }}\n'
-            f'cluster {{ name: tandem, listen: "127.0.0.1:-1", '
-            f'routes: ["nats-route://127.0.0.1:{ports["nats-1"]}"] }}\n')
-        servers.append(rogue := NatsServer(name="rogue", log_path=tmp_path / "rogue.log",
-                                           config_path=rogue_conf).start())
-
-        def refused() -> bool:
-            return "Authentication Failure" in first.log_path.read_text()
-
-        wait_until(lambda: refused() or "rogue" in routes(first), 20,
-                   "nats-1 refusing or taking the rogue's route")
-        assert refused() and routes(first) == {"nats-2"} and routes(rogue) == set()
+        return json.loads((await nc.request("$SYS.REQ.SERVER.PING.JSZ", b"{}", timeout=5)).data)
     finally:
-        for srv in reversed(servers):
+        await nc.close()
+
+
+def test_the_leaf_override_s_hub_has_the_system_account_and_its_user_sys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.leaf.yaml's hub runs the generated accounts, whose system account comes
+    with them: a node started from its files with compose's environment (the password
+    TANDEM_NATS_PASSWORD_SYS among x-nats-passwords: nats-server stops at start on a
+    variable it lacks) answers sys's JetStream report, as `nats server report jetstream`
+    asks it, with the password compose gives."""
+    services = resolved(("compose.yaml", "compose.leaf.yaml"))["services"]
+    password = services["nats-1"]["environment"]["TANDEM_NATS_PASSWORD_SYS"]
+    with refusing_routes() as ports:
+        srv = start_node(services, "nats-1", tmp_path / "nats-1", ports, monkeypatch)
+        try:
+            report = asyncio.run(_server_report(srv.url, "sys", password))
+        finally:
             srv.stop()
-        for sock in closed:
-            sock.close()
+    assert report["server"]["name"] == "nats-1" and "config" in report["data"], report
 
 
 def test_the_dockerfile_installs_just_the_services_extra_and_runs_its_module() -> None:

@@ -71,7 +71,7 @@ WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 GPU = "nvidia.com/gpu"
 # The hub's route login: a password of Secret tandem-nats that no generated account reads.
 ROUTE_PASSWORD = "TANDEM_NATS_PASSWORD_ROUTE"
-# The system account's user, sys (base/nats-hub/system-account.conf): the other one.
+# The system account's user's (sys, generated in accounts.conf): the pod names it too.
 SYS_PASSWORD = "TANDEM_NATS_PASSWORD_SYS"
 # The highest value of a PriorityClass whose name does not start with "system-".
 USER_PRIORITY_MAX = 1_000_000_000
@@ -291,7 +291,7 @@ def hub_env(server: str, hosts: Mapping[str, str] | None = None) -> dict[str, st
     passwords (``pw-<name>``), then its env expanded; each route URL's address replaced
     by ``hosts``'s (a loopback port in a test), when given."""
     secret = {permissions.password_env(u) for u in accounts.users(CLUSTERS)} | {
-        ROUTE_PASSWORD, SYS_PASSWORD}
+        ROUTE_PASSWORD}
     values = {name: f"pw-{name.lower()}" for name in sorted(secret)}
     env = env_of("control-plane", {**hub_container(), "envFrom": []},
                  secrets={f"tandem-nats/{k}": v for k, v in values.items()})
@@ -321,27 +321,19 @@ def generated(name: str, overlay: str) -> str:
     return found[0]
 
 
-def hub_config(root: Path) -> dict[str, str]:
-    """The hub's config files as nats-server reads them: what its init container makes
-    of the rendered ConfigMaps, running its own command here with each of its volumes
-    mapped to a folder under ``root`` (the generated accounts.conf with the system
-    account added inside its block)."""
-    init = container(hub(), "config")
+def hub_config() -> dict[str, str]:
+    """The hub's config files as nats-server reads them: the files of the volume mounted
+    where its command's config lies, each from the rendered ConfigMaps it projects."""
+    nats = hub_container()
+    (mount,) = [m for m in nats["volumeMounts"]
+                if nats["command"][-1].startswith(m["mountPath"].rstrip("/") + "/")]
     volumes = {v["name"]: v for v in pod_spec(hub())["volumes"]}
     maps = objects("control-plane", "ConfigMap")
-    script = init["command"]
-    for mount in init["volumeMounts"]:
-        folder = root / mount["name"]
-        folder.mkdir(parents=True, exist_ok=True)
-        for source in volumes[mount["name"]].get("projected", {}).get("sources", []):
-            for name, text in maps[source["configMap"]["name"]]["data"].items():
-                (folder / name).write_text(text)
-        script = [a.replace(mount["mountPath"].rstrip("/") + "/", f"{folder}/") for a in script]
-    res = subprocess.run(script, capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0, res.stderr
-    (main,) = [m for m in hub_container()["volumeMounts"]
-               if hub_container()["command"][-1].startswith(m["mountPath"] + "/")]
-    return {p.name: p.read_text() for p in (root / main["name"]).iterdir()}
+    files: dict[str, str] = {}
+    for source in volumes[mount["name"]]["projected"]["sources"]:
+        for name, text in maps[source["configMap"]["name"]]["data"].items():
+            assert files.setdefault(name, text) == text, name  # one file per name
+    return files
 
 
 # ------------------------------------------------------------------- rendering, schemas
@@ -879,9 +871,11 @@ def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> Non
     assert "authorization" not in conf.replace(cluster, "") and "users" not in conf
     acc = hub_accounts()
     assert acc == (ROOT / "deploy/nats/accounts.conf").read_text() == accounts.compose_config()
-    # ... for exactly these cluster overlays: one account each, and every user once
+    # ... for exactly these cluster overlays: one account each, the system account, and
+    # every user once
     assert re.findall(r'^  "([^"]+)": \{$', acc, re.M) == [
-        accounts.CONTROL_ACCOUNT, *(accounts.account(c) for c in CLUSTERS)]
+        accounts.CONTROL_ACCOUNT, *(accounts.account(c) for c in CLUSTERS),
+        accounts.SYS_ACCOUNT]
     assert sorted(re.findall(r'user: "([^"]+)"', acc)) == sorted(accounts.users(CLUSTERS))
     for cluster in CLUSTERS:  # every cluster overlay's queue has its workers' grants
         assert (f'subject: "$JS.API.CONSUMER.MSG.NEXT.GEN_{cluster.upper()}.workers-{cluster}"'
@@ -895,8 +889,7 @@ def test_the_hub_is_three_jetstream_servers_with_the_generated_accounts() -> Non
     doc = (ROOT / "docs/deploy.md").read_text()
     (listed,) = re.findall(r"for u in ([A-Z_ ]+); do\n\s+echo --from-literal="
                            r"TANDEM_NATS_PASSWORD_\$u=", doc)
-    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted | {
-        ROUTE_PASSWORD, SYS_PASSWORD}
+    assert {f"TANDEM_NATS_PASSWORD_{u}" for u in listed.split()} == wanted | {ROUTE_PASSWORD}
     assert objects("control-plane", "PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1
 
 
@@ -927,7 +920,7 @@ def _nats_check(tmp_path: Path, files: dict[str, str], main: str, env: dict[str,
 
 
 def test_the_hub_and_leaf_configs_are_valid_nats_server_configs(tmp_path: Path) -> None:
-    hub = hub_config(tmp_path / "assembled")
+    hub = hub_config()
     assert hub["hub.conf"] == hub_conf() and set(hub) == {"hub.conf", "accounts.conf"}
     env = hub_env("nats-0")
     _nats_check(tmp_path / "hub", hub, "hub.conf", env)
@@ -954,7 +947,7 @@ def _hub_server(root: Path, name: str, hosts: Mapping[str, str],
         conf, n = re.subn(rf"^(\s+listen: )0\.0\.0\.0:{port_number(hub_container(), port)}$",
                           r"\g<1>127.0.0.1:-1", conf, flags=re.M)
         assert n == 1, port
-    _mount(root, {**hub_config(root / "assembled"), "hub.conf": conf})
+    _mount(root, {**hub_config(), "hub.conf": conf})
     for key, value in hub_env(name, hosts).items():
         monkeypatch.setenv(key, value)
     return NatsServer(name=name, log_path=root / "nats.log", config_path=root / "hub.conf",
@@ -1257,10 +1250,18 @@ async def _jsz_ping(srv: NatsServer, ca: Path, user: str, password: str) -> dict
 def test_the_hub_s_sys_user_gets_every_server_s_jetstream_report_and_no_other_user_does(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The review's M9: without a system account nobody can run `nats server report
-    jetstream` or `nats server ls`. The hub's user sys, in the system account its pod adds
-    to the generated accounts, with its password from the Secret tandem-nats, gets each
-    server's JetStream report; admin, who may publish anything in its own account, gets
-    none."""
+    jetstream` or `nats server ls`. The hub's user sys, in the system account of the
+    generated accounts (mounted as generated: no step of the pod rewrites them), with its
+    password from the Secret tandem-nats, gets each server's JetStream report; admin, who
+    may publish anything in its own account, gets none. The account and the line making
+    it the system account are both the generated file's: hub.conf names none."""
+    files = hub_config()
+    assert files["accounts.conf"] == accounts.compose_config()
+    assert "initContainers" not in pod_spec(hub())
+    assert re.findall(r"^system_account: .*$", config_lines(files["accounts.conf"]), re.M) == [
+        f'system_account: "{accounts.SYS_ACCOUNT}"']
+    assert "system_account" not in config_lines(files["hub.conf"])
+    assert account_users(files["accounts.conf"], accounts.SYS_ACCOUNT) == ["sys"]
     raw = {e["name"]: e for e in hub_container()["env"]}
     assert raw[SYS_PASSWORD]["valueFrom"] == {
         "secretKeyRef": {"name": "tandem-nats", "key": SYS_PASSWORD}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import subprocess
 import time
 import urllib.request
@@ -27,13 +28,15 @@ import structlog
 from nats.errors import TimeoutError as NatsTimeout
 
 from tandem.cli.devstack import NatsServer, S3Server, logged_metrics_port
+from tandem.cli.stack import Stack
+from tandem.cli.stack_config import StackConfig
 from tandem.common import accounts, permissions, streams, subjects
 from tandem.common.bus import Bus
 from tandem.common.events import RunState
 from tandem.common.runs import submit_run
 from tandem.common.settings import Settings, load
 from tests.conftest import PYTHON, service_env
-from tests.test_security_nats import allowed, until
+from tests.test_security_nats import allowed, cli_config, until
 from tests.test_train_runs import finished, stop_process, tiny
 from tests.test_train_runs import until as until_run
 
@@ -126,6 +129,61 @@ def test_a_rotation_login_has_the_grants_of_the_user_it_replaces_and_its_own_rep
     with pytest.raises(ValueError, match="'trainer-east-2' and 'trainer-east_2' would both "
                        r"read their password from \$TANDEM_NATS_PASSWORD_TRAINER_EAST_2"):
         permissions.nats_config(twins)
+
+
+def test_the_cli_generates_a_rotation_with_add_login_and_drop(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """docs/security.md's rotation by the CLI: ``--add-login B=A`` and ``--drop A`` give
+    what ``with_logins`` and ``accounts_config(add=, drop=)`` make of them, for one
+    server's users and for the hub's accounts, where a login of a leaf or of sys is in
+    that user's account; the accounts pass ``nats-server -t`` with B's passwords."""
+    add = {"trainer-east-2": "trainer-east", "leaf-east-2": "leaf-east", "sys-2": "sys"}
+    drop = ["trainer-east", "leaf-east", "sys"]
+    flags = [*(a for n, o in add.items() for a in ("--add-login", f"{n}={o}")),
+             *(a for u in drop for a in ("--drop", u))]
+    acc = cli_config(capsys, "--accounts", "--clusters", "east,west", *flags)
+    assert acc == accounts.accounts_config(CLUSTERS, add=add, drop=drop)
+    assert 'users: [ { user: "sys-2", password: $TANDEM_NATS_PASSWORD_SYS_2 } ]' in acc
+    assert 'user: "leaf-east-2"' in acc and 'user: "trainer-east-2"' in acc
+    assert not {'user: "sys"', 'user: "leaf-east"', 'user: "trainer-east"'} & set(
+        re.findall(r'user: "[^"]+"', acc))
+    (tmp_path / "auth.conf").write_text(acc)
+    env = {name: f"pw-{name}" for name in re.findall(r"password: \$(\w+)", acc)}
+    check = subprocess.run([str(Path(PYTHON).parent / "nats-server"), "-c",
+                            str(tmp_path / "auth.conf"), "-t"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr + check.stdout
+    one = {"trainer-east-2": "trainer-east"}
+    plain = cli_config(capsys, "--clusters", "east,west", "--add-login",
+                       "trainer-east-2=trainer-east", "--drop", "trainer-east")
+    assert plain == permissions.nats_config(
+        permissions.with_logins(permissions.users(CLUSTERS), one, ["trainer-east"]))
+
+
+def test_dev_up_auth_has_each_clusters_trainer_and_checkpointer_user(tmp_path: Path) -> None:
+    """``tandem dev up --auth`` (one server) runs every user of a deployment with the
+    stack's clusters (``permissions.users``), each with a password it generated: a
+    process placed as a cluster's trainer or checkpointer logs in as that cluster's
+    user, and a wrong password is refused."""
+    config = StackConfig.load().free_ports()
+    clusters = [c.name for c in config.clusters]
+    with (tmp_path / "stack.log").open("w") as sink, \
+            Stack(config, tmp_path / "root", sink, grace=5, auth=True) as stack:
+        stack.start(services=[])
+        assert set(stack.passwords) == set(permissions.users(clusters))
+
+        async def login(user: str, password: str) -> None:
+            nc = await nats.connect(stack.nats_url, user=user, password=password,
+                                    inbox_prefix=permissions.own_inbox(user),
+                                    allow_reconnect=False, connect_timeout=5)
+            await nc.close()
+
+        for cluster in clusters:
+            for role in permissions.CLUSTER_USER_ROLES:
+                user = permissions.cluster_user(role, cluster)
+                asyncio.run(login(user, stack.passwords[user]))
+        with pytest.raises(Exception, match=r"[Aa]uthorization"):
+            asyncio.run(login(user, "wrong"))
 
 
 # ------------------------------------------------------------------------------ the server

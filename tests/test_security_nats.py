@@ -27,6 +27,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from tandem.cli.certs import dev_certs
 from tandem.cli.devstack import NatsServer
+from tandem.cli.main import main
 from tandem.cli.stack import Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.common import permissions, streams, subjects
@@ -80,6 +81,32 @@ def test_deploy_auth_conf_is_the_generated_declaration_and_compose_uses_it() -> 
         assert f"{permissions.password_env(user)}:" in compose, user
     for role in permissions.SERVICE_ROLES:
         assert f"TANDEM_NATS_USER: {role}\n" in compose, role
+
+
+def cli_config(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What ``tandem security nats-config ARGV`` prints; it must exit 0."""
+    with pytest.raises(SystemExit) as end:
+        main(["security", "nats-config", *argv])
+    out = capsys.readouterr()
+    assert end.value.code == 0, out.err
+    return out.out
+
+
+def test_nats_config_prints_every_user_of_the_clusters_it_is_given(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """For clusters other than compose's, ``tandem security nats-config`` prints every
+    user of such a deployment (``permissions.users``), each cluster's trainer and
+    checkpointer users too, as the ``authorization`` block and as ``--roles``; for
+    compose's, the committed auth.conf."""
+    users = permissions.users(["north"])
+    assert {"trainer-north", "checkpointer-north"} <= set(users)
+    conf = cli_config(capsys, "--clusters", "north")
+    assert conf == permissions.nats_config(users)
+    assert sorted(re.findall(r'user: "([^"]+)"', conf)) == sorted(users)
+    roles = json.loads(cli_config(capsys, "--clusters", "north", "--roles"))
+    assert roles == {n: {"publish": list(r.publish), "subscribe": list(r.subscribe)}
+                     for n, r in users.items()}
+    assert cli_config(capsys) == (ROOT / "deploy/nats/auth.conf").read_text()
 
 
 def test_each_role_may_do_only_what_its_service_does() -> None:

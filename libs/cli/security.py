@@ -20,8 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     nc = cmd.add_parser(
         "nats-config", help="print the nats-server authorization block",
         description="Print the nats-server `authorization` block generated from "
-        "tandem.common.permissions: one user per service role, plus admin. Passwords are "
-        "read by nats-server from TANDEM_NATS_PASSWORD_<ROLE> in its environment.")
+        "tandem.common.permissions: one user per service role, plus admin, and each GPU "
+        "cluster's trainer-<cluster> and checkpointer-<cluster>. Passwords are read by "
+        "nats-server from TANDEM_NATS_PASSWORD_<USER> in its environment. --add-login and "
+        "--drop rotate a password: add user B, roll clients, remove user A "
+        "(docs/security.md).")
     nc.add_argument("--clusters", default=",".join(permissions.COMPOSE_CLUSTERS),
                     help="comma-separated GPU clusters (default: east,west)")
     nc.add_argument("--control", default=permissions.CONTROL,
@@ -32,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="print the leaf topology's accounts block instead: one account per "
                     "cluster (its leaf's login) and one for the control plane "
                     "(tandem.common.accounts; deploy/nats/accounts.conf)")
+    nc.add_argument("--add-login", action="append", default=[], metavar="NEW=OLD",
+                    help="add user NEW with OLD's grants, in OLD's account (repeatable)")
+    nc.add_argument("--drop", action="append", default=[], metavar="USER",
+                    help="leave user USER out (repeatable)")
     nc.set_defaults(func=_nats_config)
 
     key = cmd.add_parser(
@@ -62,25 +69,51 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _nats_config(args: argparse.Namespace) -> int:
+    try:
+        print(_nats_config_text(args), end="")
+    except ValueError as exc:  # a bad cluster, login or user name: InvalidToken too
+        print(f"tandem security nats-config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _nats_config_text(args: argparse.Namespace) -> str:
+    """What ``nats-config`` prints. Raises ValueError naming what was wrong."""
     clusters = token_list(args.clusters, "cluster")
     if not clusters:
-        print("tandem security nats-config: --clusters names no cluster; give at least one "
-              "(e.g. east,west)", file=sys.stderr)
-        return 2
-    roles = permissions.declaration(clusters, args.control)
+        raise ValueError("--clusters names no cluster; give at least one (e.g. east,west)")
+    add = _logins(args.add_login)
+    # The committed files (deploy/nats) are these with their header; a rotation's not.
     compose = (tuple(clusters) == permissions.COMPOSE_CLUSTERS
-               and args.control == permissions.CONTROL)
+               and args.control == permissions.CONTROL and not add and not args.drop)
     if args.accounts:
-        print(accounts.compose_config() if compose
-              else accounts.accounts_config(clusters, control=args.control), end="")
-    elif args.roles:
-        print(json.dumps({n: {"publish": r.publish, "subscribe": r.subscribe}
-                          for n, r in roles.items()}, indent=2))
-    elif compose:
-        print(permissions.compose_config(), end="")
-    else:
-        print(permissions.nats_config(roles), end="")
-    return 0
+        return (accounts.compose_config() if compose else accounts.accounts_config(
+            clusters, control=args.control, add=add, drop=args.drop))
+    users = permissions.users(clusters, args.control)
+    if layout := sorted(({*add.values(), *args.drop} - set(users))
+                        & set(accounts.users(clusters))):
+        raise ValueError(f"{', '.join(map(repr, layout))}: a user of the accounts layout "
+                         "only: add --accounts")
+    users = permissions.with_logins(users, add, args.drop)
+    if args.roles:
+        return json.dumps({n: {"publish": r.publish, "subscribe": r.subscribe}
+                           for n, r in users.items()}, indent=2) + "\n"
+    return permissions.compose_config() if compose else permissions.nats_config(users)
+
+
+def _logins(pairs: list[str]) -> dict[str, str]:
+    """``--add-login NEW=OLD`` values as ``{NEW: OLD}``. Raises ValueError on a value that
+    is not one such pair, or a NEW given twice."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        new, sep, old = (p.strip() for p in pair.partition("="))
+        if not (sep and new and old) or "=" in old:
+            raise ValueError(f"--add-login {pair!r}: give NEW=OLD, e.g. "
+                             "trainer-east-2=trainer-east")
+        if out.setdefault(new, old) != old:
+            raise ValueError(f"--add-login: login {new!r} given twice "
+                             f"({out[new]!r} and {old!r})")
+    return out
 
 
 def _api_key(args: argparse.Namespace) -> int:

@@ -375,14 +375,14 @@ class Stack:
 
     def _auth_config(self, server_name: str) -> Path:
         """Write ``<root>/nats.conf`` (mode 0600): the server's name (so a SIGHUP reload of
-        a regenerated one is accepted), JetStream plus one user per role with a fresh
-        random password, from the one permissions declaration."""
+        a regenerated one is accepted), JetStream plus every user of a deployment with
+        its clusters (``permissions.users``: each role's, each cluster's trainer and
+        checkpointer) with a fresh random password, from the one permissions declaration."""
         import secrets
 
         from tandem.common import permissions
 
-        roles = permissions.declaration([c.name for c in self.config.clusters],
-                                        self._control())
+        roles = permissions.users([c.name for c in self.config.clusters], self._control())
         self.passwords = {r: secrets.token_urlsafe(18) for r in roles}
         path = self.root / "nats.conf"
         path.touch(mode=0o600)

@@ -23,6 +23,14 @@ The layout, generated from ``permissions.declaration`` (nothing here names a sub
   streams, and a stream created from a cluster could capture another's subjects.
 - ``CONSUMER.MSG.NEXT`` services answer with a stream of messages (``response_type:
   stream``); every other reply is one message.
+- ``SYS`` is the system account (``system_account``, written after the block): the
+  servers' own monitoring and control subjects (``$SYS.>``: ``nats server report
+  jetstream``, ``nats server ls``), one user, ``sys``, the operators'; no service uses
+  it. It is generated with the rest, the line naming it too, so every server that runs
+  these accounts (the Kubernetes hub, compose's leaf override, ``tandem dev up
+  --topology leaf --auth``) has it, and no config can name a system account the block
+  lacks (nats-server accepts that without a word, and nobody logs in to it) or hold a
+  ``SYS`` that is not the system account (a user that sees nothing of ``$SYS``).
 
 What an import cannot express is not granted, and ``docs/security.md`` says what holds.
 """
@@ -36,6 +44,8 @@ from tandem.common import permissions, subjects
 from tandem.common.permissions import ADMIN, API, CLIENT, CONTROL
 
 CONTROL_ACCOUNT = "control-plane"
+SYS_ACCOUNT = "SYS"  # the system account (``system_account``)
+SYS_USER = "sys"  # its one user: operators' `nats server` commands
 # The prefix a cluster's processes reach the control plane's JetStream API by
 # (``TANDEM_NATS_JS_API_PREFIX``). Not ``$JS.API``: nats-server answers that in every
 # account itself ("JetStream not enabled for account", racing the import's answer), and
@@ -74,9 +84,10 @@ def inbox_prefix(cluster: str) -> str:
 
 def users(clusters: Sequence[str]) -> list[str]:
     """Every user of the layout: the control-plane roles', each cluster's trainer and
-    checkpointer users (in the control plane's account) and each cluster's leaf."""
+    checkpointer users (in the control plane's account), each cluster's leaf and the
+    system account's ``sys``."""
     return [*CONTROL_ROLES, *permissions.cluster_users(clusters),
-            *(leaf_user(c) for c in clusters)]
+            *(leaf_user(c) for c in clusters), SYS_USER]
 
 
 def covers(pattern: str, subject: str) -> bool:
@@ -133,29 +144,34 @@ def imports(clusters: Sequence[str], home: str, control: str = CONTROL) -> list[
 def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None = None,
                     control: str = CONTROL, header: str = "", *,
                     add: Mapping[str, str] | None = None, drop: Collection[str] = ()) -> str:
-    """The hub's ``accounts`` block: the control plane's and one per cluster.
+    """The hub's ``accounts`` block: the control plane's, one per cluster and the
+    system account ``SYS``, then the ``system_account`` line that makes it so.
 
     ``passwords`` maps each of ``users(clusters)`` to its password; one missing is
     read from nats-server's environment (``$TANDEM_NATS_PASSWORD_<USER>``). ``add`` and
     ``drop``: logins to add (``new: old``, in ``old``'s account with its grants) and
     users to leave out, a password's rotation (``permissions.with_logins``).
+
+    Raises ValueError naming a login that is already a user or is no valid token, and
+    an ``old`` or a dropped user that is none.
     """
     clusters = [subjects.token(c, "cluster") for c in clusters]
     passwords = passwords or {}
     add = dict(add or {})
-    leaves = {leaf_user(c) for c in clusters}
+    # The users with no permissions but their account's (each leaf's, sys): a login of
+    # one is in the same account.
+    bound = {**{leaf_user(c): account(c) for c in clusters}, SYS_USER: SYS_ACCOUNT}
     for name in add:  # a leaf's login, too: its name is in its password's variable
         subjects.token(name, "user")
     if taken := sorted(set(add) & set(users(clusters))):
         raise ValueError(f"login {', '.join(map(repr, taken))} is already a user")
     roles = permissions.declaration(clusters, control)
-    # The control plane's users and their logins (with_logins checks the names); a
-    # leaf's login is in its cluster's account, with no permissions but the account's.
+    # The control plane's users and their logins (with_logins checks the names).
     control_users = permissions.with_logins(
         {**{r: roles[r] for r in CONTROL_ROLES}, **permissions.cluster_users(clusters)},
-        {n: o for n, o in add.items() if o not in leaves}, set(drop) - leaves)
-    logins = {c: [u for u in (leaf_user(c), *(n for n, o in add.items() if o == leaf_user(c)))
-                  if u not in drop] for c in clusters}
+        {n: o for n, o in add.items() if o not in bound}, set(drop) - set(bound))
+    logins = {acc: [u for u in (user, *(n for n, o in add.items() if o == user))
+                    if u not in drop] for user, acc in bound.items()}
     by_cluster = {c: imports(clusters, c, control) for c in clusters}
     exports: dict[Import, list[str]] = {}
     for c, imps in by_cluster.items():
@@ -165,8 +181,11 @@ def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None
     def q(v: str) -> str:
         return permissions._q(v)
 
-    def pw(user: str) -> str:
-        return q(passwords[user]) if user in passwords else "$" + permissions.password_env(user)
+    def entries(acc: str) -> str:
+        return ", ".join(
+            f"{{ user: {q(u)}, password: "
+            f"{q(passwords[u]) if u in passwords else '$' + permissions.password_env(u)} }}"
+            for u in logins[acc])
 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines += ["accounts {", f"  {q(CONTROL_ACCOUNT)}: {{", "    jetstream: enabled",
@@ -178,13 +197,16 @@ def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None
                      f"[{', '.join(q(a) for a in accounts)}]{rt} }}")
     lines += ["    ]", "  }"]
     for c in clusters:
-        entries = ", ".join(f"{{ user: {q(u)}, password: {pw(u)} }}" for u in logins[c])
-        lines += [f"  {q(account(c))}: {{", f"    users: [ {entries} ]", "    imports: ["]
+        lines += [f"  {q(account(c))}: {{", f"    users: [ {entries(account(c))} ]",
+                  "    imports: ["]
         lines += [f"      {{ {imp.kind}: {{ account: {q(CONTROL_ACCOUNT)}, "
                   f"subject: {q(imp.subject)} }}{f', to: {q(imp.to)}' if imp.to else ''} }}"
                   for imp in by_cluster[c]]
         lines += ["    ]", "  }"]
-    lines += ["}", ""]
+    # The servers' own subjects ($SYS.>), for operators' `nats server` commands; it
+    # exports nothing to Tandem's accounts and imports nothing from them.
+    lines += [f"  {q(SYS_ACCOUNT)}: {{", f"    users: [ {entries(SYS_ACCOUNT)} ]", "  }",
+              "}", f"system_account: {q(SYS_ACCOUNT)}", ""]
     return "\n".join(lines)
 
 
