@@ -179,7 +179,7 @@ def accounts_config(clusters: Sequence[str], passwords: Mapping[str, str] | None
             exports.setdefault(replace(imp, to=None), []).append(account(c))
 
     def q(v: str) -> str:
-        return permissions._q(v)
+        return permissions.quoted(v)
 
     def entries(acc: str) -> str:
         return ", ".join(

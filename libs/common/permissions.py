@@ -493,12 +493,13 @@ def password_env(user: str) -> str:
     return "TANDEM_NATS_PASSWORD_" + user.upper().replace("-", "_")
 
 
-def _q(value: str) -> str:
+def quoted(value: str) -> str:
+    """``value`` as a quoted string of the NATS config format."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _list(items: Sequence[str], indent: str) -> str:
-    return "[\n" + "".join(f"{indent}  {_q(i)}\n" for i in items) + f"{indent}]"
+    return "[\n" + "".join(f"{indent}  {quoted(i)}\n" for i in items) + f"{indent}]"
 
 
 def nats_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None = None,
@@ -529,10 +530,10 @@ def users_config(roles: Mapping[str, Role], passwords: Mapping[str, str] | None 
     lines: list[str] = []
     for name in sorted(roles):
         role = roles[name]
-        pw = _q(passwords[name]) if name in passwords else "$" + password_env(name)
+        pw = quoted(passwords[name]) if name in passwords else "$" + password_env(name)
         ind = indent + "    "
         lines += [f"{indent}# {role.description}", f"{indent}{{",
-                  f"{indent}  user: {_q(name)}", f"{indent}  password: {pw}"]
+                  f"{indent}  user: {quoted(name)}", f"{indent}  password: {pw}"]
         lines += [
             f"{indent}  permissions: {{",
             f"{ind}publish: {{ allow: {_list(role.publish, ind)} }}",
@@ -594,12 +595,12 @@ def server_config(store_dir: str, roles: Mapping[str, Role] | None = None,
 
     ``server_name``: the name it is started with (``-n``); a reload (SIGHUP) of a config
     that names none is refused ("config reload not supported for ServerName")."""
-    out = [f"server_name: {_q(server_name)}"] if server_name else []
-    out.append(f"jetstream {{ store_dir: {_q(store_dir)} }}")
+    out = [f"server_name: {quoted(server_name)}"] if server_name else []
+    out.append(f"jetstream {{ store_dir: {quoted(store_dir)} }}")
     if tls_cert and tls_key:
-        out += ["tls {", f"  cert_file: {_q(tls_cert)}", f"  key_file: {_q(tls_key)}"]
+        out += ["tls {", f"  cert_file: {quoted(tls_cert)}", f"  key_file: {quoted(tls_key)}"]
         if tls_ca:
-            out.append(f"  ca_file: {_q(tls_ca)}")
+            out.append(f"  ca_file: {quoted(tls_ca)}")
         if verify_clients:
             out.append("  verify: true")
         out += ["  timeout: 3", "}"]
