@@ -31,6 +31,10 @@ Instead of forking torchrun, the coordinator orders each placed node's agent
 5. ``stop`` sends ``NodeStop`` to every node; an agent that does not answer is already
    gone, or will find itself orphaned (no reply to its reports) and kill its ranks.
 
+Each ``start`` first prunes the run's attempt folders on this host past the newest
+``attempts_kept`` (``rank_output.prune_attempts``): the coordinator keeps one per attempt
+(its launch spec) as the local launcher's and the node agents' do.
+
 Why core NATS, not a stream: an order must reach the agent that is up now or fail now;
 a stream would replay a launch to a later agent long after its attempt was given up.
 """
@@ -61,6 +65,7 @@ from tandem.common.events import (
     NodeStop,
 )
 from tandem.trainer.launcher import Agent, AgentEnded, Attempt, LaunchFailed, Placement
+from tandem.trainer.rank_output import RankLogs, prune_attempts
 from tandem.trainer.spec import LaunchSpec
 
 ORDER_BACKOFF = Backoff(0.2, max_delay=2.0)  # between orders to an agent not (yet) there
@@ -83,7 +88,8 @@ class NodeLauncher:
 
     def __init__(self, bus: Bus, cluster: str, *, report_every_s: float = 1.0,
                  lost_after_s: float = 10.0, launch_within_s: float = 30.0,
-                 order_timeout_s: float = 5.0, log: Any = None) -> None:
+                 order_timeout_s: float = 5.0, log: Any = None,
+                 attempts_kept: int = RankLogs.attempts_kept) -> None:
         self.bus = bus
         self.cluster = cluster
         self.report_every_s = report_every_s
@@ -91,6 +97,7 @@ class NodeLauncher:
         self.launch_within_s = launch_within_s
         self.order_timeout_s = order_timeout_s
         self.log = log
+        self.attempts_kept = attempts_kept  # this host's attempt folders kept per run
 
     async def _order(self, cluster: str, node: str, order: NodeOrder,
                      within: float) -> NodeReply:
@@ -113,6 +120,8 @@ class NodeLauncher:
 
     async def start(self, placement: Placement, spec: LaunchSpec, spec_path: Path,
                     attempt_dir: Path) -> Attempt:
+        await asyncio.to_thread(prune_attempts, attempt_dir, self.attempts_kept,
+                                [spec.checkpoint_root])
         cluster = spec.cluster or self.cluster
         reports = _Reports(nodes=list(placement.nodes))
         attempt = Attempt(run_id=spec.run_id, number=spec.attempt, cluster=cluster,

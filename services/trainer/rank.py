@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     first = True
     while loop.step < cfg.steps:
         if faults.crash_at_step == loop.step + 1 and rank == faults.crash_rank:
-            print(f"tandem rank {rank}: fault hook crash_at_step={faults.crash_at_step}",
-                  file=sys.stderr, flush=True)
+            to_stderr(f"tandem rank {rank}: fault hook crash_at_step={faults.crash_at_step}")
             os._exit(1)
         r = configured(channel, rank, loop.train_step) if first else loop.train_step()
         first = False
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if distributed:
         dist.destroy_process_group()
     if faults.hang_on_exit_rank == rank and code == 0:
-        print(f"tandem rank {rank}: fault hook hang_on_exit_rank", file=sys.stderr, flush=True)
+        to_stderr(f"tandem rank {rank}: fault hook hang_on_exit_rank")
         while True:
             signal.pause()  # until the coordinator stops it
     leave(code)
@@ -221,8 +220,8 @@ def run_config(spec: LaunchSpec, say: bool = False) -> RunConfig:
     they are named once on stderr (the node's first rank: one line per node)."""
     cfg, unknown = parse_stored_run_config(spec.config)
     if unknown and say:
-        print(f"tandem rank: run {spec.run_id}: config fields this version does not know "
-              f"were left out: {', '.join(unknown)}", file=sys.stderr, flush=True)
+        to_stderr(f"tandem rank: run {spec.run_id}: config fields this version does not "
+                  f"know were left out: {', '.join(unknown)}")
     return cfg
 
 
@@ -240,7 +239,7 @@ def configured(channel: EventChannel, rank: int, build: Any, *args: Any) -> Any:
             raise
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
+        to_stderr(traceback.format_exc().rstrip("\n"))
         error = f"{type(exc).__name__}: {exc}"
         if len(error) > ERROR_CHARS:
             error = error[:ERROR_CHARS - 3] + "..."
@@ -256,6 +255,15 @@ def peer_lost(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(exc, dist.DistError) or "gloo" in str(exc).lower()
+
+
+def to_stderr(text: str) -> None:
+    """``text`` as a line on stderr (the node's rank log), or nowhere once no one reads
+    it: with its launcher killed -9 the pipe is broken, and a ``BrokenPipeError`` raised
+    here would end a rank on its way to the checkpoint that SIGTERM asks of it (or turn
+    a config it tells ``Invalid`` into a crash)."""
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def leave(code: int) -> NoReturn:
@@ -324,12 +332,10 @@ def fault_hook(spec: LaunchSpec, node: str, rank_nodes: list[str]) -> Any:
 
     def hook(step: int) -> None:
         if step == stall:
-            print(f"tandem node {node}: fault hook stall_checkpoint_at_step={stall}",
-                  file=sys.stderr, flush=True)
+            to_stderr(f"tandem node {node}: fault hook stall_checkpoint_at_step={stall}")
             threading.Event().wait()  # until killed: the drill's whole point
         if step == full:
-            print(f"tandem node {node}: fault hook fail_checkpoint_write_at_step={full}",
-                  file=sys.stderr, flush=True)
+            to_stderr(f"tandem node {node}: fault hook fail_checkpoint_write_at_step={full}")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     return hook

@@ -227,7 +227,8 @@ class Trainer(Service):
             self.launcher = NodeLauncher(
                 ctx.bus, self.s.cluster, report_every_s=self.s.report_every_s,
                 lost_after_s=self.s.agent_lost_after_s,
-                launch_within_s=self.s.launch_within_s, log=ctx.log)
+                launch_within_s=self.s.launch_within_s, log=ctx.log,
+                attempts_kept=self.s.attempts_kept)
         kv = await ctx.bus.typed(KV_RUNS, RunRecord)
         subs = [
             await ctx.bus.nc.subscribe(subjects.HEALTH.filter(cluster=self.s.cluster),
