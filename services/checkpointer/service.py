@@ -15,9 +15,9 @@ node's folder):
    is ``ckpt.<run>.part``, and the checkpoint is committed by the checkpointer whose
    part completes it;
 3. committed → ``ckpt.<run>.mirrored``, KV ``runs`` ``latest_checkpoint_*`` (by CAS,
-   only forward), retention in S3 (``ckpt.<run>.pruned``), then local copies of
-   committed checkpoints beyond ``local_keep`` are deleted (``delete_local``: the only
-   service that deletes a whole local checkpoint);
+   only forward), retention in S3 (``retention.Retention.prune``: ``ckpt.<run>.pruned``),
+   then local copies of committed checkpoints beyond ``local_keep`` are deleted
+   (``retention.delete_local``: the only service that deletes a whole local checkpoint);
    not committed after ``attempts``: an error that can heal (S3 unreachable, a 5xx,
    throttling) hands the event back to be redelivered (``Retry``; the DLQ after the
    consumer's ``max_deliver``), one that cannot → ``ckpt.<run>.failed`` with the reason;
@@ -43,20 +43,20 @@ Stopping (``linger``): after SIGTERM it goes on pulling while a checkpoint may s
 (a run claimed, not ended, places ranks on its node: a node going away stops them at the
 same moment, and they save their step first), for at most ``stop_linger_s``; then what
 it took is mirrored within the drain. With no training on its node it stops at once.
+
+This module is the service and its handling of one event; the rest is where its name
+says: ``mirror`` (one attempt and its commit) over ``upload`` (the files, verified),
+``errors`` (what fails and whether it heals), ``retention``, ``settings``, ``linger``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
-
-from botocore.exceptions import ClientError
-from pydantic import Field, model_validator
+from typing import Any, ClassVar
 
 from tandem.common import checkpoints as ck
 from tandem.common import metrics, storage, subjects
@@ -67,7 +67,6 @@ from tandem.common.events import (
     CheckpointFailed,
     CheckpointMirrored,
     CheckpointPartMirrored,
-    CheckpointPruned,
     CheckpointWritten,
     RunRecord,
     decode,
@@ -84,12 +83,11 @@ from tandem.common.streams import (
     checkpointer_consumer,
 )
 
+from .errors import MirrorError, heals
 from .linger import Linger
-from .mirror import Mirror, MirrorConfig, MirrorError, MirrorResult
-
-MiB = 1 << 20
-# What the drain keeps past the linger: a checkpoint taken at its very end is mirrored then.
-MIRROR_ROOM_S = 5.0
+from .mirror import Mirror, MirrorResult
+from .retention import Retention, committed_history, delete_local
+from .settings import CheckpointerSettings
 
 BYTES = metrics.Counter("tandem_checkpoint_uploaded_bytes", "Checkpoint bytes sent to S3")
 OUTCOMES = metrics.Counter("tandem_checkpoint_outcomes", "Checkpoint mirror outcomes",
@@ -97,92 +95,6 @@ OUTCOMES = metrics.Counter("tandem_checkpoint_outcomes", "Checkpoint mirror outc
 COMMIT_SECONDS = metrics.Histogram(
     "tandem_checkpoint_commit_seconds", "Checkpoint written -> committed in S3",
     buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
-
-
-class CheckpointerSettings(Settings):
-    """``TANDEM_*`` settings of the checkpointer (beside the common ones)."""
-
-    multipart_threshold: int = Field(
-        16 * MiB, ge=5 * MiB,
-        description="Files larger than this (bytes) are uploaded in parts.")
-    part_size: int = Field(
-        16 * MiB, ge=5 * MiB, le=5 * 1024 * MiB,
-        description="Size of each multipart part (bytes); S3 needs >= 5 MiB.")
-    upload_concurrency: int = Field(
-        8, ge=1, le=64, description="Parts and small files uploaded at once.")
-    verify: Literal["readback", "checksum"] = Field(
-        "readback",
-        description="How a single-request upload is verified: 'readback' downloads and "
-        "checks it (needed for stores that do not check checksums, such as moto); "
-        "'checksum' trusts the store's check of the checksum sent (AWS S3, MinIO).")
-    attempts: int = Field(
-        5, ge=1, le=100,
-        description="Mirror attempts per delivery; then an error that can heal hands the "
-        "event back (redelivered later), another publishes ckpt.<run>.failed.")
-    retry_backoff: float = Field(
-        1.0, gt=0, le=60, description="Seconds before the 2nd attempt; doubles, max 30.")
-    keep_last: int = Field(3, ge=1, description="Newest committed checkpoints kept in S3.")
-    keep_every: int = Field(
-        0, ge=0, description="Also keep every step that is a multiple of this (0: none).")
-    local_keep: int = Field(
-        2, ge=0,
-        description="Newest local checkpoints of a run kept on disk; older ones are "
-        "deleted once committed in S3 (never before).")
-    concurrency: int = Field(2, ge=1, le=16, description="Checkpoints mirrored at once.")
-    checkpoint_root: str = Field(
-        ".tandem/checkpoints", min_length=1,
-        description="Folder every checkpoint event's path (and every file in it, symlinks "
-        "resolved) must be inside; others go to the DLQ, never read or deleted. The "
-        "trainer's TANDEM_CHECKPOINT_ROOT, whose default it shares.")
-    max_deliver: int = Field(
-        20, ge=2, le=1000,
-        description="Deliveries of a checkpoint event before it is dead-lettered (dlq.MIRROR) "
-        "and ckpt.<run>.failed says so; each delivery makes up to 'attempts'.")
-    ack_wait: float = Field(
-        60.0, gt=0, le=3600,
-        description="AckWait of the durable consumer: how long a crashed checkpointer "
-        "holds a checkpoint before it is redelivered (in-progress acks keep a live one).")
-    stale_upload_age: float = Field(
-        3600.0, gt=0,
-        description="Multipart uploads under runs/ older than this (s) are aborted at start; "
-        "retention deletes a never-committed checkpoint only once nothing was written to "
-        "it for this long.")
-    scope: Literal["fleet", "node"] = Field(
-        "fleet",
-        description="node: mirror only the checkpoints written on this node (TANDEM_CLUSTER, "
-        "TANDEM_NODE), one checkpointer per node with the node's own disk; fleet: every "
-        "node's, for one checkpointer that sees every node's folder (one box, a shared "
-        "volume). One or the other per deployment: the server refuses both at once.")
-    stop_linger_s: float | None = Field(
-        None, ge=0, le=590,
-        description="After SIGTERM, how long it goes on taking checkpoints while one may "
-        "still come: a run not ended places ranks on its node (scope=fleet: on any node; "
-        "a node going away stops them too, and they save their step first: the trainer's "
-        "TANDEM_STOP_CHECKPOINT_S) or one waits in its queue; with neither it stops at "
-        "once. Unset: DRAIN_TIMEOUT less 5 s, the trainer's rule for its ranks' window "
-        "(15 s with the default drain); 0: stop taking at SIGTERM. Set, at least 5 s under "
-        "DRAIN_TIMEOUT: what it took is mirrored within the drain.")
-
-    @model_validator(mode="after")
-    def _linger_within_drain(self) -> CheckpointerSettings:
-        if self.stop_linger_s is not None and \
-                self.stop_linger_s + MIRROR_ROOM_S > self.drain_timeout:
-            raise ValueError(
-                f"TANDEM_STOP_LINGER_S ({self.stop_linger_s:g}) must be at least "
-                f"{MIRROR_ROOM_S:g}s under TANDEM_DRAIN_TIMEOUT ({self.drain_timeout:g}): "
-                "the checkpoints taken meanwhile are mirrored within the drain")
-        return self
-
-    def linger_window(self) -> float:
-        """``stop_linger_s``, or unset the drain timeout less ``MIRROR_ROOM_S``."""
-        if self.stop_linger_s is not None:
-            return self.stop_linger_s
-        return max(0.0, self.drain_timeout - MIRROR_ROOM_S)
-
-    def mirror_config(self) -> MirrorConfig:
-        return MirrorConfig(bucket=self.s3_bucket, multipart_threshold=self.multipart_threshold,
-                            part_size=self.part_size, concurrency=self.upload_concurrency,
-                            verify=self.verify)
 
 
 class Checkpointer(Service):
@@ -222,6 +134,7 @@ class Checkpointer(Service):
         self.s3 = storage.s3_client(s, max_pool=max(32, s.upload_concurrency * s.concurrency))
         self.mirror = Mirror(self.s3, s.mirror_config(),
                              on_progress=lambda _name, n: BYTES.inc(n))
+        self.retention = Retention(self.s3, ctx.bus, s)
         self.runs = await ctx.bus.typed(KV_RUNS, RunRecord)
         try:
             await asyncio.to_thread(storage.ensure_bucket, self.s3, s.s3_bucket)
@@ -295,7 +208,7 @@ class Checkpointer(Service):
             lg.info("checkpoint.abandoned", forks=line.json())
             await asyncio.to_thread(delete_local, directory.parent, set(), 0, lg, line)
             return
-        if await self._passed(ev, line, lg):
+        if await self.retention.passed(ev, line, lg):
             # Retention has kept newer checkpoints since it was written (a node's part
             # come late, a redelivery after a long outage): committed, it would be
             # deleted at once; a part of it would never be whole. Nothing goes to S3.
@@ -349,7 +262,7 @@ class Checkpointer(Service):
         assert self.mirror is not None
         backoff = Backoff(self.settings.retry_backoff, max_delay=30.0)
         retries = backoff.retries(attempts=self.settings.attempts, stop=self.closing)
-        reason, heals = "", True
+        reason, can_heal = "", True
         async for attempt in retries:
             try:
                 await asyncio.to_thread(storage.ensure_bucket, self.s3, self.settings.s3_bucket)
@@ -361,17 +274,17 @@ class Checkpointer(Service):
                 self._handed_back.pop((ev.run_id, ev.step, ev.manifest.lineage), None)
                 return result, "", attempt
             except MirrorError as exc:
-                reason, heals = str(exc), exc.retryable
+                reason, can_heal = str(exc), exc.retryable
                 if not exc.retryable:
                     return None, reason, attempt
             except Exception as exc:  # S3 unreachable, 5xx after boto3's own retries, ...
-                reason, heals = f"{type(exc).__name__}: {exc}", _heals(exc)
+                reason, can_heal = f"{type(exc).__name__}: {exc}", heals(exc)
             OUTCOMES.labels("retried").inc()
             lg.warning("checkpoint.attempt_failed", attempt=attempt, error=reason)
         if retries.stopped:
             raise Retry("checkpointer stopping", delay=1.0)  # handed back, not lost
         reason = f"gave up after {self.settings.attempts} attempts: {reason}"
-        if heals:
+        if can_heal:
             # An outage, not a verdict: handed back to be redelivered (dead-lettered as
             # any message after the consumer's max_deliver), the local copy kept.
             delay = backoff.delay(self.settings.attempts)
@@ -407,25 +320,6 @@ class Checkpointer(Service):
             await asyncio.to_thread(delete_local, directory.parent, set(committed),
                                     self.settings.local_keep, lg, line)
 
-    async def _passed(self, ev: CheckpointWritten, line: ck.Lineage, lg: Any) -> bool:
-        """Whether retention has passed ``ev``'s checkpoint (``checkpoints.passed``) over
-        the run's committed history in S3. S3 unreachable: not known here, so False (the
-        mirror's own retries wait for S3)."""
-        s = self.settings
-        try:
-            listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, s.s3_bucket,
-                                             ev.run_id)
-        except Exception as exc:
-            lg.warning("checkpoint.listing_failed", error=repr(exc))
-            return False
-        committed = _history(listed, line)
-        if ev.step in committed or not ck.passed(ev.step, committed, s.keep_last,
-                                                 s.keep_every):
-            return False
-        lg.info("checkpoint.passed", committed=sorted(committed), keep_last=s.keep_last,
-                keep_every=s.keep_every, part=ev.manifest.part or None)
-        return True
-
     async def _lineage(self, run: str) -> ck.Lineage:
         """The run's current history, from its record (lineage 0 without one)."""
         got = await self.runs.get(run)
@@ -457,69 +351,9 @@ class Checkpointer(Service):
         line = ck.Lineage.of(rec.forks) if rec is not None else ck.Lineage()
         written: dict[ck.CheckpointId, float] = {}
         listed = await asyncio.to_thread(ck.list_checkpoints, self.s3, bucket, run, written)
-        await self._prune(run, listed, written, line, lg)
-        await asyncio.to_thread(delete_local, directory.parent, _history(listed, line),
+        await self.retention.prune(run, listed, written, line, lg)
+        await asyncio.to_thread(delete_local, directory.parent, committed_history(listed, line),
                                 s.local_keep, lg, line)
-
-    async def _prune(self, run: str, listed: dict[ck.CheckpointId, bool],
-                     written: dict[ck.CheckpointId, float], line: ck.Lineage,
-                     lg: Any) -> None:
-        """Retention over the committed checkpoints of the run's history; every checkpoint
-        of it never committed that retention has passed (the parts of a node whose others
-        never came, or that came after the rest was pruned) once nothing was written to
-        it for ``stale_upload_age`` (``written``: its newest object's time; a younger one
-        may be an upload still running); every checkpoint (committed or not) a rollback
-        abandoned."""
-        s = self.settings
-        history = sorted(_history(listed, line))
-        drop = [ck.CheckpointId(step, line.owner(step))
-                for step in ck.retention(history, s.keep_last, s.keep_every)]
-        stale = time.time() - s.stale_upload_age
-        partial = [c for c, done in listed.items() if not done and line.holds(*c)
-                   and ck.passed(c.step, history, s.keep_last, s.keep_every)
-                   and written.get(c, 0.0) < stale]
-        abandoned = [c for c in listed if line.abandoned(*c)]
-        if not drop and not partial and not abandoned:
-            return
-        for c in drop + partial + abandoned:
-            await asyncio.to_thread(ck.delete, self.s3, s.s3_bucket, run, c.step, c.lineage)
-        reason = (f"retention: keep the newest {s.keep_last}" + (
-            f" and every multiple of {s.keep_every}" if s.keep_every else "")) if drop else ""
-        if partial:
-            reason += ("; " if reason else "") + "never committed, older than retention keeps"
-        if abandoned:
-            reason += ("; " if reason else "") + "abandoned by a rollback"
-        gone = sorted(drop + partial + abandoned)
-        names = [c.name for c in gone]
-        digest = hashlib.sha256(",".join(names).encode()).hexdigest()[:16]
-        await self.ctx.bus.publish(subjects.ckpt(run, "pruned"),
-                                   CheckpointPruned(run_id=run, steps=[c.step for c in gone],
-                                                    names=names, reason=reason),
-                                   msg_id=f"ckpt-{run}-pruned-{digest}", retry_for=30.0)
-        lg.info("checkpoint.pruned", checkpoints=names, reason=reason)
-
-
-# S3's codes of a request refused for now (rate, a slow client), not for what it asks.
-_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-              "RequestLimitExceeded", "TooManyRequests"}
-
-
-def _heals(exc: Exception) -> bool:
-    """Whether an attempt's error can go away by itself: S3 unreachable, a 5xx, throttling,
-    a transfer that did not verify; not a local checkpoint that does not match its
-    manifest, a conflicting commit, or a request S3 refuses (403 AccessDenied, ...)."""
-    if isinstance(exc, MirrorError):
-        return exc.retryable
-    if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = exc.response.get("Error", {}).get("Code", "")
-        return status >= 500 or status == 429 or code in _THROTTLED
-    return True
-
-
-def _history(listed: dict[ck.CheckpointId, bool], line: ck.Lineage) -> set[int]:
-    """The steps of ``line``'s history committed in S3 (``listed``: ``list_checkpoints``)."""
-    return {c.step for c, done in listed.items() if done and line.holds(*c)}
 
 
 def _record_latest(rec: RunRecord | None, run: str, step: int, lineage: int,
@@ -539,32 +373,3 @@ def _record_latest(rec: RunRecord | None, run: str, step: int, lineage: int,
     if have is not None and have >= step and line.holds(have, rec.latest_checkpoint_lineage):
         return None
     return struct_replace(rec, **latest, updated_at=now())
-
-
-def delete_local(parent: Path, committed: set[int], keep: int, lg: Any,
-                 line: ck.Lineage | None = None,
-                 passed: Collection[int] = ()) -> list[ck.CheckpointId]:
-    """Delete the checkpoint folders in ``parent`` of ``line``'s history (default:
-    lineage 0's) beyond the newest ``keep`` — only those whose commit this checkpointer
-    has seen (``committed``, steps of that history, was listed before pruning, so a
-    pruned step counts) — those retention has ``passed`` (newer ones are kept in S3:
-    this one would be deleted there as it was committed), and every one a rollback
-    abandoned. A checkpoint of the history that failed to mirror is never deleted here.
-
-    NOTE: this is the one place that decides a whole local checkpoint may go (the rule
-    is ``checkpoints.local_retention``). It is the checkpointer's because only the
-    checkpointer knows, at the moment it matters, that the S3 copy is committed: the
-    trainer would have to learn it back from ``ckpt.<run>.mirrored``, and a local copy
-    deleted on a guess is a checkpoint lost. The trainer removes only its own
-    unfinished ``.incomplete`` writes (``checkpoints.local``).
-    """
-    line = line or ck.Lineage()
-    local = ck.local_checkpoints(parent)
-    history = [c.step for c, _ in local if line.holds(*c)]
-    steps = set(ck.local_retention(history, committed, keep)) | (set(history) & set(passed))
-    old = [ck.CheckpointId(s, line.owner(s)) for s in sorted(steps)]
-    gone = ck.remove_steps(parent, old + [c for c, _ in local if line.abandoned(*c)])
-    if gone:
-        lg.info("checkpoint.local_deleted", checkpoints=[c.name for c in gone],
-                dir=str(parent))
-    return gone

@@ -9,7 +9,7 @@ local checkpoint folder is a function here, and each says who may call it:
 - ``prepare_incomplete`` / ``remove_incomplete`` delete the trainer's own unfinished
   writes, never a whole checkpoint;
 - ``remove_steps`` deletes whole, committed copies: only the checkpointer calls it
-  (see ``tandem.checkpointer.service.delete_local`` for why it is that one).
+  (see ``tandem.checkpointer.retention.delete_local`` for why it is that one).
 
 No torch: the files are bytes.
 """
