@@ -66,7 +66,7 @@ CASES = {
     "train submit, timeout not a number": (
         ["train", "submit", "{tmp}/run.json", "--timeout", "soon"], "--timeout"),
     "train submit, timeout zero": (
-        ["train", "submit", "{tmp}/run.json", "--timeout", "0"], "positive number"),
+        ["train", "submit", "{tmp}/run.json", "--timeout", "0"], "a number above 0"),
     "train status, silent NATS": (["train", "status", "r1"], "no answer"),
     "stack file, port not a number": (["dev", "up", "--config", "{tmp}/ports.toml"],
                                       "ports.nats"),
@@ -87,6 +87,17 @@ CASES = {
     "api-key, bad name": (["security", "api-key", "--name", "bad name!"], "name"),
     "bench, no repeat": (["bench", "bus", "--repeat", "0"], "--repeat"),
     "bench, negative repeat": (["bench", "bus", "--repeat", "-1"], "--repeat"),
+    **{f"bench {b}, {opt} {v}": (["bench", b, opt, v], f"argument {opt}: '{v}': give ")
+       for b, opt, v in [
+           ("bus", "--messages", "0"), ("bus", "--messages", "-5"), ("bus", "--batch", "0"),
+           ("bus", "--window", "0"), ("serve", "--tasks", "0"), ("serve", "--images", "-1"),
+           ("serve", "--batch", "0"), ("serve", "--threads", "-1"), ("agent", "--ticks", "0"),
+           ("agent", "--seconds", "0"), ("checkpoint", "--part-mb", "0"),
+           ("checkpoint", "--commits", "-2"), ("failover", "--tasks", "0"),
+           ("failover", "--grace", "-1"), ("scale", "--gpus", "0"),
+           ("scale", "--sizes", "10,0"), ("scale", "--interval", "0"),
+           ("train", "--steps", "0"), ("train", "--batch-size", "x"),
+           ("train", "--part-mb", "0"), ("all", "--repeat", "0")]},
     "bench, heartbeat TTL past the bucket's": (["bench", "failover", "--ttl", "30"],
                                                "longer than KV nodes' (6 s)"),
     "report, not JSON": (["report", "{tmp}/report"], "demo.json"),
@@ -218,6 +229,40 @@ async def test_the_cli_on_nats_logs_in_as_the_tandem_nats_settings_say(
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert said in res.stdout + res.stderr, res.stdout + res.stderr[-3000:]
     assert job_answers, "the job service was never asked"
+
+
+@pytest.mark.parametrize("argv", [["clusters"], ["train", "status", "r1"]])
+def test_a_refused_nats_login_is_named_not_taken_for_a_missing_stack(
+        argv: list[str], tmp_path: Path, auth_nats: NatsServer) -> None:
+    """NATS that is there but refuses the login: one line naming the refusal and the
+    settings to set, never "cannot reach" or "is the stack running?"."""
+    (tmp_path / "run.json").write_text('{"steps": 5}')
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{url}", auth_nats.url) for a in argv]
+    res = tandem(argv, NATS_URL=auth_nats.url, NATS_USER="cli", NATS_PASSWORD="wrong")
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "refused the login" in lines[0] and "TANDEM_NATS_PASSWORD" in lines[0], lines[0]
+    assert "cannot reach" not in lines[0] and "stack running" not in lines[0], lines[0]
+
+
+def test_an_s3_without_credentials_names_them_and_not_a_missing_stack(
+        s3_server: S3Server) -> None:
+    res = tandem(["checkpoints", "list", "r1"], S3_ENDPOINT=s3_server.url,
+                 S3_ACCESS_KEY="", S3_SECRET_KEY="", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+                 AWS_CONFIG_FILE="/nonexistent")
+    assert res.returncode != 0
+    assert "TANDEM_S3_ACCESS_KEY" in res.stderr and "stack running" not in res.stderr, \
+        res.stderr[-3000:]
+
+
+def test_generate_names_the_url_it_reads_not_tandem_nats_url() -> None:
+    port = free_port()  # nothing listens on it
+    res = tandem(["generate", "3", "--url", f"http://127.0.0.1:{port}"],
+                 NATS_URL=f"nats://127.0.0.1:{port}")
+    assert res.returncode != 0
+    assert "--url (default http://127.0.0.1:8000)" in res.stderr, res.stderr[-3000:]
+    assert "TANDEM_NATS_URL" not in res.stderr, res.stderr[-3000:]
 
 
 async def test_train_status_ends_without_connection_warnings(

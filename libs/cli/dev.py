@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from tandem.cli.stack import Cancelled, Stack
+from tandem.cli.stack import S3_KEY, Cancelled, Stack
 from tandem.cli.stack_config import StackConfig
 from tandem.common.errors import ServerStartError, SettingsError
 from tandem.common.permissions import ADMIN, CLIENT
@@ -121,8 +121,14 @@ def _up(args: argparse.Namespace) -> int:
     if stack.auth:
         for line in credentials(stack.passwords):
             say(line)
-    say(f"ready: {len(stack.children)} service processes; NATS {stack.nats_url}, "
-        f"S3 {stack.s3_endpoint}; Ctrl-C stops everything")
+    healthy = sum(state == "healthy" for state in health.values())
+    if stack.children and all(state.startswith("exited") for state in health.values()):
+        say(f"NOT READY: every service exited ({len(stack.children)}: see the lines above "
+            f"and {stack.log_dir}); stopping")
+        stack.stop()
+        return 1
+    say(f"ready: {healthy} of {len(stack.children)} service processes healthy; NATS "
+        f"{stack.nats_url}, S3 {stack.s3_endpoint}; Ctrl-C stops everything")
     while not stop.wait(0.5):
         for name, code in stack.exits():
             say(f"{name} exited with code {code}; the others keep running")
@@ -151,7 +157,9 @@ def summary(stack: Stack, health: dict[str, str]) -> list[str]:
     """What runs where, what is unhealthy and what is not built: for the console."""
     lines = [f"NATS      {stack.nats_url}  (monitor http://127.0.0.1:"
              f"{stack.ports['nats_monitor']}, store {stack.root / 'nats'})",
-             f"S3        {stack.s3_endpoint}  (bucket {stack.config.bucket}, in memory)"]
+             f"S3        {stack.s3_endpoint}  (bucket {stack.config.bucket}, in memory; for "
+             f"the CLI: TANDEM_S3_ENDPOINT={stack.s3_endpoint} TANDEM_S3_ACCESS_KEY={S3_KEY} "
+             f"TANDEM_S3_SECRET_KEY={S3_KEY})"]
     if stack.topology is not None:
         for cluster, leaf in stack.topology.leaves.items():
             how = (f"account cluster-{cluster} on the hub" if stack.topology.accounts

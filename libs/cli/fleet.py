@@ -54,12 +54,17 @@ async def _bus() -> AsyncIterator[Any]:
     from tandem.common.settings import Settings, load
 
     # stdout is the command's output (--json): the bus's own connection logs stay out of it.
-    log.configure("console", "error")
+    log.configure("auto", "error", stream=sys.stderr)
     settings = load(Settings, "tandem")
     try:
         bus = await Bus.connect(settings, "cli", allow_reconnect=False, connect_timeout=2,
                                 max_reconnect_attempts=1)
     except Exception as exc:
+        from tandem.cli.reach import refusal_message
+
+        refused = refusal_message(exc)
+        if refused is not None:
+            raise _Unreachable(refused) from None
         raise _Unreachable(
             f"cannot reach NATS at {settings.nats_url} ({type(exc).__name__}: {exc}).\n"
             "Start the local stack with `tandem dev up`, or point TANDEM_NATS_URL at your "

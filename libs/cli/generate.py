@@ -14,16 +14,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DEFAULT_URL = "http://127.0.0.1:8000"  # the local stack's gateway; TANDEM_NATS_URL is not read
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate images through a running gateway",
-                       description="Generate images through the gateway's HTTP API.")
+                       description="Generate images through the gateway's HTTP API "
+                       f"(--url, default {DEFAULT_URL}) or the NATS job service "
+                       "(--url nats://...).")
     p.add_argument("what", help="the prompt, or the class label for class-conditional models")
     p.add_argument("-n", "--num-images", type=int, default=1)
     p.add_argument("-o", "--out", type=Path, default=Path("out"), help="output folder")
     p.add_argument("-m", "--model", default=None, help="model name (default: the first "
                    "model that takes this kind of input)")
-    p.add_argument("--url", default="http://127.0.0.1:8000",
+    p.add_argument("--url", default=DEFAULT_URL,
                    help="the gateway's HTTP API (http://...) or NATS (nats://...: the job "
                    "service); the same either way")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
@@ -61,12 +65,15 @@ def _generate(args: argparse.Namespace) -> int:
         tandem = SyncClient(args.url, api_key=args.api_key)
         models = tandem.models()
     except Exception as exc:  # httpx's or nats-py's, no gateway: Tandem is not there
-        from tandem.cli.reach import START
+        from tandem.cli.reach import refusal_message, start_hint
 
         if tandem is not None:
             tandem.close()
-        print(f"tandem generate: cannot reach Tandem at {args.url}: "
-              f"{str(exc) or type(exc).__name__}. {START}", file=sys.stderr)
+        refused = refusal_message(exc)
+        print(f"tandem generate: {refused}" if refused is not None else
+              f"tandem generate: cannot reach Tandem at {args.url}: "
+              f"{str(exc) or type(exc).__name__}. "
+              f"{start_hint(f'--url (default {DEFAULT_URL})')}", file=sys.stderr)
         return 2
     with tandem:
         model = _pick_model(models, args.model, args.what)
@@ -90,7 +97,9 @@ def _generate(args: argparse.Namespace) -> int:
         try:
             accepted = tandem.generate(idempotency_key=args.idempotency_key, **body)
         except JobError as exc:
-            print(f"tandem generate: {exc}", file=sys.stderr)
+            from tandem.cli.reach import refusal_message
+
+            print(f"tandem generate: {refusal_message(exc) or exc}", file=sys.stderr)
             return 1
         print(f"task {accepted['id']} on {accepted['cluster']} (seed {accepted['seed']})")
         final: dict[str, Any] = {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from tandem.cli.args import positive_float
 from tandem.common import runs
 from tandem.common.events import RunRecord, RunState, TrainEvent
 
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "service; default TANDEM_NATS_URL) or the gateway's http://...")
     s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="API key where the gateway has keys (default $TANDEM_API_KEY)")
-    s.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+    s.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="how long to wait for the answer (default 10 over NATS, 30 over "
                    "HTTP)")
     s.set_defaults(func=lambda a: asyncio.run(_submit(a)))
@@ -53,17 +54,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("run")
     st.add_argument("--json", action="store_true", help="print the run record as JSON")
     st.set_defaults(func=lambda a: asyncio.run(_status_cmd(a)))
-
-
-def _seconds(raw: str) -> float:
-    """A positive, finite number of seconds (argparse names the option on error)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive number of seconds")
-    return value
 
 
 # ------------------------------------------------------------------------------- config
@@ -111,23 +101,62 @@ def load_config(source: str, overrides: list[str] = (), run_id: str | None = Non
     return data
 
 
-async def _connect() -> Any:
-    from tandem.cli.reach import START
+async def _connect(denied: list[Any] | None = None) -> Any:
+    """The CLI's bus connection; each permission the server refuses it goes to ``denied``
+    (the bus's own log line of it stays out of the output)."""
+    from tandem.cli.reach import START, refusal_message
     from tandem.common import log
     from tandem.common.bus import Bus
+    from tandem.common.bus.connect import violation
     from tandem.common.settings import Settings, load
 
     # The bus's own connection logs (nats.disconnected at the end) stay out of the output.
-    log.configure("console", "error")
+    log.configure("auto", "error", stream=sys.stderr)
     settings = load(Settings, "tandem")
+
+    async def on_error(exc: Exception) -> None:
+        refused = violation(exc)
+        if refused is not None and denied is not None:
+            denied.append(refused)
+
     try:
         return await Bus.connect(settings, "cli", allow_reconnect=False, connect_timeout=3,
-                                 max_reconnect_attempts=1)
+                                 max_reconnect_attempts=1, error_cb=on_error)
     except Exception as exc:
+        refused = refusal_message(exc)
+        if refused is not None:
+            raise SystemExit(f"tandem train: {refused}") from None
         why = str(exc).strip() or ("no answer in 3s" if isinstance(exc, TimeoutError)
                                    else type(exc).__name__)
         raise SystemExit(f"tandem train: cannot reach NATS at {settings.nats_url} "
                          f"({why}). {START}") from None
+
+
+class RunsRefused(SystemExit):
+    """NATS refused this login a read of KV ``runs``."""
+
+
+@contextlib.asynccontextmanager
+async def _run_reader(command: str) -> AsyncIterator[Any]:
+    """A bus that reads KV ``runs``; a read the server refuses (the ``client`` user has
+    no KV right) ends the command saying so, not as an unreachable stack."""
+    from tandem.cli.reach import permission_message
+    from tandem.common.settings import Settings, load
+
+    denied: list[Any] = []
+    bus = await _connect(denied)
+    try:
+        yield bus
+    except Exception:
+        if not denied:
+            raise
+        user = load(Settings, "tandem").nats_user or ""
+        raise RunsRefused(f"tandem train {command}: " + permission_message(
+            user, denied[0].subject, "run it with the admin login `tandem dev up --auth` "
+            "prints; a program with the client login reads a run through the job service "
+            "(tandem.client's run(), GET /v1/training-runs/<id>)")) from None
+    finally:
+        await bus.drain()
 
 
 async def _submit(args: argparse.Namespace) -> int:
@@ -143,17 +172,29 @@ async def _submit(args: argparse.Namespace) -> int:
         try:
             rec = await tandem.train(**config)
         except JobError as exc:
-            print(f"tandem train: {exc}", file=sys.stderr)
+            from tandem.cli.reach import refusal_message
+
+            print(f"tandem train: {refusal_message(exc) or exc}", file=sys.stderr)
             return 2
-    print(f"submitted {rec['run_id']} ({rec['state']}); watch with: "
+    print(f"submitted {rec['run_id']} ({rec['state']}); follow it through the job service "
+          f"(tandem.client's run({rec['run_id']!r})), or with `tandem train watch "
+          f"{rec['run_id']}` as a login that reads KV runs (the client login does not)"
+          if args.url is None and _nats_user() == CLIENT_USER else
+          f"submitted {rec['run_id']} ({rec['state']}); watch with: "
           f"tandem train watch {rec['run_id']}")
     if args.watch:
-        bus = await _connect()
-        try:
+        async with _run_reader("watch") as bus:
             return await watch(bus, rec["run_id"], sys.stdout)
-        finally:
-            await bus.drain()
     return 0
+
+
+CLIENT_USER = "client"  # docs/security.md: programs outside Tandem; it reads no KV
+
+
+def _nats_user() -> str:
+    from tandem.common.settings import Settings, load
+
+    return load(Settings, "tandem").nats_user or ""
 
 
 # -------------------------------------------------------------------------------- watch
@@ -229,11 +270,8 @@ async def watch(bus: Any, run_id: str, out: TextIO) -> int:
 
 
 async def _watch_cmd(args: argparse.Namespace) -> int:
-    bus = await _connect()
-    try:
+    async with _run_reader("watch") as bus:
         return await watch(bus, args.run, sys.stdout)
-    finally:
-        await bus.drain()
 
 
 # ------------------------------------------------------------------------------- status
@@ -289,13 +327,11 @@ async def _status_cmd(args: argparse.Namespace) -> int:
 
     from tandem.common.runs import get_run
 
-    bus = await _connect()
-    try:
+    async with _run_reader("status") as bus:
         rec = await get_run(bus, args.run)
-    finally:
-        await bus.drain()
     if args.json:
         print(json.dumps(msgspec.to_builtins(rec)))
     else:
         print(render_status(rec))
     return 0
+

@@ -33,10 +33,12 @@ SMOKE = ("--gpus", "8", "--ticks", "20", "--seconds", "1", "--max-nodes", "16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=int, default=64, help="GPUs of the single node")
-    p.add_argument("--ticks", type=int, default=300, help="back-to-back ticks measured")
-    p.add_argument("--seconds", type=float, default=10.0, help="real-time 1 Hz run length")
-    p.add_argument("--max-nodes", type=int, default=256,
+    p.add_argument("--gpus", type=stats.positive_int, default=64, help="GPUs of the single node")
+    p.add_argument("--ticks", type=stats.positive_int, default=300,
+                   help="back-to-back ticks measured")
+    p.add_argument("--seconds", type=stats.positive_float, default=10.0,
+                   help="real-time 1 Hz run length")
+    p.add_argument("--max-nodes", type=stats.positive_int, default=256,
                    help="largest number of 8-GPU nodes in the multiplexed run")
     stats.add_repeat(p, 3, what="repeats of parts 1 (agent then raw) and 2")
 
@@ -178,7 +180,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common.bus import Bus
     from tandem.common.settings import Settings, load
 
-    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "error", stream=sys.stderr)  # stdout: the result
     with scratch_nats("agent") as (server, _):
         bus = await Bus.connect(load(Settings, nats_url=server.url), "bench")
         await bus.provision(streams.core_streams())

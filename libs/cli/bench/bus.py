@@ -35,10 +35,10 @@ PARTS = (("publish", "JetStream publish (pipelined, acked)"), ("fetch_ack", "pul
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--messages", type=int, default=20_000, help="messages per round")
+    p.add_argument("--messages", type=stats.positive_int, default=20_000, help="messages per round")
     stats.add_repeat(p, 3, "--rounds")
-    p.add_argument("--window", type=int, default=512, help="publishes in flight")
-    p.add_argument("--batch", type=int, default=256, help="fetch batch size")
+    p.add_argument("--window", type=stats.positive_int, default=512, help="publishes in flight")
+    p.add_argument("--batch", type=stats.positive_int, default=256, help="fetch batch size")
 
 
 def _task(i: int) -> GenerationTask:
@@ -124,7 +124,7 @@ async def _round(bus: Bus, tag: str, args: argparse.Namespace, tandem: bool,
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "warning", stream=sys.stderr)  # stdout: the result
     with scratch_nats("bus") as (server, _):
         settings = load(Settings, nats_url=server.url)
         bus = await Bus.connect(settings, "bench")

@@ -54,11 +54,14 @@ SMOKE = ("--size-mb", "12", "--part-mb", "5", "--commits", "1", "--concurrency",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB")
+    p.add_argument("--size-mb", type=stats.positive_int, default=256, help="checkpoint size in MiB")
     stats.add_repeat(p, 5, "--rounds")
-    p.add_argument("--commits", type=int, default=3, help="written -> committed samples")
-    p.add_argument("--part-mb", type=int, default=16, help="part size and threshold, MiB")
-    p.add_argument("--concurrency", type=int, default=8, help="parts uploaded at once")
+    p.add_argument("--commits", type=stats.positive_int, default=3,
+                   help="written -> committed samples")
+    p.add_argument("--part-mb", type=stats.positive_int, default=16,
+                   help="part size and threshold, MiB")
+    p.add_argument("--concurrency", type=stats.positive_int, default=8,
+                   help="parts uploaded at once")
     p.add_argument("--pin-s3", action="store_true",
                    help="moto on one CPU and this process on the others, so S3 does not "
                    "share the uploaders' cores (as in a deployment); needs 2 CPUs")
@@ -199,7 +202,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.common.settings import Settings, load
     from tandem.common.storage import ensure_bucket, s3_client
 
-    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "warning", stream=sys.stderr)  # stdout: the result
     size = args.size_mb * MiB
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin_s3 and len(cpus) < 2:

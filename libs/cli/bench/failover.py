@@ -53,14 +53,16 @@ def _ttl(value: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     stats.add_repeat(p, 5, "--kills", what="times east is killed (each one a failover timed)")
-    p.add_argument("--tasks", type=int, default=10, help="tasks stranded per kill")
+    p.add_argument("--tasks", type=stats.positive_int, default=10, help="tasks stranded per kill")
     p.add_argument("--ttl", type=_ttl, default=HEARTBEAT_TTL,
                    help=f"heartbeat TTL of the gateway and workers, seconds (at most "
                         f"{HEARTBEAT_TTL:g}, KV nodes')")
-    p.add_argument("--grace", type=float, default=2.0, help="failover grace period, seconds")
-    p.add_argument("--agent-interval", type=float, default=1.0,
+    p.add_argument("--grace", type=stats.non_negative_float, default=2.0,
+                   help="failover grace period, seconds")
+    p.add_argument("--agent-interval", type=stats.positive_float, default=1.0,
                    help="agents' sample (and heartbeat) interval, seconds")
-    p.add_argument("--ack-wait", type=float, default=30.0, help="workers' AckWait, seconds")
+    p.add_argument("--ack-wait", type=stats.positive_float, default=30.0,
+                   help="workers' AckWait, seconds")
 
 
 # ------------------------------------------------------------------------------ the stack

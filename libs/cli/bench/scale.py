@@ -66,18 +66,33 @@ SMOKE = ("--sizes", "4", "--clusters", "2", "--hub-size", "1", "--seconds", "2",
          "--burst-seconds", "1", "--burst-conns", "4", "--task-rate", "20")
 
 
+def _sizes(text: str) -> str:
+    """``--sizes``: comma-separated whole numbers, each at least 1."""
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not parts or not all(s.isdigit() and int(s) >= 1 for s in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated whole numbers, "
+                                         "each at least 1")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="10,100,1000", help="fleet sizes, in nodes")
-    p.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node")
-    p.add_argument("--clusters", type=int, default=4, help="GPU clusters (leaf servers)")
-    p.add_argument("--interval", type=float, default=1.0, help="agent sample interval, s")
-    p.add_argument("--seconds", type=float, default=20.0, help="steady window, s")
-    p.add_argument("--task-rate", type=float, default=100.0,
+    p.add_argument("--sizes", type=_sizes, default="10,100,1000",
+                   help="fleet sizes, in nodes")
+    p.add_argument("--gpus", type=stats.positive_int, default=8, help="simulated GPUs per node")
+    p.add_argument("--clusters", type=stats.positive_int, default=4,
+                   help="GPU clusters (leaf servers)")
+    p.add_argument("--interval", type=stats.positive_float, default=1.0,
+                   help="agent sample interval, s")
+    p.add_argument("--seconds", type=stats.positive_float, default=20.0, help="steady window, s")
+    p.add_argument("--task-rate", type=stats.positive_float, default=100.0,
                    help="no-op tasks/s offered in the steady window")
-    p.add_argument("--burst-seconds", type=float, default=10.0, help="burst window, s")
-    p.add_argument("--burst-conns", type=int, default=64, help="connections in the burst")
-    p.add_argument("--hub-size", type=int, default=3, help="control-plane nats-servers")
-    p.add_argument("--nodes-per-proc", type=int, default=250,
+    p.add_argument("--burst-seconds", type=stats.positive_float, default=10.0,
+                   help="burst window, s")
+    p.add_argument("--burst-conns", type=stats.positive_int, default=64,
+                   help="connections in the burst")
+    p.add_argument("--hub-size", type=stats.positive_int, default=3,
+                   help="control-plane nats-servers")
+    p.add_argument("--nodes-per-proc", type=stats.positive_int, default=250,
                    help="most simulated nodes per agent process")
     stats.add_repeat(p, 1, what="runs of every size (no baseline: goals only)")
     p.add_argument("--root", type=Path, default=None,
@@ -546,7 +561,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 async def _once(args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "error", stream=sys.stderr)  # stdout: the result
     sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
     rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:

@@ -68,10 +68,13 @@ SMOKE = ("--requests", "3", "--tasks", "200", "--rounds", "1", "--images", "8", 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=300, help="sequential requests for (a)")
-    p.add_argument("--tasks", type=int, default=5000, help="no-op tasks per side and round "
+    p.add_argument("--requests", type=stats.positive_int, default=300,
+                   help="sequential requests for (a)")
+    p.add_argument("--tasks", type=stats.positive_int, default=5000,
+                   help="no-op tasks per side and round "
                    "of (b)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of (b) per repeat, the sides "
+    p.add_argument("--rounds", type=stats.positive_int, default=4,
+                   help="rounds of (b) per repeat, the sides "
                    "interleaved (A B C D, D C B A, ...); each side's median round is its "
                    "figure, and the spread of its rounds the noise issue 19 is judged by")
     serve_pipeline.add_arguments(p)
@@ -419,7 +422,7 @@ def _share_figure(runs: list[dict[str, Any]]) -> stats.Figure:
 async def _once(args: argparse.Namespace, r: int) -> dict[str, Any]:
     from tandem.common import log
 
-    log.configure("console", "warning", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "warning", stream=sys.stderr)  # stdout: the result
     serve_pipeline.check(args)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-serve-") as tmp:
         b = Bench(Path(tmp), args)

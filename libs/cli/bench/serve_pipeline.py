@@ -87,11 +87,14 @@ LINGER = "1.0"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--images", type=int, default=64,
+    p.add_argument("--images", type=stats.positive_int, default=64,
                    help="images per side, model and batch size for (c) and (d)")
-    p.add_argument("--steps", type=int, default=10, help="denoising steps for (c)-(e)")
-    p.add_argument("--batch", type=int, default=8, help="the batched side's batch size")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the "
+    p.add_argument("--steps", type=stats.positive_int, default=10,
+                   help="denoising steps for (c)-(e)")
+    p.add_argument("--batch", type=stats.positive_int, default=8,
+                   help="the batched side's batch size")
+    p.add_argument("--threads", type=stats.whole_number, default=1,
+                   help="torch intra-op threads of the "
                    "worker and of the bare loop alike (0: torch's default, one per core)")
     p.add_argument("--workers", default="1,2,4", help="worker counts for (e)")
     p.add_argument("--pipeline-process", action="store_true",
@@ -100,9 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="store_true",
                    help="(c): the calls (in a child process) and the bare loop on the first "
                    "CPU, everything else on the others: a CPU of its own, as a device")
-    p.add_argument("--worker-tasks", type=int, default=4000,
+    p.add_argument("--worker-tasks", type=stats.positive_int, default=4000,
                    help="no-op tasks per worker count for (e)")
-    p.add_argument("--worker-images", type=int, default=192,
+    p.add_argument("--worker-images", type=stats.positive_int, default=192,
                    help="digits images per worker count for (e)")
 
 

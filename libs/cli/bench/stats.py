@@ -30,6 +30,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from tandem.cli.args import (  # noqa: F401 - the benches' argparse types: stats.<name>
+    non_negative_float,
+    positive_float,
+    positive_int,
+    whole_number,
+)
+
 R = TypeVar("R")
 
 NO_BASELINE = "no raw baseline: judged against its goal only"
@@ -41,19 +48,9 @@ NO_BASELINE = "no raw baseline: judged against its goal only"
 def add_repeat(p: argparse.ArgumentParser, default: int, *aliases: str,
                what: str = "repeats, Tandem and baseline interleaved in each") -> None:
     """The ``--repeat N`` every bench takes (``aliases``: the option's older names)."""
-    p.add_argument("--repeat", *aliases, dest="repeat", type=_at_least_one, default=default,
+    p.add_argument("--repeat", *aliases, dest="repeat", type=positive_int, default=default,
                    metavar="N", help=f"{what} (default {default}; min/median/max reported, "
                    "goals judged on the median)")
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, at least 1")
-    return n
 
 
 def order(r: int, sides: Sequence[str]) -> list[str]:

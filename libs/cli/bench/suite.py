@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.cli.bench.stats import positive_int
+
 # Where `--readmes` writes: the whole table in README.md, each service's rows in its own.
 BEGIN, END = "<!-- tandem bench all: begin -->", "<!-- tandem bench all: end -->"
 SERVICE_BENCHES = {
@@ -37,7 +39,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
                         description="Runs every benchmark in sequence (each with its own "
                         "defaults) and writes one JSON and a Markdown table: figure, "
                         "baseline, ratio, spread, goal, met.")
-    p.add_argument("--repeat", type=int, default=None, metavar="N",
+    p.add_argument("--repeat", type=positive_int, default=None, metavar="N",
                    help="repeats for every benchmark (default: each one's own default)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the JSON to FILE (no FILE: print it instead of the text)")

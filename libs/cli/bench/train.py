@@ -41,18 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 over simulated nodes: Tandem (events, async DCP saves, a "
                    "mirror per node) against a plain FSDP2 loop (tandem.cli.bench."
                    "train_sharded)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=stats.positive_int, default=None,
                    help=f"steps per measured segment (default {DEFAULTS['steps']}; "
                    f"sharded {train_sharded.DEFAULTS['steps']})")
     stats.add_repeat(p, 8, "--rounds", what="plain/tandem segment pairs, order alternating "
                      "(sharded: also mirror/raw upload pairs)")
-    p.add_argument("--every", type=int, default=None,
+    p.add_argument("--every", type=stats.positive_int, default=None,
                    help=f"checkpoint every k steps (default {DEFAULTS['every']}; sharded "
                    f"{train_sharded.DEFAULTS['every']})")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=stats.positive_int, default=None,
                    help=f"batch per rank (default {DEFAULTS['batch_size']}; sharded "
                    f"{train_sharded.DEFAULTS['batch_size']})")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=stats.positive_int, default=None,
                    help=f"torch threads per rank (default {DEFAULTS['threads']}; sharded: "
                    "the machine's cores shared by every rank)")
     p.add_argument("--config", help="run config (JSON) to benchmark instead of the default")
@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.trainer.spec import LaunchSpec
     from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
 
-    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "error", stream=sys.stderr)  # stdout: the result
     base = json.loads(await asyncio.to_thread(Path(args.config).read_text)) if args.config else {}
     total = 5 + 2 * args.repeat * args.steps
     cfg = parse_run_config({**base, "run_id": "bench", "ranks": 1, "device": "cpu",

@@ -93,13 +93,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
     """The options only ``--sharded`` reads (``train.add_arguments`` adds them)."""
     p.add_argument("--model", choices=list(MODELS), default="dit-b",
                    help="sharded: the DiT trained (default dit-b, 147.4M parameters)")
-    p.add_argument("--nodes", type=int, default=2, help="sharded: simulated nodes")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="sharded: ranks per node")
+    p.add_argument("--nodes", type=stats.positive_int, default=2, help="sharded: simulated nodes")
+    p.add_argument("--ranks-per-node", type=stats.positive_int, default=2,
+                   help="sharded: ranks per node")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="sharded: cpu (gloo) or cuda (NCCL, a GPU per rank)")
-    p.add_argument("--part-mb", type=int, default=16,
+    p.add_argument("--part-mb", type=stats.positive_int, default=16,
                    help="sharded: mirror part size and threshold, MiB (both sides)")
-    p.add_argument("--concurrency", type=int, default=8,
+    p.add_argument("--concurrency", type=stats.positive_int, default=8,
                    help="sharded: parts uploaded at once per node (both sides)")
 
 
@@ -140,7 +141,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.trainer.launcher import LocalLauncher
     from tandem.trainer.supervisor import RunSupervisor, SupervisorConfig
 
-    log.configure("console", "error", stream=sys.stderr)  # stdout: the result
+    log.configure("auto", "error", stream=sys.stderr)  # stdout: the result
     nodes = [f"node-{i}" for i in range(args.nodes)]
     world = args.nodes * args.ranks_per_node
     # Warm-up ends one step before a checkpoint step and segments are whole intervals, so
