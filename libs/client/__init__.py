@@ -8,8 +8,14 @@ One interface, two transports, chosen by the URL::
             ...
         record = await tandem.wait(task["id"])                       # the final record
         pngs = await tandem.images(record)
-        run = await tandem.train(steps=50, cluster="east")
+        run = await tandem.train(steps=50)      # any cluster's trainer coordinator
+        print(run["state"], run["waiting"])     # pending: what it waits for
         await tandem.cancel_run(run["run_id"])
+
+A run may name its ``cluster``; only a trainer coordinator of that cluster claims it (on
+``tandem dev up`` the one trainer is cluster ``control``'s, not ``east``'s or ``west``'s).
+While no coordinator has claimed it, ``waiting`` says which one it waits for, and that
+none has ever started there when so.
 
 ``SyncClient`` wraps either for code without an event loop. A refusal raises
 ``JobError`` with the HTTP status and the API's ``detail`` (a 422 names each field), the

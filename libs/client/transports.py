@@ -87,6 +87,8 @@ class Client:
         raise NotImplementedError
 
     async def train(self, **config: Any) -> dict[str, Any]:
+        """Submit a training run (a ``RunConfig``); its view: ``run_id``, ``state`` and,
+        while pending, ``waiting`` (the coordinator it waits for)."""
         raise NotImplementedError
 
     async def run(self, run_id: str) -> dict[str, Any]:

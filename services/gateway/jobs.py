@@ -63,7 +63,13 @@ from tandem.common.runs import RunConfig
 from tandem.gateway.auth import ANY_KEY, Denied, Keyring, Limits, Scope, bearer
 from tandem.gateway.generations import Gateway
 from tandem.gateway.schemas import json_safe
-from tandem.gateway.training import cancel_training, run_view, submit_training, training_run
+from tandem.gateway.training import (
+    cancel_training,
+    run_answer,
+    run_view,
+    submit_training,
+    training_run,
+)
 
 _log = log.get("tandem.gateway.jobs")
 
@@ -210,8 +216,9 @@ class JobService:
 
     async def train(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Submit a training run (a RunConfig); the run's record."""
-        return run_view(await submit_training(self.gw.bus, body, await auth(Scope.train),
-                                              self.limits, self.train_clusters))
+        rec = await submit_training(self.gw.bus, body, await auth(Scope.train), self.limits,
+                                    self.train_clusters)
+        return await run_answer(self.gw.bus, rec, self.train_clusters)
 
     async def cancel(self, body: Any, headers: dict[str, str], auth: Auth) -> dict[str, Any]:
         """Cancel a generation ({"id"}) or a training run ({"run_id"}); its record."""
@@ -224,7 +231,8 @@ class JobService:
         """A generation's ({"id"}) or a training run's ({"run_id"}) record."""
         kind, job_id = _which(body)
         if kind == "run_id":
-            return run_view(await training_run(self.gw.bus, job_id, await auth(Scope.train)))
+            rec = await training_run(self.gw.bus, job_id, await auth(Scope.train))
+            return await run_answer(self.gw.bus, rec, self.train_clusters)
         rec = await self.gw.record(job_id, await auth(Scope.generate))
         if rec is None:
             raise JobRefused(404, f"no task {job_id!r}")

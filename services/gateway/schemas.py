@@ -147,6 +147,10 @@ class RunView(BaseModel):
     updated_at: float
     owner: str  # the API key (its name) that submitted it; empty: an open gateway
     status_subject: str  # train.<run>.status: its state changes, on the bus
+    waiting: str = Field("", description=(
+        "Why a pending run has not started: the trainer coordinator it waits for and, when "
+        "its cluster has never had one, that it stays pending until one starts there. "
+        "Empty once a coordinator has claimed it."))
 
 
 class RunSubmitted(RunView):

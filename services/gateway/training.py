@@ -3,6 +3,13 @@
 The gateway validates and records a run with the same code as ``tandem train submit``
 (``tandem.common.runs``); the trainer picks it up from ``train.<run>.status``. The fleet
 view is the same one ``tandem clusters`` prints (``tandem.common.fleet``).
+
+A pending run's view says what it waits for (``waiting_for``): a run pinned to a cluster
+where no trainer coordinator has ever started stays pending until one does, and said
+nothing (``train(cluster="east")`` on ``tandem dev up``, whose trainer is ``control``'s).
+Coordinators announce themselves only by their durable, ``trainer-<cluster>`` on
+``TRAIN``, made by the first one of a cluster to start: so "none has started" is known,
+"none is running now" is not (a durable outlives its coordinators).
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Path, Request, Response
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
 
 from tandem.common import fleet, runs, subjects
 from tandem.common.errors import InvalidRunConfig, InvalidToken, RunExists, RunNotFound
 from tandem.common.events import RunRecord, RunState
 from tandem.common.jobs import TOKEN, Caller, JobRefused
-from tandem.common.streams import HEARTBEAT_TTL
+from tandem.common.streams import HEARTBEAT_TTL, TRAIN, trainer_consumer
 from tandem.gateway.auth import Denied, Limits
 from tandem.gateway.schemas import RunSubmitted, RunView, refused
 
@@ -101,7 +110,43 @@ async def cancel_training(bus: Any, run_id: str, caller: Caller) -> RunRecord:
     return rec
 
 
-def run_view(rec: RunRecord) -> dict[str, Any]:
+async def coordinator_started(bus: Any, cluster: str) -> bool | None:
+    """Whether a trainer coordinator of ``cluster`` has ever started on this bus (its
+    durable ``trainer-<cluster>`` exists); None when the bus would not say."""
+    try:
+        await bus.js.consumer_info(TRAIN, trainer_consumer(cluster).durable)
+    except NotFoundError:
+        return False
+    except NatsError:  # the view is answered all the same, without the hint
+        return None
+    return True
+
+
+async def waiting_for(bus: Any, rec: RunRecord, clusters: Sequence[str] = ()) -> str:
+    """Why ``rec`` has not started, for a pending run no coordinator has claimed yet;
+    empty otherwise. When its cluster has never had a coordinator, says so and names those
+    of ``clusters`` (where this gateway sends runs) that have."""
+    if rec.state != RunState.pending or rec.coordinator or rec.cancel:
+        return ""
+    cluster = rec.config.get("cluster") or ""
+    if not cluster:
+        return "waiting for a trainer coordinator (of any cluster) to claim it"
+    waits = f"waiting for a trainer coordinator of cluster {cluster!r} to claim it"
+    if await coordinator_started(bus, cluster) is not False:
+        return waits
+    started = [c for c in clusters if c != cluster and await coordinator_started(bus, c)]
+    elsewhere = (f"clusters with one: {', '.join(started)}" if started
+                 else "none has started on any cluster runs go to here")
+    return (f"{waits}; none has ever started there, so it stays pending until one does "
+            f"({elsewhere}; a run naming no cluster goes to any)")
+
+
+async def run_answer(bus: Any, rec: RunRecord, clusters: Sequence[str] = ()) -> dict[str, Any]:
+    """``run_view`` with ``waiting`` filled in (``waiting_for``)."""
+    return run_view(rec, await waiting_for(bus, rec, clusters))
+
+
+def run_view(rec: RunRecord, waiting: str = "") -> dict[str, Any]:
     """A run as every door shows it (``RunView``), with the subject its events come on."""
     return RunView(
         run_id=rec.run_id, state=rec.state, cancel_requested=bool(rec.cancel),
@@ -110,7 +155,7 @@ def run_view(rec: RunRecord) -> dict[str, Any]:
         latest_checkpoint_uri=rec.latest_checkpoint_uri, goodput=rec.goodput,
         incidents=rec.incidents, nodes=rec.nodes, config=runs.filled(rec.config),
         created_at=rec.created_at, updated_at=rec.updated_at, owner=rec.owner,
-        status_subject=subjects.train(rec.run_id, "status"),
+        status_subject=subjects.train(rec.run_id, "status"), waiting=waiting,
     ).model_dump(mode="json")
 
 
@@ -129,14 +174,15 @@ def add_training_routes(app: FastAPI, bus: Any, caller: Callable[[Request], Call
             return refused(exc)
         url = str(request.url_for("get_training_run", run_id=rec.run_id).path)
         response.headers["Location"] = url
-        return {**run_view(rec), "status_url": url}
+        return {**await run_answer(bus, rec, clusters), "status_url": url}
 
     @app.get("/v1/training-runs/{run_id}", response_model=RunView, responses={404: {}})
     async def get_training_run(request: Request, run_id: str = RUN_ID) -> Any:
         """A run's state, restarts, latest step and committed checkpoint, goodput and
         incidents. Another API key's run is 404 (unless the key is admin)."""
         try:
-            return run_view(await training_run(bus, run_id, caller(request)))
+            return await run_answer(bus, await training_run(bus, run_id, caller(request)),
+                                    clusters)
         except JobRefused as exc:
             return refused(exc)
 
