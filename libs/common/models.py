@@ -204,7 +204,9 @@ def default_registry() -> Registry:
             name="digits", source="builtin:class-unet", conditioning=Conditioning.class_label,
             num_classes=10, default_width=16, default_height=16, sizes=(16,),
             default_steps=20, max_steps=1000,
-            description="Class-conditional UNet2DModel DDPM (the trainer's digits model).",
+            description="Class-conditional UNet2DModel DDPM, the trainer's digits model "
+            "with random weights (untrained: it draws noise). To serve a trained run, list "
+            "it in TANDEM_MODELS with source run:<run_id> (docs/local-stack.md).",
         ),
         ModelSpec(
             name="tiny-text", source="builtin:tiny-text", conditioning=Conditioning.text,

@@ -235,7 +235,15 @@ class RunConfig(_Spec):
     warmup_steps: Int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    ema_decay: float = Field(0.999, ge=0, lt=1)
+    ema_decay: float = Field(
+        0.999, ge=0, lt=1, description="Decay of the EMA of the weights, which is what is "
+        "served; with ema_warmup, reached after (10 decay - 1) / (1 - decay) steps "
+        "(8,990 for 0.999, 890 for 0.99).")
+    ema_warmup: bool = Field(
+        True, description="Warm the EMA up: decay min(ema_decay, (1 + step) / (10 + step)) "
+        "at each step, so a short run serves trained weights. False: ema_decay from the "
+        "first step, and after N steps ema_decay**N of the served weights are the random "
+        "initial ones (74% after 300 steps at 0.999).")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     checkpoint_every: Int = Field(100, ge=1, description="Steps between checkpoints.")
     step_event_every: Int = Field(1, ge=1, description="Publish every k-th step.")

@@ -92,6 +92,21 @@ def lr_factor(cfg: RunConfig, step: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
 
 
+def ema_decay_at(decay: float, step: int, warmup: bool) -> float:
+    """The EMA decay for the update made after ``step`` updates were already applied (the
+    global step, restored on resume, so a resumed run decays exactly as an uninterrupted
+    one). With ``warmup`` it is ``min(decay, (1 + step) / (10 + step))``: diffusers'
+    ``EMAModel.get_decay`` (``training_utils.py``) without its ``use_ema_warmup`` power
+    schedule, save that diffusers' first update copies the weights (decay 0) where this
+    one keeps a tenth of the initial ones. 0.1 at the first update, 0.9 after 80, 0.999
+    after 8,990: the EMA follows the weights while they move fast rather than keeping
+    ``decay**steps`` of the random initial ones (0.999**300 = 74%). Without ``warmup``,
+    ``decay`` from the first update."""
+    if not warmup:
+        return decay
+    return min(decay, (1 + step) / (10 + step))
+
+
 class TrainLoop:
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world: int = 1,
                  device: torch.device | None = None, distributed: bool = False,
@@ -136,6 +151,9 @@ class TrainLoop:
                                  cfg.loss_health.z_threshold, cfg.loss_health.enabled)
         self.step = 0
         self.data_pos = 0
+        # The EMA schedule this run's EMA has followed: the config's for a fresh start,
+        # the checkpoint's on a resume (``load``).
+        self.ema_warmup = cfg.ema_warmup
         self.scaler = (torch.amp.GradScaler("cuda") if cfg.mixed_precision == "fp16"
                        and self.device.type == "cuda" else None)
         slow = cfg.faults.slow_rank == rank
@@ -230,7 +248,7 @@ class TrainLoop:
 
     @torch.no_grad()
     def _update_ema(self) -> None:
-        d = self.cfg.ema_decay
+        d = ema_decay_at(self.cfg.ema_decay, self.step, self.ema_warmup)
         params = dict(self.model.named_parameters())
         keys = list(self.ema)
         torch._foreach_lerp_([self.ema[k] for k in keys], [params[k].detach() for k in keys],
@@ -269,7 +287,8 @@ class TrainLoop:
     def trainer_state(self) -> dict[str, Any]:
         return {"format": FORMAT, "step": self.step, "data_pos": self.data_pos,
                 "world_size": self.world, "skipped": self.skipped,
-                "loss_window": self.health.state_dict(), "seed": self.cfg.seed}
+                "loss_window": self.health.state_dict(), "seed": self.cfg.seed,
+                "ema_warmup": self.ema_warmup}
 
     def checkpoint(self, writer: AsyncCheckpointer | sharded_ckpt.ShardedCheckpointer | None
                    ) -> Snapshot | float | None:
@@ -331,6 +350,10 @@ class TrainLoop:
             self.lr_sched.load_state_dict(load_objects(path, "scheduler"))
         ts = load_objects(path, "trainer")
         self.step, self.data_pos = int(ts["step"]), int(ts["data_pos"])
+        # NOTE: a checkpoint written before the warm-up existed has no "ema_warmup": its
+        # run goes on with the constant decay it started with, so a resume by a newer
+        # trainer is the run an uninterrupted older one would have made.
+        self.ema_warmup = bool(ts.get("ema_warmup", False))
         self.health.load_state_dict(ts["loss_window"])
         for w in ts.get("skipped", []):
             if list(w) not in self.skipped:
