@@ -169,15 +169,23 @@ class NatsClient(Client):
         by itself without end. Errors are not printed. ``options`` go to
         ``nats.connect`` over these."""
         import nats
-        from nats.errors import Error, NoServersError
+        from nats.errors import AuthorizationError, Error, NoServersError
 
         from tandem.common.bus.connect import connect_options
         from tandem.common.settings import Settings, load
 
         failures: list[BaseException] = []
 
+        def refused(exc: BaseException) -> bool:  # nats-py raises a plain Error for it
+            return (isinstance(exc, AuthorizationError)
+                    or "authorization violation" in str(exc).lower())
+
         async def quiet(exc: Exception) -> None:  # said once, by the error raised below
-            failures[:] = [exc]
+            # NOTE: a refused login is what to say, not the reset of a retry after it.
+            # (The server closes at once, so a try can also end in a reset alone: then
+            # only "cannot reach" can be said.)
+            if not any(refused(f) for f in failures):
+                failures[:] = [exc]
 
         opts: dict[str, Any] = dict(connect_options(load(Settings, "tandem.client")),
                                     connect_timeout=2, reconnect_time_wait=0.5,
@@ -189,6 +197,10 @@ class NatsClient(Client):
             last = failures[-1] if failures and isinstance(exc, NoServersError) else exc
             why = str(last).strip() or ("no answer" if isinstance(last, TimeoutError)
                                         else type(last).__name__)
+            if refused(last):
+                raise ConnectionError(
+                    f"NATS at {url} refused the login ({why}): check TANDEM_NATS_USER and "
+                    "TANDEM_NATS_PASSWORD, or TANDEM_NATS_CREDS") from None
             raise ConnectionError(f"cannot reach NATS at {url}: {why}") from None
         if "max_reconnect_attempts" not in options:
             # nats-py has one limit for the first connect and for reconnects: once
