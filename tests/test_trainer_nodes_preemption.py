@@ -32,7 +32,7 @@ import pytest
 from tandem.common import checkpoints as ck
 from tandem.common import events, subjects
 from tandem.common.backoff import Backoff, retry
-from tandem.common.bus import transient
+from tandem.common.bus import Bus, transient
 from tandem.common.errors import EventDecodeError
 from tandem.common.events import (
     NodeInterrupt,
@@ -43,7 +43,8 @@ from tandem.common.events import (
     RunState,
 )
 from tandem.common.runs import submit_run
-from tandem.trainer.launcher import proc_state
+from tandem.trainer.launcher import LaunchFailed, proc_state
+from tandem.trainer.nodes import NodeLauncher
 from tests.test_train_runs import until
 from tests.test_trainer_lifecycle import Env, env  # noqa: F401 (fixture)
 from tests.test_trainer_node_agent import (  # noqa: F401 (fixtures)
@@ -223,3 +224,17 @@ async def test_an_interrupt_order_is_answered_at_once_and_the_exit_reported(
         report = await asyncio.wait_for(coordinator.heard.get(), DEADLINE)
     assert (report.attempt, report.pid) == (1, reply.pid) and report.exit_code is not None
     await until_true("the rank is gone", lambda: proc_state(rank) in GONE)
+
+
+async def test_an_order_to_an_agent_that_never_answers_gives_up_within_its_bound(
+        bus: Bus, uid: str) -> None:
+    """``within`` bounds the order, not each try: with one request's timeout at 10
+    minutes, a stop given 1 s ended after that request's timeout, not 1 s."""
+    launcher = NodeLauncher(bus, f"c{uid}", order_timeout_s=600.0)
+    sub = await bus.nc.subscribe(subjects.trainer_node(f"c{uid}", "mute"))  # takes, never answers
+    try:
+        with pytest.raises(LaunchFailed, match="no answer from its agent within 1s"):
+            await asyncio.wait_for(launcher._order(
+                f"c{uid}", "mute", events.NodeStop(run_id="r", attempt=1), within=1.0), 60)
+    finally:
+        await sub.unsubscribe()

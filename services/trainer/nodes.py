@@ -102,10 +102,14 @@ class NodeLauncher:
     async def _order(self, cluster: str, node: str, order: NodeOrder,
                      within: float) -> NodeReply:
         subject = subjects.trainer_node(cluster, node)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
 
         async def send() -> NodeReply:
-            return await self.bus.request(subject, order, NodeReply,
-                                          timeout=self.order_timeout_s)
+            # No one request outlasts ``within``: a stop given 2 s waited out the order
+            # timeout (5 s) for an agent that never answered.
+            return await self.bus.request(subject, order, NodeReply, timeout=max(
+                0.05, min(self.order_timeout_s, deadline - loop.time())))
 
         try:
             reply = await retry(send, ORDER_BACKOFF, when=transient, within=within)
