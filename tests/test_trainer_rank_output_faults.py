@@ -62,6 +62,11 @@ async def main():
         proc = await spawn(command, root / f"agent-{i}.log", dict(os.environ),
                            logs=RankLogs(max_bytes=cap), line_prefix=f"[attempt={i}] ")
         codes.append(await proc.wait())
+    # A pump sets its output's end just before its thread returns: wait for those
+    # returns (a leaked pump, blocked on a pipe, is still there after the join's bound).
+    for t in threading.enumerate():
+        if t.name == "rank output":
+            t.join(60)
     return {"codes": codes, "fds": [fds, len(os.listdir("/proc/self/fd"))],
             "threads": sorted(t.name for t in threading.enumerate()),
             "first_fd": first.fileno()}
