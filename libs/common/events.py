@@ -5,7 +5,7 @@ new fields always get defaults; a field's type never changes; unknown fields are
 on decode, so old and new services coexist. A stream that carries several kinds uses a
 tagged union (``TrainEvent``, ``CkptEvent``) decoded by one typed decoder.
 
-One module by design, over the size the house keeps to: it is the wire's one contract
+One module by design, past 600 lines: it is the wire's one contract
 (``tandem schema`` and docs/bus-api.md are generated from it), and splitting it would
 only scatter the types every service decodes.
 """

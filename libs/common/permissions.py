@@ -42,9 +42,9 @@ and a login added to rotate a password, ``with_logins``) takes its replies on
 ``deploy/nats/auth.conf`` is its output for compose (a test checks they agree),
 ``tandem dev up --auth`` writes its own with generated passwords.
 
-One module past 450 lines: the grant vocabulary (``_Grants``), the declaration written
-in it and the configs rendered from it change together; split, a grant could be declared
-and never rendered.
+One module past 600 lines: the grant vocabulary (``_Grants``), the declaration written
+in it (the per-cluster users too) and the configs rendered from it change together;
+split, a grant could be declared and never rendered.
 """
 
 from __future__ import annotations

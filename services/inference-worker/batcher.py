@@ -48,7 +48,7 @@ it at once (the caller sees it stop within one step) and the call stops at the n
 images, first start and last end), so the pipeline's busy fraction is measured where it
 happens (``/healthz``).
 
-One module past 450 lines: forming, handing over, watching and ending a call all read and
+One module past 600 lines: forming, handing over, watching and ending a call all read and
 write the same state (``pending``, ``running``, the room, the turns, ``stalled``) from two
 threads; split, the rules that keep it consistent would be read across files.
 """

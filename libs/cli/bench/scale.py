@@ -27,7 +27,7 @@ against its goal only, on the median of ``--repeat`` runs of every size (default
 run of the three sizes takes minutes). A telemetry or burst goal not met says what was
 saturated in that window (each process's CPU from /proc, the machine's busy cores).
 
-One module past ~450 lines on purpose: the fleet it starts and the two windows it
+One module past 600 lines on purpose: the fleet it starts and the two windows it
 measures share one set of readings; the fleet's nodes (``simfleet``), the load it offers
 (``load``), the servers (``tandem.cli.topology``) and the figures and report it prints
 (``scale_report``) are elsewhere.
