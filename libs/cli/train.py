@@ -132,16 +132,11 @@ async def _connect(denied: list[Any] | None = None) -> Any:
                          f"({why}). {START}") from None
 
 
-class RunsRefused(SystemExit):
-    """NATS refused this login a read of KV ``runs``."""
-
-
 @contextlib.asynccontextmanager
 async def _run_reader(command: str) -> AsyncIterator[Any]:
     """A bus that reads KV ``runs``; a read the server refuses (the ``client`` user has
     no KV right) ends the command saying so, not as an unreachable stack."""
     from tandem.cli.reach import permission_message
-    from tandem.common.settings import Settings, load
 
     denied: list[Any] = []
     bus = await _connect(denied)
@@ -150,9 +145,8 @@ async def _run_reader(command: str) -> AsyncIterator[Any]:
     except Exception:
         if not denied:
             raise
-        user = load(Settings, "tandem").nats_user or ""
-        raise RunsRefused(f"tandem train {command}: " + permission_message(
-            user, denied[0].subject, "run it with the admin login `tandem dev up --auth` "
+        raise SystemExit(f"tandem train {command}: " + permission_message(
+            _nats_user(), denied[0].subject, "run it with the admin login `tandem dev up --auth` "
             "prints; a program with the client login reads a run through the job service "
             "(tandem.client's run(), GET /v1/training-runs/<id>)")) from None
     finally:
